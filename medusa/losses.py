@@ -1,0 +1,109 @@
+"""Medusa-1 training loss: decayed sum of per-head cross-entropies over supervised future tokens.
+
+Medusa (Cai et al., 2024, section 2.2.1, "Medusa-1: frozen backbone"): head k reads the hidden state at position t
+and is trained on the token at position t + k + 2 with a cross-entropy whose weight decays geometrically with k
+(``lambda_k = decay ** k``), because far heads are less accurate and should not dominate the gradient.
+
+Pure tensor code: no transformers, Accelerate or tokenizer here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from medusa.heads import head_target_offset
+
+IGNORE_INDEX = -100
+TOP_K = 5
+
+
+def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """Lookup ``(V,)`` from base token id to head-vocabulary index, ``IGNORE_INDEX`` for ids outside the head vocab.
+
+    Args:
+        token_map: ``(Vh,)`` base token ids of a truncated head vocabulary, or ``None`` for the full vocabulary.
+        vocab_size: V, the base vocabulary size.
+
+    Returns:
+        ``(V,)`` long tensor on ``token_map``'s device, or ``None`` when ``token_map`` is ``None``.
+    """
+    if token_map is None:
+        return None
+    lookup = torch.full((vocab_size,), IGNORE_INDEX, dtype=torch.long, device=token_map.device)  # (V,)
+    lookup[token_map] = torch.arange(len(token_map), device=token_map.device)
+    return lookup
+
+
+def head_targets(labels: torch.Tensor, k: int, head_lookup: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of head ``k`` for every position whose target lies inside the sequence.
+
+    Args:
+        labels: ``(B, T)`` base token ids, ``IGNORE_INDEX`` where unsupervised.
+        k: head index (0-based).
+        head_lookup: see :func:`head_lookup_table`; ``None`` for the full vocabulary.
+
+    Returns:
+        ``(targets, supervised)``, both ``(B, T - k - 2)`` (empty when T is too short): head-vocabulary targets
+        (``IGNORE_INDEX`` where unsupervised or outside the head vocab) and the mask of supervised base targets.
+    """
+    shifted = labels[:, head_target_offset(k) :]  # (B, T - k - 2)
+    supervised = shifted != IGNORE_INDEX  # (B, T - k - 2)
+    if head_lookup is None:
+        return shifted, supervised
+    mapped = head_lookup[shifted.clamp_min(0)]  # (B, T - k - 2)
+    return torch.where(supervised, mapped, torch.full_like(mapped, IGNORE_INDEX)), supervised
+
+
+def medusa_loss(
+    head_logits: torch.Tensor,
+    labels: torch.Tensor,
+    head_lookup: torch.Tensor | None = None,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decayed sum over heads of the mean cross-entropy on each head's supervised targets.
+
+    ``loss = sum_k decay**k * CE_k`` where ``CE_k`` averages over the positions t whose target ``labels[:, t+k+2]``
+    is supervised and inside the head vocabulary. A head with no such target contributes exactly 0 (never NaN) and
+    still keeps its logits in the graph, so every head parameter gets a (zero) gradient under DDP.
+
+    Args:
+        head_logits: ``(K, B, T, Vh)`` logits of the K heads at every position.
+        labels: ``(B, T)`` the input token ids where supervised (assistant tokens), ``IGNORE_INDEX`` elsewhere.
+        head_lookup: ``(V,)`` base id -> head index or ``IGNORE_INDEX`` (see :func:`head_lookup_table`);
+            ``None`` when the heads predict over the full vocabulary.
+        decay: per-head loss weight base (Medusa's lambda_k = decay ** k).
+
+    Returns:
+        ``(loss, stats)``: the scalar loss and ``(K,)`` tensors that sum over batches and processes:
+        ``top1``/``top5`` correct predictions, ``count`` supervised targets (targets outside the head vocabulary
+        count as misses), ``ce_sum`` summed cross-entropy over in-vocab targets and ``ce_count`` their number.
+
+    Raises:
+        ValueError: the logits and labels shapes disagree.
+    """
+    num_heads, batch, seq, head_vocab = head_logits.shape
+    if labels.shape != (batch, seq):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits (B, T) = {(batch, seq)}")
+    loss = head_logits.new_zeros(())
+    stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in ("top1", "top5", "count")}
+    stats["ce_sum"] = torch.zeros(num_heads, dtype=torch.float32, device=labels.device)
+    stats["ce_count"] = torch.zeros(num_heads, dtype=torch.long, device=labels.device)
+    for k in range(num_heads):
+        targets, supervised = head_targets(labels, k, head_lookup)  # (B, T') each
+        logits = head_logits[k, :, : targets.shape[1]].float()  # (B, T', Vh)
+        in_vocab = targets != IGNORE_INDEX  # (B, T')
+        ce_sum = F.cross_entropy(logits.reshape(-1, head_vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="sum")
+        ce_count = in_vocab.sum()
+        # sum / max(count, 1): exactly 0 with a zero gradient when nothing is supervised.
+        loss = loss + decay**k * ce_sum / ce_count.clamp_min(1)
+        with torch.no_grad():
+            top = logits.topk(min(TOP_K, head_vocab), dim=-1).indices  # (B, T', 5)
+            hits = (top == targets.unsqueeze(-1)) & in_vocab.unsqueeze(-1)  # (B, T', 5)
+            stats["top1"][k] = hits[..., 0].sum()
+            stats["top5"][k] = hits.any(dim=-1).sum()
+            stats["count"][k] = supervised.sum()
+            stats["ce_sum"][k] = ce_sum.detach()
+            stats["ce_count"][k] = ce_count
+    return loss, stats
