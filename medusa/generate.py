@@ -1,0 +1,143 @@
+"""The Medusa generation loop: prefill, then draft -> verify -> accept steps, yielding tokens as they are accepted.
+
+One generator (:func:`medusa_steps`) is the core; :func:`medusa_generate` collects it and streaming callers iterate
+it directly. Batch size 1 (as in the Medusa and EAGLE reference implementations).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa import kv_cache
+from medusa.tree import Tree, tree_buffers
+from medusa.verify import draft_tree_tokens, greedy_accept
+
+
+@dataclass
+class Step:
+    """Tokens emitted by one base forward."""
+
+    tokens: list[int]
+    """Emitted token ids (already cut at a stop token or at ``max_new_tokens``)."""
+    accepted: int
+    """Draft tokens accepted in this step (0 for the prefill step)."""
+    is_prefill: bool = False
+
+
+@dataclass
+class GenerationStats:
+    """What a generation did; times in seconds."""
+
+    new_tokens: int = 0
+    decode_steps: int = 0
+    """Verify forwards after the prefill."""
+    decode_tokens: int = 0
+    """Tokens emitted by the verify forwards (prefill token excluded)."""
+    accepted_per_step: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_by: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: mean tokens emitted per verify forward, prefill excluded."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total else float("nan")
+
+
+def check_context(model, prompt_len: int, max_new_tokens: int, tree_depth: int) -> None:
+    """Raise ``ValueError`` when the prompt plus the generation budget and one tree cannot fit the context."""
+    config = model.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if limit is not None and prompt_len + max_new_tokens + tree_depth + 1 > limit:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + tree depth {tree_depth} exceeds the "
+            f"model's context of {limit} positions"
+        )
+
+
+@torch.inference_mode()
+def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
+                 stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Step]:
+    """Greedy Medusa decoding, one :class:`Step` per base forward.
+
+    Args:
+        model: the base ``*ForCausalLM`` (eval mode).
+        heads: :class:`medusa.heads.MedusaHeads` on the same device and dtype.
+        input_ids: ``(T,)`` long prompt ids.
+        tree: candidate tree; must fit the heads (depth <= K).
+        max_new_tokens: generation budget.
+        stop_token_ids: stop after emitting any of these (included in the output).
+        stats: filled in as decoding proceeds, when given.
+
+    Raises:
+        ValueError: the tree does not fit the heads, or the prompt does not fit the context.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    stop = stop_token_ids or set()
+    tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+    check_context(model, len(input_ids), max_new_tokens, tree.depth)
+    device = input_ids.device
+    buffers = tree_buffers(tree, tree.top_k, device)
+    cache = kv_cache.new_cache()
+    start = time.perf_counter()
+    positions = torch.arange(len(input_ids), device=device)
+    logits, hidden = kv_cache.forward(model, input_ids, positions, kv_cache.causal_mask(len(input_ids), device),
+                                      cache, logits_for=slice(-1, None))
+    root, last_hidden = logits[-1].argmax(), hidden[-1]
+    stats.prefill_s = time.perf_counter() - start
+    step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
+    yield step
+    while not stats.stopped_by:
+        start = time.perf_counter()
+        prefix_len = kv_cache.cache_length(cache)
+        topk = heads(last_hidden).topk(tree.top_k, dim=-1).indices  # (K, top_k)
+        tokens = draft_tree_tokens(root, heads.to_base_ids(topk), buffers)  # (N,)
+        logits, hidden = kv_cache.forward(model, tokens, prefix_len + buffers.depth, buffers.ancestor_mask, cache)
+        result = greedy_accept(tokens, logits, buffers)
+        kv_cache.keep_positions(cache, prefix_len, result.path_nodes)
+        root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
+        emitted = tokens[result.path_nodes[1:]].tolist() + [int(root)]
+        stats.decode_s += time.perf_counter() - start
+        yield _emit(emitted, result.accepted, stats, max_new_tokens, stop)
+
+
+def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int, stop: set[int],
+          is_prefill: bool = False) -> Step:
+    """Cut ``tokens`` at the first stop token and at the budget, and account for them in ``stats``."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            tokens, stats.stopped_by = tokens[: i + 1], "stop_token"
+            break
+    room = budget - stats.new_tokens
+    if len(tokens) >= room:
+        tokens = tokens[:room]
+        stats.stopped_by = stats.stopped_by or "max_new_tokens"
+    stats.new_tokens += len(tokens)
+    if not is_prefill:
+        stats.decode_steps += 1
+        stats.decode_tokens += len(tokens)
+        stats.accepted_per_step.append(accepted)
+    return Step(tokens, accepted, is_prefill)
+
+
+def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
+                    stop_token_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
+    """Run :func:`medusa_steps` to the end; returns ``(new_token_ids, stats)``."""
+    stats = GenerationStats()
+    out: list[int] = []
+    for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats):
+        out.extend(step.tokens)
+    return out, stats

@@ -1,0 +1,167 @@
+"""Every touch-point between Medusa decoding and transformers' cache, mask and forward APIs lives here.
+
+Supported: transformers 5.17 through 5.24. Differences handled here:
+- the cache keyword of ``forward`` is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (found from the
+  decoder's signature, never from a version string);
+- ``DynamicCache.crop`` changed meaning across releases, so it is not used: rejected tree nodes are removed by
+  rewriting each layer's ``keys``/``values`` directly.
+
+Masks are passed as 4D *additive* float masks (0 where visible, dtype-min where not): a boolean 4D mask gives wrong
+logits with eager attention in 5.24. Models with per-layer attention types (Gemma 2/3, Qwen2 with ``layer_types``)
+get a dict of masks keyed by layer type; a model with a single ``sliding_window`` (Mistral) gets the sliding mask.
+
+The cache is a plain ``DynamicCache()`` built without the model config, so sliding-window layers keep every position
+too: a rejected tree can then be cut out without losing prefix tokens a sliding layer had already dropped. The
+sliding window is enforced by the mask instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache that keeps every position in every layer (see module docstring)."""
+    return DynamicCache()
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Number of positions held by the cache."""
+    return cache.get_seq_length()
+
+
+def decoder_of(model) -> torch.nn.Module:
+    """The model's decoder stack (the part that returns the last hidden state, after the final norm)."""
+    decoder = model.get_decoder()
+    if decoder is model:
+        raise ValueError(f"{type(model).__name__} exposes no separate decoder stack; cannot read its hidden states")
+    return decoder
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(decoder_cls: type) -> str:
+    params = inspect.signature(decoder_cls.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{decoder_cls.__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
+def attention_layout(config) -> tuple[set[str], int | None]:
+    """Which attention kinds the model's layers use and its sliding window.
+
+    Returns:
+        ``(kinds, sliding_window)``: kinds is a subset of {"full_attention", "sliding_attention"}.
+
+    Raises:
+        NotImplementedError: a layer type other than full or sliding attention (chunked, linear...).
+    """
+    config = config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return ({SLIDING} if window is not None else {FULL}), window
+    kinds = set(layer_types)
+    unsupported = kinds - {FULL, SLIDING}
+    if unsupported:
+        raise NotImplementedError(f"attention layer types {sorted(unsupported)} are not supported by tree decoding")
+    return kinds, (window if SLIDING in kinds else None)
+
+
+def build_attention_mask(config, prefix_len: int, positions: torch.Tensor, tree_mask: torch.Tensor, dtype):
+    """The attention mask for ``N`` new tokens after ``prefix_len`` cached ones, in the form the model expects.
+
+    Each new token sees the whole cached prefix and the new tokens that ``tree_mask`` allows (a causal
+    lower-triangle for ordinary decoding, ancestors for a Medusa tree); sliding-window layers additionally hide
+    keys ``sliding_window`` or more positions behind the query.
+
+    Args:
+        config: the base model's config.
+        prefix_len: positions already in the cache (their positions are ``0..prefix_len-1``).
+        positions: ``(N,)`` long position ids of the new tokens.
+        tree_mask: ``(N, N)`` bool, ``[i, j]`` True when new token i may attend to new token j.
+        dtype: dtype of the additive mask (the model's compute dtype).
+
+    Returns:
+        A ``(1, 1, N, prefix_len + N)`` additive float mask, or a dict of them keyed by attention layer type.
+    """
+    kinds, window = attention_layout(config)
+    device = positions.device
+    key_pos = torch.cat([torch.arange(prefix_len, device=device), positions])  # (L+N,)
+    visible = torch.cat([torch.ones(len(positions), prefix_len, dtype=torch.bool, device=device), tree_mask], 1)
+    masks = {}
+    for kind in kinds:
+        allowed = visible
+        if kind == SLIDING:
+            allowed = visible & (positions[:, None] - key_pos[None, :] < window)  # (N, L+N)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        masks[kind] = additive[None, None]  # (1, 1, N, L+N)
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    return masks if layer_types is not None else next(iter(masks.values()))
+
+
+def causal_mask(n: int, device) -> torch.Tensor:
+    """``(n, n)`` bool lower-triangular mask: ordinary causal attention among ``n`` new tokens."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Tensor | slice | None = None):
+    """One forward of the stock model over new tokens at explicit positions with an explicit mask.
+
+    Args:
+        model: a transformers ``*ForCausalLM``.
+        input_ids: ``(N,)`` long token ids (batch size 1).
+        positions: ``(N,)`` long position ids.
+        tree_mask: ``(N, N)`` bool mask among the new tokens (see :func:`build_attention_mask`).
+        cache: the cache; the new keys/values are appended to it.
+        logits_for: which of the N positions need logits (index tensor or slice); ``None`` for all.
+
+    Returns:
+        ``(logits, hidden)``: ``(M, V)`` float logits for the selected positions and ``(N, H)`` last hidden states.
+    """
+    decoder = decoder_of(model)
+    dtype = model.get_output_embeddings().weight.dtype
+    mask = build_attention_mask(model.config, cache_length(cache), positions, tree_mask, dtype)
+    kwargs = {_cache_kwarg(type(decoder)): cache}
+    out = decoder(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True, **kwargs)
+    hidden = out.last_hidden_state[0]  # (N, H)
+    selected = hidden if logits_for is None else hidden[logits_for]
+    return lm_logits(model, selected), hidden
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The base's own logits from last hidden states ``(..., H)`` -> ``(..., V)``, with its final soft-capping."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
+    """Keep the first ``prefix_len`` cached positions and, after them, only the new positions listed in ``keep``.
+
+    After a tree verification the cache holds ``prefix_len + N`` positions; this leaves ``prefix_len + len(keep)``:
+    the prefix followed by the accepted path, in order.
+
+    Args:
+        keep: ``(A,)`` long indices into the N new positions, in the order they should be kept.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = keep.to(layer.keys.device) + prefix_len
+        end = prefix_len + len(keep)
+        # Gather first (a copy), then write into place: the prefix is never copied.
+        kept_k, kept_v = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+        layer.keys[..., prefix_len:end, :] = kept_k
+        layer.values[..., prefix_len:end, :] = kept_v
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]

@@ -1,0 +1,122 @@
+"""``MedusaModel``: a stock transformers causal LM plus Medusa heads, ready to decode self-speculatively."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from medusa.checkpoint import load_heads, read_heads_config
+from medusa.generate import GenerationStats, Step, medusa_generate, medusa_steps
+from medusa.heads import MedusaHeads
+from medusa.tree import Tree, load_tree
+
+logger = logging.getLogger(__name__)
+
+TREE_FILE_NAME = "tree.json"
+
+
+def load_base(base: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              attn_implementation: str | None = None):
+    """Load a causal LM and its tokenizer from a local folder (or a hub id when the hub is reachable).
+
+    Raises:
+        FileNotFoundError: ``base`` looks like a path but is not a folder with a ``config.json``.
+        OSError: the folder or hub id could not be read as a model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(base)
+    looks_local = path.exists() or str(base).startswith((".", "/", "~")) or len(path.parts) > 2
+    if looks_local and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"base model folder {base} does not exist or has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError) as e:
+        raise OSError(f"could not load a causal LM from {base}: {e}") from e
+    return model.to(device).eval(), tokenizer
+
+
+class MedusaModel(nn.Module):
+    """A base causal LM (frozen, stock transformers) with Medusa heads on its last hidden state.
+
+    Args:
+        base: a transformers ``*ForCausalLM``.
+        heads: heads trained for this base (same device and dtype as the base after construction).
+        tree: default candidate tree; ``None`` means the top-1 chain over all heads.
+        tokenizer: optional, used for stop tokens and by the CLI.
+    """
+
+    def __init__(self, base, heads: MedusaHeads, tree: Tree | None = None, tokenizer=None):
+        super().__init__()
+        self.base = base
+        self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
+        self.tokenizer = tokenizer
+        self.tree = tree or Tree.chain(heads.config.num_heads)
+        self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+
+    @classmethod
+    def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        attn_implementation: str | None = None) -> "MedusaModel":
+        """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
+
+        ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,
+        else the top-1 chain (logged).
+
+        Raises:
+            FileNotFoundError: a folder or file is missing.
+            medusa.checkpoint.HeadsMismatchError: the heads were trained for another base.
+            ValueError: the tree does not fit the heads.
+        """
+        read_heads_config(heads)  # fail on a bad heads folder before spending time loading the base
+        model, tokenizer = load_base(base, dtype, device, attn_implementation)
+        loaded = load_heads(heads, model.get_output_embeddings().weight)
+        if tree is None and (Path(heads) / TREE_FILE_NAME).is_file():
+            tree = Path(heads) / TREE_FILE_NAME
+        if tree is None:
+            logger.info("no tree given and none in %s: using the top-1 chain", heads)
+        elif not isinstance(tree, Tree):
+            tree = load_tree(tree)
+        return cls(model, loaded, tree, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def stop_token_ids(self) -> set[int]:
+        """EOS ids from the generation config (and tokenizer), as a set."""
+        ids = set()
+        eos = getattr(self.base.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
+               stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Step]:
+        """Yield :class:`~medusa.generate.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``."""
+        ids = _as_1d(input_ids).to(self.device)
+        stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
+        return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
+                 stop_token_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
+        """Greedy Medusa decoding; returns ``(new_token_ids, stats)``; identical tokens to the base's greedy."""
+        ids = _as_1d(input_ids).to(self.device)
+        stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
+        return medusa_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop)
+
+
+def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.ndim == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"Medusa decoding runs one sequence at a time; got batch size {input_ids.shape[0]}")
+        return input_ids[0]
+    if input_ids.ndim != 1:
+        raise ValueError(f"input_ids must be (T,) or (1, T), got shape {tuple(input_ids.shape)}")
+    return input_ids

@@ -1,0 +1,196 @@
+"""Candidate trees for Medusa tree attention: the tree is data, loaded from a file and validated.
+
+A tree is a list of paths. A path ``(r_0, r_1, ..., r_{d-1})`` is a node at depth d whose token is the ``r_i``-th
+most likely token of head i at each step down: depth-1 nodes take head 0's top-k (token t+2 when the base just
+produced t+1), depth-2 nodes head 1's, and so on. The root (depth 0, index 0) is the token the base itself produced
+last. Every prefix of a path must be in the tree. (Medusa report, Cai et al. 2024, section 2.1.2, "tree attention";
+the same layout as the research code's ``medusa_choices``.)
+
+File format (JSON)::
+
+    {"name": "...", "paths": [[0], [1], [0, 0], ...], "note": "optional free text"}
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Path_ = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A validated candidate tree: ``paths`` sorted by depth then rank, root excluded."""
+
+    paths: tuple[Path_, ...]
+    name: str = ""
+
+    def __post_init__(self):
+        seen = set()
+        for path in self.paths:
+            if not path:
+                raise ValueError(f"tree {self.name!r}: empty path (the root is implicit)")
+            if any((not isinstance(r, int)) or r < 0 for r in path):
+                raise ValueError(f"tree {self.name!r}: path {list(path)} has a rank that is not a non-negative int")
+            if path in seen:
+                raise ValueError(f"tree {self.name!r}: duplicate path {list(path)}")
+            seen.add(path)
+        for path in self.paths:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"tree {self.name!r}: path {list(path)} has no parent {list(path[:-1])} in the tree")
+
+    @property
+    def depth(self) -> int:
+        """Deepest level (number of heads the tree needs)."""
+        return max((len(p) for p in self.paths), default=0)
+
+    @property
+    def top_k(self) -> int:
+        """Widest rank used plus one (how many top tokens per head the tree needs)."""
+        return max((r for p in self.paths for r in p), default=-1) + 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in one verification forward, the root included."""
+        return len(self.paths) + 1
+
+    def check_fits(self, num_heads: int, top_k: int) -> None:
+        """Raise ``ValueError`` if the tree is deeper than ``num_heads`` or wider than ``top_k``."""
+        if self.depth > num_heads:
+            raise ValueError(f"tree {self.name!r} has depth {self.depth} but the model has only {num_heads} heads")
+        if self.top_k > top_k:
+            raise ValueError(f"tree {self.name!r} uses rank {self.top_k - 1} but only top-{top_k} candidates are drawn")
+
+    @classmethod
+    def from_paths(cls, paths, name: str = "") -> "Tree":
+        """Build from any iterable of rank sequences (sorted by depth, then lexicographically)."""
+        tuples = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if len(tuples) != len(list(paths)):
+            raise ValueError(f"tree {name!r}: duplicate paths")
+        return cls(tuple(tuples), name)
+
+    @classmethod
+    def chain(cls, depth: int) -> "Tree":
+        """The top-1 chain ``[0], [0,0], ...``: one candidate per head (what vLLM's Medusa proposer uses)."""
+        return cls(tuple((0,) * d for d in range(1, depth + 1)), f"chain-{depth}")
+
+
+def load_tree(path: str | Path) -> Tree:
+    """Read a tree file (see module docstring).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not JSON, no ``paths`` list, unknown keys, or an invalid tree.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tree file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tree file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
+        raise ValueError(f"tree file {path} must be a JSON object with a 'paths' list")
+    unknown = set(data) - {"name", "paths", "note"}
+    if unknown:
+        raise ValueError(f"tree file {path}: unknown keys {sorted(unknown)}")
+    return Tree.from_paths(data["paths"], name=data.get("name", path.stem))
+
+
+def save_tree(tree: Tree, path: str | Path, note: str = "") -> None:
+    """Write a tree file (see module docstring)."""
+    data = {"name": tree.name, "paths": [list(p) for p in tree.paths]}
+    if note:
+        data["note"] = note
+    Path(path).write_text(json.dumps(data) + "\n")
+
+
+@dataclass
+class TreeBuffers:
+    """Index tensors of a tree, built once per (tree, device).
+
+    N = tree.num_nodes (root at index 0), D = tree.depth, P = number of leaves.
+    """
+
+    depth: torch.Tensor
+    """(N,) long: depth of each node; the root is 0."""
+    ancestor_mask: torch.Tensor
+    """(N, N) bool: [i, j] is True when node j is node i or one of its ancestors (what node i may attend to)."""
+    candidate_index: torch.Tensor
+    """(N-1,) long: index of each non-root node's token in the flattened head top-k ``(K * top_k,)``."""
+    retrieve_index: torch.Tensor
+    """(P, D+1) long: node indices of each root-to-leaf path; padded with -1 past the leaf."""
+
+
+def tree_buffers(tree: Tree, top_k: int, device: torch.device | str = "cpu") -> TreeBuffers:
+    """Build the index tensors of ``tree`` for a head top-k of width ``top_k``."""
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    n = tree.num_nodes
+    depth = torch.zeros(n, dtype=torch.long)
+    ancestor = torch.eye(n, dtype=torch.bool)
+    ancestor[:, 0] = True
+    candidate = torch.empty(n - 1, dtype=torch.long)
+    for path, i in index.items():
+        depth[i] = len(path)
+        candidate[i - 1] = (len(path) - 1) * top_k + path[-1]
+        for d in range(1, len(path)):
+            ancestor[i, index[path[:d]]] = True
+    parents = {p[:-1] for p in tree.paths}
+    leaves = [p for p in tree.paths if p not in parents] or [()]
+    retrieve = torch.full((len(leaves), tree.depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        retrieve[row, 0] = 0
+        for d in range(1, len(leaf) + 1):
+            retrieve[row, d] = index[leaf[:d]]
+    return TreeBuffers(depth.to(device), ancestor.to(device), candidate.to(device), retrieve.to(device))
+
+
+def grow_tree(accuracy: torch.Tensor, num_nodes: int, name: str = "") -> Tree:
+    """Greedily grow the tree that maximises expected acceptance length under a node budget.
+
+    A node's value is the probability that its whole path is accepted, estimated as the product of the per-head,
+    per-rank accuracies along it (heads treated as independent, as in the Medusa report, section 2.1.2). Starting
+    from the root, the frontier node with the highest value is added until ``num_nodes`` non-root nodes are in
+    the tree; the expected acceptance length is the sum of the values of all nodes.
+
+    Args:
+        accuracy: ``(K, top_k)``: accuracy[k, r] = fraction of positions where head k's rank-r token was right.
+        num_nodes: non-root nodes to add.
+
+    Raises:
+        ValueError: ``num_nodes`` < 1 or accuracy has the wrong shape.
+    """
+    if accuracy.ndim != 2:
+        raise ValueError(f"accuracy must be (K, top_k), got shape {tuple(accuracy.shape)}")
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    acc = accuracy.double().tolist()
+    num_heads, top_k = len(acc), len(acc[0])
+    frontier = [(-acc[0][r], (r,)) for r in range(top_k)]
+    heapq.heapify(frontier)
+    chosen: list[Path_] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < num_heads:
+            for r in range(top_k):
+                heapq.heappush(frontier, (neg_value * acc[len(path)][r], path + (r,)))
+    return Tree.from_paths(chosen, name=name)
+
+
+def expected_acceptance(tree: Tree, accuracy: torch.Tensor) -> float:
+    """Expected tokens per verify step under independent per-head accuracies: 1 (the base's own token) plus the
+    sum over nodes of the product of accuracies along the node's path."""
+    acc = accuracy.double()
+    total = 1.0
+    for path in tree.paths:
+        value = 1.0
+        for k, r in enumerate(path):
+            value *= float(acc[k, r]) if r < acc.shape[1] else 0.0
+        total += value
+    return total

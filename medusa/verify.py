@@ -1,0 +1,66 @@
+"""Drafting tree candidates from the heads and verifying them against the base (pure tensor code).
+
+Medusa report (Cai et al. 2024), sections 2.1.2 and 2.3.1: the heads' top-k tokens are laid out on a tree, the base
+scores every tree node in one forward with tree attention, and the longest path whose every token equals the base's
+own prediction at its parent is accepted, followed by the base's prediction at the path's last node. With greedy
+acceptance the emitted tokens are exactly the base model's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from medusa.tree import TreeBuffers
+
+
+def draft_tree_tokens(root_token: torch.Tensor, head_topk_ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+    """Token ids of every tree node.
+
+    Args:
+        root_token: ``()`` long, the base's last emitted token (not yet in the cache).
+        head_topk_ids: ``(K, top_k)`` long base-vocab ids of each head's top-k, best first.
+        buffers: the tree's index tensors, built for the same ``top_k``.
+
+    Returns:
+        ``(N,)`` long: the root token followed by each node's candidate.
+    """
+    flat = head_topk_ids.reshape(-1)  # (K * top_k,)
+    return torch.cat([root_token.reshape(1), flat[buffers.candidate_index]])  # (N,)
+
+
+@dataclass
+class Acceptance:
+    """Outcome of verifying one tree."""
+
+    accepted: int
+    """Draft tokens accepted (0..D); the step emits ``accepted + 1`` tokens."""
+    path_nodes: torch.Tensor
+    """(accepted + 1,) long: tree node indices of the root and the accepted nodes, in order."""
+    next_token: torch.Tensor
+    """() long: the base's own prediction after the last accepted node (the bonus token)."""
+
+
+def greedy_accept(tree_tokens: torch.Tensor, tree_logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
+    """Accept the longest root-to-leaf prefix on which every token is the base's argmax at its parent.
+
+    Args:
+        tree_tokens: ``(N,)`` long node tokens (from :func:`draft_tree_tokens`).
+        tree_logits: ``(N, V)`` base logits at every node (node i's logits predict the token after node i).
+        buffers: the tree's index tensors.
+
+    Returns:
+        The accepted path; ties between equally long paths go to the first leaf (the higher-ranked one).
+    """
+    predicted = tree_logits.argmax(dim=-1)  # (N,)
+    retrieve = buffers.retrieve_index  # (P, D+1)
+    valid = retrieve[:, 1:] >= 0  # (P, D)
+    child_tokens = tree_tokens[retrieve[:, 1:].clamp_min(0)]  # (P, D)
+    parent_preds = predicted[retrieve[:, :-1].clamp_min(0)]  # (P, D)
+    match = valid & (child_tokens == parent_preds)  # (P, D)
+    lengths = match.long().cumprod(dim=1).sum(dim=1)  # (P,)
+    best = int(lengths.argmax())
+    accepted = int(lengths[best])
+    path_nodes = retrieve[best, : accepted + 1]
+    return Acceptance(accepted, path_nodes, predicted[path_nodes[-1]])
