@@ -11,6 +11,7 @@ Accepted inputs:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -230,3 +231,177 @@ def first_prompt(conv: Conversation) -> list[dict]:
             break
         out.append(m)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenisation: input ids and labels (assistant tokens only), batching, head-vocabulary statistics.
+
+
+@dataclass
+class TokenizeReport:
+    """What tokenising kept and dropped."""
+
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_no_target: int = 0
+    dropped_template_error: int = 0
+    supervised_tokens: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"tokenised {self.conversations} conversations, kept {self.kept} ({self.supervised_tokens} supervised "
+            f"tokens, {self.truncated} truncated); dropped {self.dropped_no_target} without a supervised token after "
+            f"truncation, {self.dropped_template_error} the chat template rejected"
+        )
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _end_of_turn_ids(tokenizer) -> set[int]:
+    """Ids of special tokens (EOS, ``<|im_end|>``, ``<|eot_id|>``...): the first one after an answer ends its turn."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return ids
+
+
+def _assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
+    """Character spans ``(content_start, content_end, turn_end)`` of each assistant turn in the rendered chat.
+
+    Each prefix is rendered with the chat template itself, so whatever the template puts around a turn (headers,
+    default system prompts, separators) stays unsupervised.
+    """
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = _render(tokenizer, messages[: i + 1])
+        if not (full.startswith(prefix) and full.startswith(turn)):
+            raise ValueError("the chat template does not render conversation prefixes as prefixes of the whole chat")
+        content = message["content"].strip()  # templates may trim the content
+        found = turn.find(content, len(prefix))
+        end = found + len(content) if found >= 0 else len(turn.rstrip())
+        spans.append((len(prefix), end, len(turn)))
+    return spans
+
+
+def chat_labels(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of a chat rendered by the tokenizer's chat template, with labels on assistant tokens only.
+
+    A token is supervised when it starts inside an assistant answer's text, plus the first special token after the
+    answer (its end-of-turn token: the token the base emits to stop). Prompt, system, user and template tokens get
+    ``-100``.
+
+    Returns:
+        ``(input_ids, labels)``, two lists of equal length.
+
+    Raises:
+        ValueError: the template renders prefixes inconsistently (labels could not be placed).
+        jinja2.TemplateError: the template rejects the conversation.
+    """
+    full = _render(tokenizer, messages)
+    spans = _assistant_spans(tokenizer, messages, full)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, starts = list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]
+    labels = [-100] * len(ids)
+    end_of_turn = _end_of_turn_ids(tokenizer)
+    for content_start, content_end, turn_end in spans:
+        j = bisect.bisect_left(starts, content_start)
+        while j < len(ids) and starts[j] < content_end:
+            labels[j] = ids[j]
+            j += 1
+        while j < len(ids) and starts[j] < turn_end:
+            if ids[j] in end_of_turn:
+                labels[j] = ids[j]
+                break
+            j += 1
+    return ids, labels
+
+
+def tokenize_conversation(conv: Conversation, tokenizer, max_seq_len: int) -> dict | None:
+    """``{"input_ids", "labels"}`` (lists) for one conversation, truncated to ``max_seq_len`` tokens.
+
+    Self-distilled conversations (``prompt_ids``/``response_ids`` set) use those ids as they are, supervising the
+    response; others are rendered with the chat template (see :func:`chat_labels`). Returns ``None`` when there is no
+    assistant turn or no supervised token survives truncation.
+    """
+    if conv.response_ids is not None:
+        ids = list(conv.prompt_ids or []) + list(conv.response_ids)
+        labels = [-100] * len(conv.prompt_ids or []) + list(conv.response_ids)
+    elif any(m["role"] == "assistant" for m in conv.messages):
+        ids, labels = chat_labels(tokenizer, conv.messages)
+    else:
+        return None
+    ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+    if all(label == -100 for label in labels):
+        return None
+    return {"input_ids": ids, "labels": labels}
+
+
+def tokenize_conversations(convs: list[Conversation], tokenizer, max_seq_len: int) -> tuple[list[dict], TokenizeReport]:
+    """Tokenise conversations for head training (see :func:`tokenize_conversation`).
+
+    Raises:
+        ValueError: ``convs`` is empty, no conversation has an assistant turn, the tokenizer has no chat template
+            while some conversation needs one, or every conversation was dropped.
+    """
+    import jinja2
+
+    if not convs:
+        raise ValueError("no conversations to tokenise")
+    if not any(c.response_ids is not None or any(m["role"] == "assistant" for m in c.messages) for c in convs):
+        raise ValueError("no conversation has an assistant turn: there is nothing to train the heads on")
+    if any(c.response_ids is None for c in convs) and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template, needed to find the assistant tokens")
+    report, examples = TokenizeReport(conversations=len(convs)), []
+    for conv in convs:
+        try:
+            example = tokenize_conversation(conv, tokenizer, max_seq_len)
+        except jinja2.TemplateError as e:
+            logger.debug("chat template rejected conversation %s: %s", conv.id, e)
+            report.dropped_template_error += 1
+            continue
+        if example is None:
+            report.dropped_no_target += 1
+            continue
+        report.truncated += len(example["input_ids"]) == max_seq_len
+        report.supervised_tokens += sum(label != -100 for label in example["labels"])
+        examples.append(example)
+    report.kept = len(examples)
+    logger.info("%s", report.summary())
+    if not examples:
+        raise ValueError(f"every conversation was dropped: {report.summary()}")
+    return examples, report
+
+
+def collate(examples: list[dict], pad_id: int) -> dict:
+    """Right-pad examples into tensors ``input_ids``/``attention_mask``/``labels`` ``(B, T)``; padding labels -100."""
+    import torch
+
+    width = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (B, T)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)  # (B, T)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        input_ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        attention_mask[i, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def target_token_counts(examples: list[dict], vocab_size: int):
+    """``(V,)`` long tensor counting each token among supervised labels: the statistics of a truncated head vocab.
+
+    Raises:
+        ValueError: a label id is outside ``[0, vocab_size)``.
+    """
+    import torch
+
+    targets = torch.tensor([t for e in examples for t in e["labels"] if t != -100], dtype=torch.long)
+    if len(targets) and (targets.min() < 0 or targets.max() >= vocab_size):
+        raise ValueError(f"label ids outside the base vocabulary [0, {vocab_size})")
+    return torch.bincount(targets, minlength=vocab_size)
