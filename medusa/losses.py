@@ -86,7 +86,8 @@ def medusa_loss(
     if labels.shape != (batch, seq):
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits (B, T) = {(batch, seq)}")
     loss = head_logits.new_zeros(())
-    stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in ("top1", "top5", "count")}
+    counters = ("top1", "top5", "count")
+    stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in counters}
     stats["ce_sum"] = torch.zeros(num_heads, dtype=torch.float32, device=labels.device)
     stats["ce_count"] = torch.zeros(num_heads, dtype=torch.long, device=labels.device)
     for k in range(num_heads):

@@ -156,7 +156,9 @@ def default_dataset_path() -> Path:
         return Path(path)
 
 
-def load_conversations(source: str | Path = DEFAULT_DATASET, limit: int | None = None) -> tuple[list[Conversation], ReadReport]:
+def load_conversations(
+    source: str | Path = DEFAULT_DATASET, limit: int | None = None
+) -> tuple[list[Conversation], ReadReport]:
     """Read a chat dataset into normalised conversations.
 
     Args:
@@ -215,7 +217,9 @@ def is_held_out(conv_id: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def split_held_out(convs: list[Conversation], fraction: float, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+def split_held_out(
+    convs: list[Conversation], fraction: float, seed: int
+) -> tuple[list[Conversation], list[Conversation]]:
     """Split into ``(train, held_out)`` deterministically (see :func:`is_held_out`)."""
     train, held = [], []
     for conv in convs:
@@ -341,7 +345,9 @@ def tokenize_conversation(conv: Conversation, tokenizer, max_seq_len: int) -> di
     return {"input_ids": ids, "labels": labels}
 
 
-def tokenize_conversations(convs: list[Conversation], tokenizer, max_seq_len: int) -> tuple[list[dict], TokenizeReport]:
+def tokenize_conversations(
+    convs: list[Conversation], tokenizer, max_seq_len: int
+) -> tuple[list[dict], TokenizeReport]:
     """Tokenise conversations for head training (see :func:`tokenize_conversation`).
 
     Raises:

@@ -1,0 +1,79 @@
+"""Training config: YAML < CLI precedence, unknown keys rejected, shipped configs load."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from train.cli import add_train_arguments, config_from_args
+from train.config import TrainConfig, field_docs, load_config, resume_mismatch
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown keys .*\['lerning_rate'\]"):
+        load_config(write(tmp_path, "base: m\nlerning_rate: 0.1\n"))
+    with pytest.raises(ValueError, match="unknown keys in overrides"):
+        load_config(None, {"base": "m", "nope": 1})
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    path = write(tmp_path, "base: m\nlearning_rate: 1e-4\nmax_steps: 7\nhead_vocab_size: null\n")
+    cfg = load_config(path, {"max_steps": 3, "batch_size": None})
+    assert cfg.learning_rate == 1e-4  # PyYAML reads "1e-4" as a string: coerced
+    assert cfg.max_steps == 3 and cfg.batch_size == TrainConfig.batch_size and cfg.head_vocab_size is None
+
+
+def test_cli_flags_override_yaml(tmp_path):
+    path = write(tmp_path, "base: m\nnum_heads: 5\nshare_lm_head: true\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--num-heads", "3", "--no-share-lm-head",
+                              "--head-vocab-size", "none", "--learning-rate", "2e-3", "--output-dir", "o"])
+    cfg = config_from_args(args)
+    assert (cfg.num_heads, cfg.share_lm_head, cfg.head_vocab_size, cfg.learning_rate) == (3, False, None, 2e-3)
+    assert cfg.output_dir == "o"
+    # Every field has a flag.
+    flags = {a.dest for a in parser._actions}
+    assert set(TrainConfig.__dataclass_fields__) <= flags
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="base"):
+        TrainConfig()
+    with pytest.raises(ValueError, match="mixed_precision"):
+        TrainConfig(base="m", mixed_precision="fp8")
+    with pytest.raises(ValueError, match="num_heads"):
+        TrainConfig(base="m", num_heads=0)
+    with pytest.raises(ValueError, match="expected int"):
+        TrainConfig(base="m", max_steps="ten")
+    with pytest.raises(ValueError, match="expected int"):
+        TrainConfig(base="m", max_steps=True)
+
+
+def test_every_field_has_a_docstring():
+    assert set(field_docs()) == set(TrainConfig.__dataclass_fields__)
+
+
+def test_resume_mismatch_ignores_resumable_fields():
+    stored = TrainConfig(base="m").to_dict()
+    assert resume_mismatch(stored, TrainConfig(base="m", max_steps=9, tracker="tensorboard", output_dir="x")) == []
+    problems = resume_mismatch(stored, TrainConfig(base="m", learning_rate=0.5, num_heads=2))
+    assert [p.split(":")[0] for p in problems] == ["learning_rate", "num_heads"]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.base
+
+
+def test_shipped_configs_exist():
+    assert {"smollm2-135m-medusa.yaml", "quickstart.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}

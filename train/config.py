@@ -1,0 +1,228 @@
+"""Training run configuration: one typed dataclass; YAML files override its defaults and CLI flags override YAML."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
+TRACKER_CHOICES = ("none", "tensorboard", "wandb")
+
+# Fields that may change between a run and its resumption: they do not change what the heads learn.
+RESUMABLE_FIELDS = frozenset(
+    {"output_dir", "max_steps", "save_every", "eval_every", "max_eval_batches", "log_every", "keep_checkpoints",
+     "tracker", "distill_time_limit_s"}
+)
+
+
+@dataclass
+class TrainConfig:
+    """Medusa-1 head training: frozen base, K heads trained on the base's hidden states (Cai et al., 2024)."""
+
+    base: str = ""
+    """Folder of the base causal LM (Hugging Face format, with tokenizer and chat template)."""
+    data: str = "sharegpt"
+    """Chat data: "sharegpt" (bundled ShareGPT V3) or a .json/.jsonl/.parquet file (ShareGPT, OpenAI-style or
+    self-distilled records)."""
+    output_dir: str = "outputs/medusa"
+    """Run folder: checkpoints/, distilled data, heads/ and eval.json are written here."""
+    num_heads: int = 4
+    """K: number of Medusa heads; head k predicts the token k + 2 positions ahead."""
+    num_layers: int = 1
+    """ResBlocks per head."""
+    share_lm_head: bool = True
+    """Project with the base's frozen lm_head (True) or train a per-head copy (False)."""
+    head_vocab_size: int | None = 8192
+    """Truncated head vocabulary: the most frequent training-target tokens (always with EOS); null for the full
+    vocabulary (also used when it is not smaller than the base vocabulary)."""
+    loss_decay: float = 0.8
+    """Head k's loss weight is loss_decay ** k."""
+    max_seq_len: int = 1024
+    """Conversations are truncated to this many tokens."""
+    batch_size: int = 8
+    """Sequences per micro-batch on each process."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    learning_rate: float = 1e-3
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on weight matrices (biases are not decayed)."""
+    warmup_steps: int = 50
+    """Linear warmup steps before the cosine decay."""
+    max_steps: int = 2000
+    """Optimizer steps in total (a resumed run continues up to this)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping."""
+    mixed_precision: str = "auto"
+    """"no", "bf16", "fp16", or "auto": bf16 on a CUDA device that supports it, otherwise "no"."""
+    save_every: int = 500
+    """Checkpoint every this many optimizer steps (and at the end); 0 saves only at the end."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept in output_dir/checkpoints; 0 keeps all."""
+    eval_every: int = 500
+    """Evaluate on the held-out split every this many steps (and at the end); 0 evaluates only at the end."""
+    max_eval_batches: int | None = None
+    """Cap on held-out batches per process in periodic evaluations; null evaluates the whole split."""
+    log_every: int = 10
+    """Log the training loss every this many optimizer steps."""
+    held_out_fraction: float = 0.02
+    """Fraction of conversations (by a hash of their id) held out for evaluation."""
+    seed: int = 0
+    """Seed for the held-out split, data order and head initialisation."""
+    tracker: str = "none"
+    """Experiment tracker: "none", "tensorboard" (logs under output_dir/runs) or "wandb" (offline without
+    WANDB_API_KEY)."""
+    max_conversations: int | None = None
+    """Read at most this many conversations from the data (before the split); null reads all."""
+    self_distill: bool = False
+    """Regenerate the answers with the base itself before training (ignored for data already self-distilled)."""
+    distill_max_new_tokens: int = 256
+    """Self-distillation: answer length budget in tokens."""
+    distill_max_prompt_tokens: int = 512
+    """Self-distillation: prompts longer than this many tokens are skipped."""
+    distill_batch_size: int = 16
+    """Self-distillation: prompts generated together per process."""
+    distill_time_limit_s: float | None = None
+    """Self-distillation: wall-clock budget per split and process in seconds; null for no limit."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, coerce(f.name, _field_types()[f.name], getattr(self, f.name)))
+        if not self.base:
+            raise ValueError("base (the base model folder) is required")
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
+        _check_choice("tracker", self.tracker, TRACKER_CHOICES)
+        for name in ("num_heads", "max_seq_len", "batch_size", "grad_accum_steps", "max_steps", "log_every",
+                     "distill_max_new_tokens", "distill_max_prompt_tokens", "distill_batch_size"):
+            _check_min(name, getattr(self, name), 1)
+        for name in ("num_layers", "warmup_steps", "save_every", "eval_every", "keep_checkpoints", "seed",
+                     "weight_decay", "max_grad_norm"):
+            _check_min(name, getattr(self, name), 0)
+        for name in ("head_vocab_size", "max_conversations", "max_eval_batches"):
+            if getattr(self, name) is not None:
+                _check_min(name, getattr(self, name), 1)
+        if self.num_layers == 0 and self.share_lm_head:
+            raise ValueError("num_layers=0 with share_lm_head=true leaves the heads nothing to train")
+        if self.max_seq_len < 3:
+            raise ValueError(f"max_seq_len must be >= 3 (head 0 predicts 2 tokens ahead), got {self.max_seq_len}")
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
+        if self.distill_time_limit_s is not None and self.distill_time_limit_s <= 0:
+            raise ValueError(f"distill_time_limit_s must be > 0 or null, got {self.distill_time_limit_s}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_min(name: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _field_types() -> dict[str, object]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def coerce(name: str, annotation, value):
+    """Convert ``value`` (from YAML or a CLI string) to the field type ``annotation`` (int, float, bool, str or
+    ``X | None``).
+
+    Raises:
+        ValueError: the value does not fit the type (``True`` for an int, ``"abc"`` for a float...).
+    """
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        annotation = next(a for a in args if a is not type(None))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # PyYAML reads 1e-3 (no dot) as a string
+            except ValueError:
+                pass
+    elif annotation is str and isinstance(value, (str, Path)):
+        return str(value)
+    raise ValueError(f"{name}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each :class:`TrainConfig` field (for CLI help), read from the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def load_config(yaml_path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from defaults, then a YAML file, then ``overrides`` (``None`` values skipped).
+
+    Raises:
+        FileNotFoundError: the YAML file does not exist.
+        ValueError: the YAML is not a mapping, a key (in YAML or overrides) is not a field, or a value is invalid.
+    """
+    values: dict = {}
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(loaded).__name__}")
+        _check_known(loaded, f"config file {path}")
+        values.update(loaded)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _check_known(overrides, "overrides")
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _check_known(values: dict, where: str) -> None:
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
+    if unknown:
+        raise ValueError(f"unknown keys in {where}: {unknown}")
+
+
+def resume_mismatch(stored: dict, current: TrainConfig) -> list[str]:
+    """Fields (outside :data:`RESUMABLE_FIELDS`) whose stored value differs from ``current``, as readable lines."""
+    now = current.to_dict()
+    return [
+        f"{name}: checkpoint {stored.get(name)!r} != now {now.get(name)!r}"
+        for name in sorted(set(stored) | set(now))
+        if name not in RESUMABLE_FIELDS and stored.get(name) != now.get(name)
+    ]
