@@ -40,12 +40,19 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, extra_config: dict | Non
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    save_file(state, str(tmp / HEADS_WEIGHTS_NAME), metadata={"format": "pt"})
-    config = heads.config.to_dict()
-    if extra_config:
-        config["training"] = extra_config
-    (tmp / HEADS_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+    try:
+        state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+        save_file(state, str(tmp / HEADS_WEIGHTS_NAME), metadata={"format": "pt"})
+        config = heads.config.to_dict()
+        if extra_config:
+            config["training"] = extra_config
+        (tmp / HEADS_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    except BaseException:
+        # A failed write (full disk, unserialisable extra_config) must not leave a half-written temp folder behind.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.chmod(tmp / HEADS_WEIGHTS_NAME, 0o644)
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

@@ -214,7 +214,13 @@ def most_frequent_tokens(token_counts: torch.Tensor, size: int, always: list[int
         token_counts: ``(V,)`` counts of each base token among training targets.
         size: head vocabulary size.
         always: token ids that must be in the map whatever their count.
+
+    Raises:
+        ValueError: more distinct ``always`` ids than ``size`` (some would be silently dropped).
     """
+    kept = set(always or [])
+    if len(kept) > size:
+        raise ValueError(f"{len(kept)} token ids must always be kept but the head vocabulary holds only {size}")
     counts = token_counts.double().clone()
     for t in always or []:
         counts[t] = float("inf")

