@@ -77,3 +77,10 @@ def test_shipped_configs_load(path):
 
 def test_shipped_configs_exist():
     assert {"smollm2-135m-medusa.yaml", "quickstart.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_load(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(str(path)).num_processes >= 1

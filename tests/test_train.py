@@ -98,11 +98,13 @@ def test_resume_continues_from_checkpoint(base_dir, chats, tmp_path, caplog):
 
 def test_self_distill_then_train(base_dir, chats, tmp_path):
     out = tmp_path / "sd"
-    train(make_config(base_dir, chats, out, self_distill=True, distill_max_new_tokens=6, max_steps=2, eval_every=0))
+    train(make_config(base_dir, chats, out, self_distill=True, distill_max_new_tokens=6, max_steps=2, eval_every=0,
+                      tracker="tensorboard"))
     lines = (out / "distilled_train.jsonl").read_text().splitlines()
     held = (out / "distilled_held_out.jsonl").read_text().splitlines()
     assert len(lines) + len(held) == 24
     assert all("response_ids" in json.loads(line) for line in lines)
+    assert list(out.glob("runs/**/events.out.tfevents*"))
 
 
 def test_micro_batches_resume_and_shard():
@@ -121,7 +123,7 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29517", "-m", "train",
            "--base", str(base_dir), "--data", str(chats), "--output-dir", str(out), "--max-steps", "2",
-           "--batch-size", "2", "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
+           "--batch-size", "2", "--grad-accum-steps", "2", "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
            "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
            "--self-distill", "--distill-max-new-tokens", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

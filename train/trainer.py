@@ -345,7 +345,7 @@ def fit(run: Run) -> None:
     batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, accelerator.process_index,
                             accelerator.num_processes, start=run.step * config.grad_accum_steps)
     progress = tqdm(total=config.max_steps, initial=run.step, desc="medusa heads",
-                    disable=not accelerator.is_local_main_process)
+                    disable=not accelerator.is_main_process)
     saved_at = run.step if latest_checkpoint(config.output_dir) else None
     while run.step < config.max_steps:
         loss = train_step(run, batches)
