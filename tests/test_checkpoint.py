@@ -1,0 +1,180 @@
+"""Heads checkpoints: round trip, exact folder contents, atomic replace, and loud failures on any mismatch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from medusa import checkpoint
+from medusa.checkpoint import (
+    HEADS_CONFIG_NAME,
+    HEADS_WEIGHTS_NAME,
+    HeadsMismatchError,
+    load_heads,
+    read_heads_config,
+    save_heads,
+)
+from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+
+H, V = 16, 64
+
+
+def base_weight(seed=0, vocab=V, hidden=H):
+    return torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def trained_heads(weight, share=True, token_map=None, num_heads=3, num_layers=2):
+    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=num_heads,
+                               num_layers=num_layers, share_lm_head=share,
+                               head_vocab_size=None if token_map is None else len(token_map),
+                               lm_head_fingerprint=lm_head_fingerprint(weight))
+    heads = MedusaHeads(config, weight, token_map)
+    torch.manual_seed(1)
+    with torch.no_grad():  # stand-in for training: every trainable tensor moves away from its initial value
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return heads
+
+
+@pytest.fixture
+def saved(tmp_path):
+    weight = base_weight()
+    return save_heads(trained_heads(weight), tmp_path / "heads"), weight
+
+
+@pytest.mark.parametrize("share, token_map", [(True, torch.tensor([0, 3, 9, 10, 33, 63])), (False, None),
+                                              (False, torch.tensor([5, 6, 7]))])
+def test_round_trip_gives_identical_outputs(tmp_path, share, token_map):
+    weight = base_weight()
+    heads = trained_heads(weight, share=share, token_map=token_map)
+    out = save_heads(heads, tmp_path / "heads", extra_config={"lr": 1e-3})
+    loaded = load_heads(out, weight)
+    assert loaded.config == heads.config
+    hidden = torch.randn(2, 5, H)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden), heads(hidden))
+    if token_map is not None:
+        assert torch.equal(loaded.token_map, token_map)
+    assert json.loads((out / HEADS_CONFIG_NAME).read_text())["training"] == {"lr": 1e-3}
+
+
+def test_saved_folder_holds_exactly_config_and_weights(saved):
+    out, _ = saved
+    assert sorted(p.name for p in out.iterdir()) == sorted([HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME])
+    # The shared lm_head belongs to the base and is not written with the heads.
+    assert all("shared_weight" not in key for key in load_file(out / HEADS_WEIGHTS_NAME))
+
+
+@pytest.mark.parametrize("weight, message", [
+    (base_weight(hidden=H + 8), "hidden size 16, base has 24"),
+    (base_weight(vocab=V + 1), "vocabulary size 64, base has 65"),
+    (base_weight(seed=7), "trained for another base: lm_head weights differ"),
+])
+def test_loading_onto_another_base_raises(saved, weight, message):
+    out, _ = saved
+    with pytest.raises(HeadsMismatchError, match=message):
+        load_heads(out, weight)
+
+
+def test_fingerprint_check_can_be_skipped(saved):
+    out, _ = saved
+    assert load_heads(out, base_weight(seed=7), check_fingerprint=False).config.num_heads == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_same_base_in_another_dtype_loads(saved, dtype):
+    out, weight = saved
+    heads = load_heads(out, weight.to(dtype))
+    reference = load_heads(out, weight)
+    assert heads.shared_weight.dtype == dtype
+    assert heads.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(heads.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+def edit_weights(out, change):
+    path = out / HEADS_WEIGHTS_NAME
+    state = load_file(path)
+    change(state)
+    save_file(state, path)
+
+
+def test_missing_weight_key_raises(saved):
+    out, weight = saved
+    edit_weights(out, lambda s: s.pop("blocks.1.0.linear.bias"))
+    with pytest.raises(HeadsMismatchError, match=r"missing keys \['blocks.1.0.linear.bias'\]"):
+        load_heads(out, weight)
+
+
+def test_extra_weight_key_raises(saved):
+    out, weight = saved
+    edit_weights(out, lambda s: s.update({"lm_heads.0.weight": torch.zeros(V, H)}))
+    with pytest.raises(HeadsMismatchError, match=r"unexpected keys \['lm_heads.0.weight'\]"):
+        load_heads(out, weight)
+
+
+def test_misshaped_weight_raises(saved):
+    out, weight = saved
+    edit_weights(out, lambda s: s.update({"blocks.0.0.linear.bias": torch.zeros(H + 1)}))
+    with pytest.raises(HeadsMismatchError, match="blocks.0.0.linear.bias has shape"):
+        load_heads(out, weight)
+
+
+def test_stray_token_map_raises(saved):
+    out, weight = saved
+    edit_weights(out, lambda s: s.update({"token_map": torch.arange(4)}))
+    with pytest.raises(HeadsMismatchError, match="head_vocab_size is None"):
+        load_heads(out, weight)
+
+
+@pytest.mark.parametrize("num_heads, message", [(2, "unexpected keys"), (4, "missing keys")])
+def test_config_with_wrong_head_count_raises(saved, num_heads, message):
+    out, weight = saved
+    path = out / HEADS_CONFIG_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_heads": num_heads}))
+    with pytest.raises(HeadsMismatchError, match=message):
+        load_heads(out, weight)
+
+
+def test_config_with_unknown_key_raises(saved):
+    out, weight = saved
+    path = out / HEADS_CONFIG_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), "medusa_num_heads": 3}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        read_heads_config(out)
+
+
+def test_missing_folder_or_weights_raise_file_not_found(saved, tmp_path):
+    out, weight = saved
+    with pytest.raises(FileNotFoundError):
+        load_heads(tmp_path / "nowhere", weight)
+    (out / HEADS_WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match=HEADS_WEIGHTS_NAME):
+        load_heads(out, weight)
+
+
+def test_save_replaces_existing_folder_without_leftovers(tmp_path):
+    weight = base_weight()
+    out = tmp_path / "heads"
+    save_heads(trained_heads(weight, num_heads=2), out)
+    (out / "stale.txt").write_text("from an older run")
+    save_heads(trained_heads(weight, num_heads=4), out)
+    assert [p.name for p in tmp_path.iterdir()] == ["heads"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME])
+    assert load_heads(out, weight).config.num_heads == 4
+
+
+def test_failed_save_keeps_old_checkpoint_and_leaves_no_temp_folder(tmp_path, monkeypatch):
+    weight = base_weight()
+    out = save_heads(trained_heads(weight, num_heads=2), tmp_path / "heads")
+
+    def broken_save_file(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken_save_file)
+    with pytest.raises(OSError, match="disk full"):
+        save_heads(trained_heads(weight, num_heads=4), out)
+    assert [p.name for p in tmp_path.iterdir()] == ["heads"]
+    assert load_heads(out, weight).config.num_heads == 2
