@@ -123,8 +123,8 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29517", "-m", "train",
            "--base", str(base_dir), "--data", str(chats), "--output-dir", str(out), "--max-steps", "2",
-           "--batch-size", "2", "--grad-accum-steps", "2", "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
-           "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
+           "--batch-size", "2", "--grad-accum-steps", "2", "--max-seq-len", "48", "--num-heads", "2",
+           "--head-vocab-size", "64", "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
            "--self-distill", "--distill-max-new-tokens", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
