@@ -134,3 +134,31 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
     assert metrics["steps"] == 2 and metrics["examples"] > 0
     assert not list(out.glob("*.rank*.jsonl"))  # per-process distillation shards were merged
     assert len((out / "distilled_train.jsonl").read_text().splitlines()) > 0
+
+
+def test_hidden_state_cache_runs_the_base_once_per_example(base_dir, chats, tmp_path, monkeypatch):
+    import train.trainer as trainer
+
+    calls = []
+    real = trainer.base_hidden_states
+
+    def counting(model, input_ids, attention_mask):
+        calls.append(input_ids.shape[0])
+        return real(model, input_ids, attention_mask)
+
+    monkeypatch.setattr(trainer, "base_hidden_states", counting)
+    # 18 train examples, batch 4: one epoch is 5 micro-batches; 12 steps are more than two epochs.
+    config = make_config(base_dir, chats, tmp_path / "cached", cache_hidden_states=True, max_steps=12,
+                         save_every=0, eval_every=0)
+    heads_dir = train(config)
+    cached_calls = len(calls)
+    uncached = make_config(base_dir, chats, tmp_path / "plain", max_steps=12, save_every=0, eval_every=0)
+    calls.clear()
+    plain_dir = train(uncached)
+    eval_calls = len(calls) - 12  # the final held-out evaluation runs the base too
+    # About 18 train examples in batches of 4: the first epoch (at most 6 micro-batches) runs the base, later ones not.
+    assert 1 <= cached_calls - eval_calls <= 6, "the base ran again for examples already cached"
+    cached, plain = heads_state(heads_dir), heads_state(plain_dir)
+    # Same data order; the cache only rounds hidden states to bf16.
+    for key in plain:
+        assert torch.allclose(cached[key].float(), plain[key].float(), atol=5e-3), key

@@ -20,7 +20,7 @@ TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
 RESUMABLE_FIELDS = frozenset(
     {"output_dir", "max_steps", "save_every", "eval_every", "max_eval_batches", "log_every", "keep_checkpoints",
-     "tracker", "distill_time_limit_s"}
+     "tracker", "distill_time_limit_s", "cache_hidden_states"}
 )
 
 
@@ -93,6 +93,9 @@ class TrainConfig:
     """Self-distillation: prompts generated together per process."""
     distill_time_limit_s: float | None = None
     """Self-distillation: wall-clock budget per split and process in seconds; null for no limit."""
+    cache_hidden_states: bool = False
+    """Keep each training example's base hidden states in memory (bf16, on CPU) after its first forward, so every
+    later epoch runs the heads only. Costs sequence length x hidden size x 2 bytes per example."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

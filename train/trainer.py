@@ -72,6 +72,8 @@ class Run:
     head_lookup: torch.Tensor | None
     pad_id: int
     step: int = 0
+    hidden_cache: dict[int, torch.Tensor] | None = None
+    """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
 
 
 def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
@@ -137,7 +139,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
-               pad_id, step=step)
+               pad_id, step=step, hidden_cache={} if config.cache_hidden_states else None)
 
 
 def make_accelerator(config: TrainConfig) -> Accelerator:
@@ -188,6 +190,29 @@ def base_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     with torch.no_grad():
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return out.last_hidden_state  # (B, T, H)
+
+
+def batch_hidden_states(run: Run, indices: list[int], batch: dict) -> torch.Tensor:
+    """Base hidden states ``(B, T, H)`` for a micro-batch, from ``run.hidden_cache`` when every example is in it.
+
+    Without a cache this is :func:`base_hidden_states`. With one, a batch holding any new example runs the base and
+    stores each example's unpadded states (bf16, CPU); a fully cached batch is re-padded with zeros (padding
+    positions carry no label).
+    """
+    if run.hidden_cache is None or any(i not in run.hidden_cache for i in indices):
+        hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        if run.hidden_cache is not None:
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+                run.hidden_cache[i] = hidden[row, :n].to("cpu", torch.bfloat16)
+        return hidden
+    batch_size, width = batch["input_ids"].shape
+    hidden = torch.zeros(batch_size, width, run.model.config.get_text_config(decoder=True).hidden_size,
+                         device=batch["input_ids"].device)  # (B, T, H)
+    for row, i in enumerate(indices):
+        cached = run.hidden_cache[i]
+        hidden[row, : len(cached)] = cached.to(hidden.device, torch.float32)
+    return hidden
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -373,8 +398,9 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     run.heads.train()
     total = torch.zeros((), device=accelerator.device)
     for micro in range(config.grad_accum_steps):
-        batch = _to_device(collate([run.train_examples[i] for i in next(batches)], run.pad_id), accelerator.device)
-        hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        indices = next(batches)
+        batch = _to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
+        hidden = batch_hidden_states(run, indices, batch)  # (B, T, H)
         last = micro == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
