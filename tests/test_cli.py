@@ -1,0 +1,100 @@
+"""The ``medusa`` command on tiny models: generate, bench JSON, build-tree, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa.checkpoint import save_heads
+from medusa.cli import main
+from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.tree import Tree, load_tree, save_tree
+from tiny import save_tiny, tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    base = save_tiny(root / "base", "llama")
+    model = tiny_model("llama")
+    weight = model.get_output_embeddings().weight
+    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
+                               lm_head_fingerprint=lm_head_fingerprint(weight))
+    torch.manual_seed(0)
+    heads = MedusaHeads(config, weight)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.05)
+    save_heads(heads, root / "heads")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello world"}, {"messages": [{"role": "user", "content": "the quick brown fox"}]},
+        {"prompt": "how are you today?"}]) + "\n")
+    return root, base, prompts
+
+
+def test_generate_prints_text_and_stats(setup, capsys):
+    root, base, _ = setup
+    assert main(["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hello world",
+                 "--max-new-tokens", "12", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert "tau:" in captured.err and "tokens/s:" in captured.err
+    assert captured.out.strip()
+
+
+def test_bench_writes_required_fields_and_matches_hf(setup, tmp_path):
+    root, base, prompts = setup
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--max-new-tokens", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("tau", "speedup", "identical", "divergences", "per_head_accept", "baseline_tokens_per_s",
+                "medusa_tokens_per_s"):
+        assert key in result
+    assert result["identical"] == 1.0 and result["divergences"] == []
+    assert result["tau"] >= 1.0 and len(result["per_head_accept"]) == 3
+    assert result["prompts"] == 3
+
+
+def test_build_tree_writes_a_valid_tree(setup, tmp_path):
+    root, base, _ = setup
+    data = tmp_path / "held.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    data.write_text("\n".join(json.dumps({"id": str(i), "prompt_ids": torch.randint(3, 300, (6,), generator=gen).tolist(),
+                                          "response_ids": torch.randint(3, 300, (20,), generator=gen).tolist()})
+                              for i in range(4)) + "\n")
+    out = tmp_path / "tree.json"
+    assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
+                 "--top-k", "4", "--max-nodes", "8", "--cost-prefix", "16", "--out", str(out)]) == 0
+    tree = load_tree(out)
+    assert 1 <= len(tree.paths) <= 8 and tree.depth <= 3 and tree.top_k <= 4
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert len(report["accuracy"]) == 3 and len(report["table"]) == 8
+
+
+def test_missing_base_folder_is_a_clear_error(setup, capsys):
+    root, _, _ = setup
+    assert main(["generate", "--base", str(root / "nope"), "--heads", str(root / "heads"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_heads_for_another_base_are_refused(setup, tmp_path, capsys):
+    root, _, _ = setup
+    other = save_tiny(tmp_path / "other", "llama", seed=5)
+    assert main(["generate", "--base", str(other), "--heads", str(root / "heads"), "--prompt", "x"]) == 2
+    assert "trained for another base" in capsys.readouterr().err
+
+
+def test_tree_deeper_than_heads_is_refused(setup, tmp_path, capsys):
+    root, base, _ = setup
+    save_tree(Tree.chain(5), tmp_path / "deep.json")
+    assert main(["generate", "--base", str(base), "--heads", str(root / "heads"), "--tree",
+                 str(tmp_path / "deep.json"), "--prompt", "x"]) == 2
+    assert "depth 5 but the model has only 3 heads" in capsys.readouterr().err
+
+
+def test_bad_messages_are_refused(setup, capsys):
+    root, base, _ = setup
+    assert main(["generate", "--base", str(base), "--heads", str(root / "heads"), "--messages", "[1, 2]"]) == 2
+    assert "role" in capsys.readouterr().err
