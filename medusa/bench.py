@@ -144,11 +144,13 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         result.decode_tokens += stats.decode_tokens
         for a in stats.accepted_per_step:
             result.accepted_hist[a] += 1
-        record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"], "medusa_s": runs["medusa_s"]}
+        record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"],
+                  "medusa_s": runs["medusa_s"]}
         if tokens == reference:
             result.identical_prompts += 1
         else:
-            pos = next((j for j, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+            pairs = enumerate(zip(tokens, reference, strict=False))
+            pos = next((j for j, (a, b) in pairs if a != b), min(len(tokens), len(reference)))
             gap = top2_gap(base, ids.to(base.device), reference, pos)
             result.divergences.append({"prompt": i, "position": pos, "base_top2_gap": gap})
             record["diverged_at"] = pos
@@ -178,7 +180,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
     }
 
 
-def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> dict[int, float]:
+def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> dict:
     """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
 
     The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size

@@ -61,7 +61,7 @@ def interpolate_cost(cost_curve: dict[int, float], n: int) -> float:
     sizes = sorted(k for k in cost_curve if isinstance(k, int))
     if n <= sizes[0]:
         return cost_curve[sizes[0]]
-    for lo, hi in zip(sizes, sizes[1:]):
+    for lo, hi in zip(sizes, sizes[1:], strict=False):
         if n <= hi:
             return cost_curve[lo] + (cost_curve[hi] - cost_curve[lo]) * (n - lo) / (hi - lo)
     lo, hi = sizes[-2], sizes[-1]

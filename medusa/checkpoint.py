@@ -8,6 +8,7 @@ shape (no ``strict=False``) and checks the heads against the base they are put o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa.heads import MedusaHeads, MedusaHeadsConfig, fingerprint_mismatch
+
+logger = logging.getLogger(__name__)
 
 HEADS_CONFIG_NAME = "config.json"
 HEADS_WEIGHTS_NAME = "model.safetensors"
@@ -97,6 +100,8 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
         raise HeadsMismatchError(f"heads expect hidden size {config.hidden_size}, base has {hidden} ({heads_dir})")
     if vocab != config.vocab_size:
         raise HeadsMismatchError(f"heads expect vocabulary size {config.vocab_size}, base has {vocab} ({heads_dir})")
+    if check_fingerprint and not config.lm_head_fingerprint:
+        logger.warning("%s has no lm_head fingerprint: cannot check that the heads were trained for this base", heads_dir)
     if check_fingerprint and (problem := fingerprint_mismatch(config.lm_head_fingerprint, lm_head_weight)):
         raise HeadsMismatchError(f"heads in {heads_dir} were trained for another base: {problem}")
     weights_path = heads_dir / HEADS_WEIGHTS_NAME
@@ -114,6 +119,8 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
         raise HeadsMismatchError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
     for key, value in state.items():
         if value.shape != expected[key].shape:
-            raise HeadsMismatchError(f"{weights_path}: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+            raise HeadsMismatchError(
+                f"{weights_path}: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}"
+            )
     heads.load_state_dict(state, strict=True)
     return heads.to(device=lm_head_weight.device)

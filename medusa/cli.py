@@ -142,7 +142,10 @@ def _read_messages(value: str) -> list[dict]:
         messages = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--messages is neither a JSON list nor a file holding one: {e}") from e
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+    def well_formed(m) -> bool:
+        return isinstance(m, dict) and {"role", "content"} <= set(m)
+
+    if not isinstance(messages, list) or not messages or not all(well_formed(m) for m in messages):
         raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
     return messages
 

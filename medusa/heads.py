@@ -60,13 +60,15 @@ class MedusaHeadsConfig:
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"num_layers must be a non-negative integer, got {self.num_layers!r}")
         if self.head_vocab_size is not None and not 1 <= self.head_vocab_size <= self.vocab_size:
-            raise ValueError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}")
+            raise ValueError(
+                f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MedusaHeadsConfig":
+    def from_dict(cls, data: dict) -> MedusaHeadsConfig:
         """Build from a ``config.json`` dict; unknown keys are an error (a misspelt field is never ignored)."""
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
@@ -156,7 +158,9 @@ class MedusaHeads(nn.Module):
             self.lm_heads = None
         else:
             self.shared_weight = None
-            self.lm_heads = nn.ModuleList(nn.Linear(hidden, rows.shape[0], bias=False) for _ in range(config.num_heads))
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(hidden, rows.shape[0], bias=False) for _ in range(config.num_heads)
+            )
             for head in self.lm_heads:
                 head.weight.data.copy_(rows)
 
@@ -177,7 +181,7 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is None:
             weight = self.shared_weight.to(feats.dtype)
             return feats @ weight.T  # (K, ..., Vh)
-        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])  # (K, ..., Vh)
+        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats, strict=True)])  # (K, ..., Vh)
 
     def to_base_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape) to base token ids."""

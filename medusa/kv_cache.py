@@ -44,7 +44,7 @@ def decoder_of(model) -> torch.nn.Module:
     return decoder
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_kwarg(decoder_cls: type) -> str:
     params = inspect.signature(decoder_cls.forward).parameters
     if "cache" in params:
@@ -131,7 +131,8 @@ def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Ten
     dtype = model.get_output_embeddings().weight.dtype
     mask = build_attention_mask(model.config, cache_length(cache), positions, tree_mask, dtype)
     kwargs = {_cache_kwarg(type(decoder)): cache}
-    out = decoder(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True, **kwargs)
+    out = decoder(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
+                  **kwargs)
     hidden = out.last_hidden_state[0]  # (N, H)
     selected = hidden if logits_for is None else hidden[logits_for]
     return lm_logits(model, selected), hidden

@@ -62,7 +62,7 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attn_implementation: str | None = None) -> "MedusaModel":
+                        attn_implementation: str | None = None) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
 
         ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,

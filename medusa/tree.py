@@ -64,10 +64,12 @@ class Tree:
         if self.depth > num_heads:
             raise ValueError(f"tree {self.name!r} has depth {self.depth} but the model has only {num_heads} heads")
         if self.top_k > top_k:
-            raise ValueError(f"tree {self.name!r} uses rank {self.top_k - 1} but only top-{top_k} candidates are drawn")
+            raise ValueError(
+                f"tree {self.name!r} uses rank {self.top_k - 1} but only top-{top_k} candidates are drawn"
+            )
 
     @classmethod
-    def from_paths(cls, paths, name: str = "") -> "Tree":
+    def from_paths(cls, paths, name: str = "") -> Tree:
         """Build from any iterable of rank sequences (sorted by depth, then lexicographically)."""
         tuples = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
         if len(tuples) != len(list(paths)):
@@ -75,7 +77,7 @@ class Tree:
         return cls(tuple(tuples), name)
 
     @classmethod
-    def chain(cls, depth: int) -> "Tree":
+    def chain(cls, depth: int) -> Tree:
         """The top-1 chain ``[0], [0,0], ...``: one candidate per head (what vLLM's Medusa proposer uses)."""
         return cls(tuple((0,) * d for d in range(1, depth + 1)), f"chain-{depth}")
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_model
 
 from medusa.checkpoint import save_heads
 from medusa.cli import main
 from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
 from medusa.tree import Tree, load_tree, save_tree
-from tiny import save_tiny, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +61,9 @@ def test_build_tree_writes_a_valid_tree(setup, tmp_path):
     root, base, _ = setup
     data = tmp_path / "held.jsonl"
     gen = torch.Generator().manual_seed(0)
-    data.write_text("\n".join(json.dumps({"id": str(i), "prompt_ids": torch.randint(3, 300, (6,), generator=gen).tolist(),
-                                          "response_ids": torch.randint(3, 300, (20,), generator=gen).tolist()})
-                              for i in range(4)) + "\n")
+    records = [{"id": str(i), "prompt_ids": torch.randint(3, 300, (6,), generator=gen).tolist(),
+                "response_ids": torch.randint(3, 300, (20,), generator=gen).tolist()} for i in range(4)]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = tmp_path / "tree.json"
     assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
                  "--top-k", "4", "--max-nodes", "8", "--cost-prefix", "16", "--out", str(out)]) == 0

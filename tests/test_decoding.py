@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from medusa import kv_cache
 from medusa.generate import medusa_generate
 from medusa.heads import MedusaHeads, MedusaHeadsConfig, head_target_offset
 from medusa.tree import Tree, grow_tree
-from tiny import tiny_model
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
 WIDE_TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]])

@@ -16,7 +16,7 @@ VOCAB_SIZE = 320  # model vocabulary; the tokenizer uses fewer ids (up to 300)
 
 def tiny_config(arch: str, vocab_size: int = VOCAB_SIZE, **overrides):
     """A 2-4 layer random config of ``arch`` in {llama, qwen2, gpt2, mistral, gemma3}."""
-    from transformers import GPT2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -90,7 +90,7 @@ def distill(
         for b in range(0, len(todo), batch_size):
             batch = todo[b : b + batch_size]
             responses = _generate_batch(model, [ids for _, _, ids in batch], pad_id, max_new_tokens, device)
-            for (conv_id, prompt, ids), response in zip(batch, responses):
+            for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
                 text = tokenizer.decode(response, skip_special_tokens=True)
                 record = {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}],
                           "prompt_ids": ids, "response_ids": response}
