@@ -101,7 +101,7 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
     if vocab != config.vocab_size:
         raise HeadsMismatchError(f"heads expect vocabulary size {config.vocab_size}, base has {vocab} ({heads_dir})")
     if check_fingerprint and not config.lm_head_fingerprint:
-        logger.warning("%s has no lm_head fingerprint: cannot check that the heads were trained for this base", heads_dir)
+        logger.warning("%s has no lm_head fingerprint: cannot check the heads were trained for this base", heads_dir)
     if check_fingerprint and (problem := fingerprint_mismatch(config.lm_head_fingerprint, lm_head_weight)):
         raise HeadsMismatchError(f"heads in {heads_dir} were trained for another base: {problem}")
     weights_path = heads_dir / HEADS_WEIGHTS_NAME
