@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON result here")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("eval-heads", help="per-head top-1/top-5 accuracy on held-out self-distilled sequences")
+    _model_args(p)
+    p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
+    p.add_argument("--out", help="write the JSON result here")
+    p.set_defaults(func=cmd_eval_heads)
+
     p = sub.add_parser("build-tree", help="measure head accuracy and verify cost, write the best tree")
     _model_args(p)
     p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
@@ -202,18 +209,41 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], int]]:
+    """``(token_ids, response_start)`` of self-distilled records (``prompt_ids``/``response_ids``)."""
+    sequences = []
+    for line in Path(path).read_text().splitlines()[:limit]:
+        record = json.loads(line)
+        if "prompt_ids" not in record or "response_ids" not in record:
+            raise ValueError(f"{path}: needs self-distilled records with prompt_ids/response_ids")
+        sequences.append((record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])))
+    if not sequences:
+        raise ValueError(f"{path} holds no sequence")
+    return sequences
+
+
+def cmd_eval_heads(args) -> int:
+    from medusa.calibrate import rank_accuracy
+
+    model = _load(args)
+    sequences = _distilled_sequences(args.data, args.limit)
+    accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
+    top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
+    for k, (a1, a5) in enumerate(zip(top1, top5, strict=True)):
+        print(f"head {k} (token t+{k + 2}): top-1 {a1:.3f}  top-5 {a5:.3f}")
+    if args.out:
+        result = {"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cmd_build_tree(args) -> int:
     from medusa.bench import verify_cost_curve
     from medusa.calibrate import choose_tree, rank_accuracy
     from medusa.tree import save_tree
 
     model = _load(args)
-    sequences = []
-    for line in Path(args.data).read_text().splitlines()[: args.limit]:
-        record = json.loads(line)
-        if "prompt_ids" not in record or "response_ids" not in record:
-            raise ValueError(f"{args.data}: build-tree needs self-distilled records with prompt_ids/response_ids")
-        sequences.append((record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])))
+    sequences = _distilled_sequences(args.data, args.limit)
     start = time.perf_counter()
     accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix)

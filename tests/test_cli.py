@@ -98,3 +98,16 @@ def test_bad_messages_are_refused(setup, capsys):
     root, base, _ = setup
     assert main(["generate", "--base", str(base), "--heads", str(root / "heads"), "--messages", "[1, 2]"]) == 2
     assert "role" in capsys.readouterr().err
+
+
+def test_eval_heads_reports_accuracy(setup, tmp_path, capsys):
+    root, base, _ = setup
+    data = tmp_path / "held.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 8], "response_ids": list(range(20, 40))}) + "\n")
+    out = tmp_path / "eval.json"
+    assert main(["eval-heads", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["top1"]) == 3
+    assert all(0 <= a <= b <= 1 for a, b in zip(result["top1"], result["top5"], strict=True))
+    assert "head 0 (token t+2)" in capsys.readouterr().out
