@@ -260,6 +260,9 @@ def cmd_build_tree(args) -> int:
     Path(args.out).with_suffix(".report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"top-1 accuracy per head: {[round(a, 3) for a in accuracy[:, 0].tolist()]}")
     print(f"cost curve: { {k: round(v, 3) for k, v in curve.items()} }")
+    if best["predicted_speedup"] < 1:
+        print(f"warning: even the best tree is predicted {best['predicted_speedup']:.2f}x of plain decoding on this "
+              "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)
     print(f"chose {len(tree.paths)} nodes: expected tau {best['expected_tau']:.2f}, "
           f"predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} ({time.perf_counter() - start:.0f} s)")
     return 0

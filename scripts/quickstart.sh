@@ -11,7 +11,7 @@ SHIPPED=checkpoints/smollm2-135m-instruct-medusa
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"
-medusa train --config configs/quickstart.yaml
+medusa -v train --config configs/quickstart.yaml
 
 echo "== generation with the quickstart heads"
 medusa generate --base "$BASE" --heads outputs/quickstart/heads --prompt "Give me three tips for learning Python." --stats

@@ -49,7 +49,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         heads_dir = train(config)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"medusa train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:

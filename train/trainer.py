@@ -13,6 +13,7 @@ written atomically; a run whose ``output_dir`` holds checkpoints resumes from th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -148,6 +149,9 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
     Accelerate turns a multi-process launch into CPU DDP (gloo) only when asked for CPU, and ``accelerate launch
     --multi_gpu`` / ``torchrun`` do not say so: a multi-process launch on a machine without CUDA runs on CPU.
     """
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(config.tracker)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ImportError(f'tracker="{config.tracker}" needs the {module} package: pip install -e ".[tracking]"')
     if config.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
     cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
