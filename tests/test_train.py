@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from itertools import islice
@@ -127,7 +128,16 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
            "--head-vocab-size", "64", "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
            "--self-distill", "--distill-max-new-tokens", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "training on 2 process(es) (MULTI_CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
