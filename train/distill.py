@@ -23,7 +23,8 @@ from train.data import Conversation, first_prompt
 logger = logging.getLogger(__name__)
 
 
-def _done_ids(out_path: Path) -> set[str]:
+def jsonl_ids(out_path: Path) -> set[str]:
+    """Ids of the complete records of a JSON-lines file (empty when the file does not exist)."""
     if not out_path.is_file():
         return set()
     done = set()
@@ -69,7 +70,7 @@ def distill(
         raise ValueError("self-distillation needs a tokenizer with a chat template")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_ids(out_path)
+    done = jsonl_ids(out_path)
     todo, too_long = [], 0
     for conv in conversations:
         if conv.id in done:

@@ -44,7 +44,7 @@ from train.data import (
     target_token_counts,
     tokenize_conversations,
 )
-from train.distill import distill
+from train.distill import distill, jsonl_ids
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tok
     Returns the conversations that already had base ids plus the distilled ones (those within the time budget).
     """
     have_ids = [c for c in convs if c.response_ids is not None]
-    done = _jsonl_ids(path)
+    done = jsonl_ids(path)
     todo = [c for c in convs if c.response_ids is None and c.id not in done]
     rank, world = accelerator.process_index, accelerator.num_processes
     shard_path = path if world == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
@@ -295,25 +295,13 @@ def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tok
         _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))
     accelerator.wait_for_everyone()
     wanted = {c.id for c in convs}
-    distilled = load_conversations(path)[0] if _jsonl_ids(path) & wanted else []
+    distilled = load_conversations(path)[0] if jsonl_ids(path) & wanted else []
     return have_ids + [c for c in distilled if c.id in wanted]
-
-
-def _jsonl_ids(path: Path) -> set[str]:
-    if not path.is_file():
-        return set()
-    ids = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            ids.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError):
-            continue  # a line cut off by an interrupted write
-    return ids
 
 
 def _merge_jsonl(path: Path, shards: list[Path]) -> None:
     """Append the complete, new records of each per-process shard to ``path``, then delete the shards."""
-    done = _jsonl_ids(path)
+    done = jsonl_ids(path)
     with open(path, "a", encoding="utf-8") as out:
         for shard in shards:
             for line in shard.read_text(encoding="utf-8").splitlines():
