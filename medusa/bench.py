@@ -169,6 +169,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "max_new_tokens": max_new_tokens,
         "tree": model.tree.name,
         "tree_nodes": model.tree.num_nodes,
+        "verify_logits": model.verify_logits,
         "num_heads": model.heads.config.num_heads,
         "head_vocab_size": model.heads.head_vocab_size,
         "dtype": str(model.base.dtype),

@@ -14,7 +14,7 @@ import torch
 
 from medusa import kv_cache
 from medusa.tree import Tree, tree_buffers
-from medusa.verify import draft_tree_tokens, greedy_accept
+from medusa.verify import draft_tree_tokens, greedy_accept, greedy_accept_along_path
 
 
 @dataclass
@@ -70,7 +70,8 @@ def check_context(model, prompt_len: int, max_new_tokens: int, tree_depth: int) 
 
 @torch.inference_mode()
 def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                 stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Step]:
+                 stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
+                 verify_logits: str = "all") -> Iterator[Step]:
     """Greedy Medusa decoding, one :class:`Step` per base forward.
 
     Args:
@@ -81,12 +82,17 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         max_new_tokens: generation budget.
         stop_token_ids: stop after emitting any of these (included in the output).
         stats: filled in as decoding proceeds, when given.
+        verify_logits: ``"all"`` scores every tree node with the lm_head in one product (best on a GPU);
+            ``"path"`` scores one node at a time along the accepted path (cheaper on a CPU, see
+            :func:`medusa.verify.greedy_accept_along_path`). Both accept exactly the same tokens.
 
     Raises:
         ValueError: the tree does not fit the heads, or the prompt does not fit the context.
     """
     stats = stats if stats is not None else GenerationStats()
     stop = stop_token_ids or set()
+    if verify_logits not in ("all", "path"):
+        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
     tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
     check_context(model, len(input_ids), max_new_tokens, tree.depth)
     device = input_ids.device
@@ -105,13 +111,25 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         prefix_len = kv_cache.cache_length(cache)
         topk = heads(last_hidden).topk(tree.top_k, dim=-1).indices  # (K, top_k)
         tokens = draft_tree_tokens(root, heads.to_base_ids(topk), buffers)  # (N,)
-        logits, hidden = kv_cache.forward(model, tokens, prefix_len + buffers.depth, buffers.ancestor_mask, cache)
-        result = greedy_accept(tokens, logits, buffers)
+        result, hidden = _verify(model, tokens, prefix_len + buffers.depth, buffers, cache, verify_logits)
         kv_cache.keep_positions(cache, prefix_len, result.path_nodes)
         root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
         emitted = tokens[result.path_nodes[1:]].tolist() + [int(root)]
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted, result.accepted, stats, max_new_tokens, stop)
+
+
+def _verify(model, tokens: torch.Tensor, positions: torch.Tensor, buffers, cache, verify_logits: str):
+    """One tree forward and greedy acceptance; returns ``(Acceptance, hidden (N, H))``."""
+    if verify_logits == "all":
+        logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
+        return greedy_accept(tokens, logits, buffers), hidden
+    _, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
+
+    def next_token_at(node: int) -> torch.Tensor:
+        return kv_cache.lm_logits(model, hidden[node : node + 1])[0].argmax()
+
+    return greedy_accept_along_path(tokens, next_token_at, buffers), hidden
 
 
 def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int, stop: set[int],
@@ -134,10 +152,11 @@ def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int,
 
 
 def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                    stop_token_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
+                    stop_token_ids: set[int] | None = None, verify_logits: str = "all"
+                    ) -> tuple[list[int], GenerationStats]:
     """Run :func:`medusa_steps` to the end; returns ``(new_token_ids, stats)``."""
     stats = GenerationStats()
     out: list[int] = []
-    for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats):
+    for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats, verify_logits):
         out.extend(step.tokens)
     return out, stats

@@ -57,6 +57,9 @@ class MedusaModel(nn.Module):
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         self.tokenizer = tokenizer
         self.tree = tree or Tree.chain(heads.config.num_heads)
+        # One lm_head row at a time along the accepted path is cheaper on a CPU (matrix-vector kernels), one product
+        # over all tree nodes is cheaper on an accelerator; both accept the same tokens (medusa.generate).
+        self.verify_logits = "path" if base.device.type == "cpu" else "all"
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
 
     @classmethod
@@ -102,14 +105,15 @@ class MedusaModel(nn.Module):
         """Yield :class:`~medusa.generate.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``."""
         ids = _as_1d(input_ids).to(self.device)
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
-        return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats)
+        return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats,
+                            self.verify_logits)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
                  stop_token_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
         """Greedy Medusa decoding; returns ``(new_token_ids, stats)``; identical tokens to the base's greedy."""
         ids = _as_1d(input_ids).to(self.device)
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
-        return medusa_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop)
+        return medusa_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, self.verify_logits)
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

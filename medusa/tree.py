@@ -127,6 +127,8 @@ class TreeBuffers:
     """(N-1,) long: index of each non-root node's token in the flattened head top-k ``(K * top_k,)``."""
     retrieve_index: torch.Tensor
     """(P, D+1) long: node indices of each root-to-leaf path; padded with -1 past the leaf."""
+    children: tuple[tuple[int, ...], ...] = ()
+    """Per node, the indices of its children (for walking the tree one node at a time)."""
 
 
 def tree_buffers(tree: Tree, top_k: int, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -149,7 +151,11 @@ def tree_buffers(tree: Tree, top_k: int, device: torch.device | str = "cpu") -> 
         retrieve[row, 0] = 0
         for d in range(1, len(leaf) + 1):
             retrieve[row, d] = index[leaf[:d]]
-    return TreeBuffers(depth.to(device), ancestor.to(device), candidate.to(device), retrieve.to(device))
+    children = [[] for _ in range(n)]
+    for path, i in index.items():
+        children[index.get(path[:-1], 0)].append(i)
+    return TreeBuffers(depth.to(device), ancestor.to(device), candidate.to(device), retrieve.to(device),
+                       tuple(tuple(c) for c in children))
 
 
 def grow_tree(accuracy: torch.Tensor, num_nodes: int, name: str = "") -> Tree:

@@ -65,26 +65,28 @@ def random_heads(model, num_heads=3, seed=1):
     return heads
 
 
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_random_heads_give_base_greedy_tokens(arch):
+def test_random_heads_give_base_greedy_tokens(arch, verify_logits):
     model = tiny_model(arch)
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0))
     reference = hf_greedy(model, ids, 40)
     for tree in (Tree.chain(3), WIDE_TREE):
-        out, stats = medusa_generate(model, random_heads(model), ids, tree, 40)
+        out, stats = medusa_generate(model, random_heads(model), ids, tree, 40, verify_logits=verify_logits)
         assert out == reference, (arch, tree.name)
         assert stats.new_tokens == 40
 
 
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_oracle_heads_accept_several_tokens_and_stay_exact(arch):
+def test_oracle_heads_accept_several_tokens_and_stay_exact(arch, verify_logits):
     model = tiny_model(arch)
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
     reference = hf_greedy(model, ids, 48)
     sequence = ids.tolist() + reference
     # Head 1 is right only at rank 1, head 2 never: accepted paths go through a non-first branch and stop early.
     heads = OracleHeads(model, sequence, ranks=[0, 1, None], vocab=model.config.vocab_size)
-    out, stats = medusa_generate(model, heads, ids, WIDE_TREE, 48)
+    out, stats = medusa_generate(model, heads, ids, WIDE_TREE, 48, verify_logits=verify_logits)
     assert out == reference
     assert stats.tau > 2.5  # 1 bonus + 2 drafts accepted on almost every step
     # Head 2's fixed wrong guesses can hit the true token by chance, so a rare step may accept 3.

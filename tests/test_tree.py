@@ -198,3 +198,28 @@ def test_shipped_tree_files_are_valid():
         buffers = tree_buffers(tree, tree.top_k)
         assert buffers.ancestor_mask.shape == (tree.num_nodes, tree.num_nodes), path
         assert (buffers.retrieve_index[:, 0] == 0).all(), path
+
+
+def test_accept_along_path_matches_accepting_on_all_nodes():
+    """The one-node-at-a-time walk accepts what scoring every node at once accepts, on many random cases."""
+    from medusa.verify import greedy_accept_along_path
+
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]])
+    buffers = tree_buffers(tree, 3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        topk = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(3)])  # (K, top_k) distinct per head
+        tokens = draft_tree_tokens(torch.tensor(5), topk, buffers)
+        logits = torch.randn(tree.num_nodes, 6, generator=gen) * 3
+        full = greedy_accept(tokens, logits, buffers)
+        asked = []
+
+        def next_token_at(node, logits=logits, asked=asked):
+            asked.append(node)
+            return logits[node].argmax()
+
+        walk = greedy_accept_along_path(tokens, next_token_at, buffers)
+        assert walk.accepted == full.accepted
+        assert walk.path_nodes.tolist() == full.path_nodes.tolist()
+        assert int(walk.next_token) == int(full.next_token)
+        assert asked == full.path_nodes.tolist()  # only the accepted path was scored
