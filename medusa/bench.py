@@ -181,8 +181,12 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
     }
 
 
-def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5) -> dict:
+def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5,
+                      verify_logits: str = "all") -> dict:
     """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
+
+    ``verify_logits`` as in :func:`medusa.generate.medusa_steps`: ``"all"`` applies the lm_head to all n tokens,
+    ``"path"`` to one (the walk along the accepted path scores about tau rows, one at a time).
 
     The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
     is timed ``repeats`` times (median), interleaved across sizes to spread machine noise.
@@ -202,7 +206,8 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
                 positions = prefix_len + torch.arange(n, device=device)
                 _sync(device)
                 start = time.perf_counter()
-                kv_cache.forward(model, ids, positions, kv_cache.causal_mask(n, device), cache)
+                rows = None if verify_logits == "all" else slice(-1, None)
+                kv_cache.forward(model, ids, positions, kv_cache.causal_mask(n, device), cache, logits_for=rows)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)
                 kv_cache.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))

@@ -246,7 +246,7 @@ def cmd_build_tree(args) -> int:
     sequences = _distilled_sequences(args.data, args.limit)
     start = time.perf_counter()
     accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
-    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix)
+    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits)
     head_cost = _head_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
     tree, table = choose_tree(accuracy, curve, args.max_nodes, head_cost, name=name)
