@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, fingerprint_mismatch
+from medusa.heads import MedusaHeads, MedusaHeadsConfig, fingerprint_mismatch, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,9 @@ def read_heads_config(heads_dir: str | Path) -> MedusaHeadsConfig:
         ValueError: the config is not valid JSON or has unknown or invalid fields.
     """
     path = Path(heads_dir) / HEADS_CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no Medusa heads config at {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    data = read_json(path, "Medusa heads config")
+    if not isinstance(data, dict):
+        raise ValueError(f"Medusa heads config {path} must be a JSON object")
     data.pop("training", None)
     return MedusaHeadsConfig.from_dict(data)
 

@@ -14,13 +14,17 @@ the base forward on small models with large vocabularies.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 # Head k (0-based) reading the hidden state at position t predicts the token at t + k + HEAD_TOKEN_OFFSET.
 HEAD_TOKEN_OFFSET = 2
+# Label / head index meaning "no target" (the cross-entropy ignore index).
+IGNORE_INDEX = -100
 
 
 def head_target_offset(k: int) -> int:
@@ -75,6 +79,23 @@ class MedusaHeadsConfig:
         if unknown:
             raise ValueError(f"unknown keys in Medusa heads config: {sorted(unknown)}")
         return cls(**data)
+
+
+def read_json(path: str | Path, what: str):
+    """Read a JSON file; ``what`` names the file in errors.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not valid JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON: {e}") from e
+    return data
 
 
 def lm_head_fingerprint(weight: torch.Tensor, rows: int = 16) -> dict:
@@ -187,13 +208,30 @@ class MedusaHeads(nn.Module):
         """Map head-vocabulary indices (any shape) to base token ids."""
         return head_ids if self.token_map is None else self.token_map[head_ids]
 
-    def to_head_ids(self, base_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
+    def to_head_ids(self, base_ids: torch.Tensor, missing: int = IGNORE_INDEX) -> torch.Tensor:
         """Map base token ids (any shape) to head-vocabulary indices; ids outside the head vocab become ``missing``."""
         if self.token_map is None:
             return base_ids
-        lookup = torch.full((self.config.vocab_size,), missing, dtype=torch.long, device=base_ids.device)
-        lookup[self.token_map] = torch.arange(len(self.token_map), device=base_ids.device)
+        lookup = head_lookup_table(self.token_map, self.config.vocab_size, missing).to(base_ids.device)  # (V,)
         return torch.where(base_ids >= 0, lookup[base_ids.clamp_min(0)], torch.full_like(base_ids, missing))
+
+
+def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int,
+                      missing: int = IGNORE_INDEX) -> torch.Tensor | None:
+    """Lookup ``(V,)`` from base token id to head-vocabulary index, ``missing`` for ids outside the head vocab.
+
+    Args:
+        token_map: ``(Vh,)`` base token ids of a truncated head vocabulary, or ``None`` for the full vocabulary.
+        vocab_size: V, the base vocabulary size.
+
+    Returns:
+        ``(V,)`` long tensor on ``token_map``'s device, or ``None`` when ``token_map`` is ``None``.
+    """
+    if token_map is None:
+        return None
+    lookup = torch.full((vocab_size,), missing, dtype=torch.long, device=token_map.device)  # (V,)
+    lookup[token_map] = torch.arange(len(token_map), device=token_map.device)
+    return lookup
 
 
 def _check_token_map(config: MedusaHeadsConfig, token_map: torch.Tensor | None) -> None:

@@ -12,27 +12,11 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from medusa.heads import head_target_offset
+from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "head_lookup_table", "head_targets", "medusa_loss"]
+
 TOP_K = 5
-
-
-def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    """Lookup ``(V,)`` from base token id to head-vocabulary index, ``IGNORE_INDEX`` for ids outside the head vocab.
-
-    Args:
-        token_map: ``(Vh,)`` base token ids of a truncated head vocabulary, or ``None`` for the full vocabulary.
-        vocab_size: V, the base vocabulary size.
-
-    Returns:
-        ``(V,)`` long tensor on ``token_map``'s device, or ``None`` when ``token_map`` is ``None``.
-    """
-    if token_map is None:
-        return None
-    lookup = torch.full((vocab_size,), IGNORE_INDEX, dtype=torch.long, device=token_map.device)  # (V,)
-    lookup[token_map] = torch.arange(len(token_map), device=token_map.device)
-    return lookup
 
 
 def head_targets(labels: torch.Tensor, k: int, head_lookup: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from medusa.heads import read_json
+
 Path_ = tuple[int, ...]
 
 
@@ -90,12 +92,7 @@ def load_tree(path: str | Path) -> Tree:
         ValueError: not JSON, no ``paths`` list, unknown keys, or an invalid tree.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tree file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tree file {path} is not valid JSON: {e}") from e
+    data = read_json(path, "tree file")
     if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
         raise ValueError(f"tree file {path} must be a JSON object with a 'paths' list")
     unknown = set(data) - {"name", "paths", "note"}
