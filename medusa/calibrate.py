@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 from medusa import kv_cache
-from medusa.heads import MedusaHeads, head_target_offset
+from medusa.heads import HydraHeads, MedusaHeads, head_target_offset
 from medusa.tree import Tree, expected_acceptance, grow_tree
 
 
 @torch.inference_mode()
-def rank_accuracy(model, heads: MedusaHeads, sequences: list[tuple[list[int], int]], top_k: int = 10) -> torch.Tensor:
+def rank_accuracy(model, heads: MedusaHeads | HydraHeads, sequences: list[tuple[list[int], int]],
+                  top_k: int = 10) -> torch.Tensor:
     """Per-head, per-rank accuracy of the heads on token sequences.
+
+    Hydra heads read the true tokens between t and their target, so head k's accuracy is conditional on the tree
+    path above it being right: exactly the probability a tree node is accepted given its parent was. (For Medusa
+    heads it is unconditional; the product along a path then treats heads as independent.)
 
     Args:
         model: the base causal LM.
@@ -41,7 +46,7 @@ def rank_accuracy(model, heads: MedusaHeads, sequences: list[tuple[list[int], in
     for ids, start in sequences:
         tokens = torch.tensor(ids, device=device)
         hidden = decoder(input_ids=tokens[None]).last_hidden_state[0]  # (T, H)
-        ranked = heads.to_base_ids(heads(hidden).topk(top_k, dim=-1).indices)  # (K, T, top_k)
+        ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
         for k in range(num_heads):
             offset = head_target_offset(k)
             # Hidden state at t predicts t + offset; only targets inside the response count.
@@ -69,7 +74,7 @@ def interpolate_cost(cost_curve: dict[int, float], n: int) -> float:
 
 
 def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes: int = 64,
-                head_cost: float = 0.0, name: str = "") -> tuple[Tree, list[dict]]:
+                level_cost: float = 0.0, name: str = "") -> tuple[Tree, list[dict]]:
     """Pick the node budget with the best predicted speedup.
 
     Args:
@@ -77,7 +82,8 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
         cost_curve: relative verify cost by number of new tokens (1 -> 1.0), e.g. from
             :func:`medusa.bench.verify_cost_curve`.
         max_nodes: largest budget tried (non-root nodes).
-        head_cost: cost of running the heads once per step, relative to one single-token base forward.
+        level_cost: cost of drafting one tree level (one head call), relative to one single-token base forward;
+            a tree of depth D pays it D times per step.
 
     Returns:
         ``(tree, table)`` where table lists, per budget, expected tau, relative step cost and predicted speedup.
@@ -86,7 +92,7 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
     for budget in range(1, max_nodes + 1):
         tree = grow_tree(accuracy, budget, name=name)
         tau = expected_acceptance(tree, accuracy)
-        cost = interpolate_cost(cost_curve, tree.num_nodes) + head_cost
+        cost = interpolate_cost(cost_curve, tree.num_nodes) + level_cost * tree.depth
         row = {"nodes": budget, "expected_tau": tau, "relative_cost": cost, "predicted_speedup": tau / cost}
         table.append(row)
         if best is None or row["predicted_speedup"] > best[1]["predicted_speedup"]:

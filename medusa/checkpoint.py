@@ -1,7 +1,9 @@
 """Heads-only checkpoints: a folder with ``config.json`` and ``model.safetensors``.
 
-Weight keys: ``blocks.{k}.{j}.linear.{weight,bias}`` (ResBlock j of head k), ``lm_heads.{k}.weight`` when the heads
-own their projection, and ``token_map`` when the head vocabulary is truncated. Loading checks every key and every
+Weight keys: ``blocks.{k}.{j}.linear.{weight,bias}`` (ResBlock j of head k), ``inputs.{k}.{weight,bias}`` (Hydra
+heads' input layer), ``lm_heads.{k}.weight`` when the heads own their projection, and ``token_map`` when the head
+vocabulary is truncated. ``config.json`` names the ``head_type`` (medusa | hydra) and the ``format_version``;
+version 1 folders (Medusa heads, before ``head_type`` existed) still load. Loading checks every key and every
 shape (no ``strict=False``) and checks the heads against the base they are put on.
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, fingerprint_mismatch, read_json
+from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, build_heads, fingerprint_mismatch, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ class HeadsMismatchError(ValueError):
     """The heads do not fit the base model (hidden size, vocabulary, lm_head) or their own weights file."""
 
 
-def save_heads(heads: MedusaHeads, out_dir: str | Path, extra_config: dict | None = None) -> Path:
+def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_config: dict | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` for ``heads`` into ``out_dir``, atomically.
 
     The folder is written under a temporary name and swapped in at the end, so a crash never leaves a half-written
@@ -82,8 +84,11 @@ def read_heads_config(heads_dir: str | Path) -> MedusaHeadsConfig:
     return MedusaHeadsConfig.from_dict(data)
 
 
-def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_fingerprint: bool = True) -> MedusaHeads:
+def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_fingerprint: bool = True,
+               embed_weight: torch.Tensor | None = None) -> MedusaHeads | HydraHeads:
     """Load heads from a folder onto a base whose lm_head weight is ``lm_head_weight`` ``(V, H)``.
+
+    ``embed_weight`` is the base's input embedding weight ``(V, H)``, needed by Hydra heads.
 
     Raises:
         FileNotFoundError: the folder, config or weights file is missing.
@@ -107,7 +112,7 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
     state = load_file(str(weights_path))
     token_map = state.get("token_map")
     try:
-        heads = MedusaHeads(config, lm_head_weight, token_map)
+        heads = build_heads(config, lm_head_weight, embed_weight, token_map)
     except ValueError as e:
         raise HeadsMismatchError(f"{heads_dir}: {e}") from e
     expected = heads.state_dict()

@@ -247,16 +247,16 @@ def cmd_build_tree(args) -> int:
     start = time.perf_counter()
     accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits)
-    head_cost = _head_cost(model, curve["one_token_s"])
+    level_cost = _level_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
-    tree, table = choose_tree(accuracy, curve, args.max_nodes, head_cost, name=name)
+    tree, table = choose_tree(accuracy, curve, args.max_nodes, level_cost, name=name)
     best = next(r for r in table if r["nodes"] == len(tree.paths))
     note = (f"grown from measured per-rank head accuracy on {len(sequences)} held-out sequences and the verify cost "
             f"curve measured on {_machine()}; expected tau {best['expected_tau']:.2f}, predicted speedup "
             f"{best['predicted_speedup']:.2f}x over plain decoding")
     save_tree(tree, args.out, note=note)
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
-              "head_cost": head_cost, "table": table, "chosen_nodes": len(tree.paths)}
+              "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths)}
     Path(args.out).with_suffix(".report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"top-1 accuracy per head: {[round(a, 3) for a in accuracy[:, 0].tolist()]}")
     print(f"cost curve: { {k: round(v, 3) for k, v in curve.items()} }")
@@ -268,17 +268,22 @@ def cmd_build_tree(args) -> int:
     return 0
 
 
-def _head_cost(model, one_token_s: float, repeats: int = 20) -> float:
-    """Time of one heads call (+ top-k) relative to a single-token base forward."""
+def _level_cost(model, one_token_s: float, repeats: int = 20, rows: int = 4) -> float:
+    """Time of drafting one tree level (a head call over ``rows`` nodes + top-k) relative to a one-token forward,
+    averaged over the heads."""
     import torch
 
-    hidden = torch.randn(model.heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
+    heads = model.heads
+    hidden = torch.randn(heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
+    paths = [torch.zeros(rows, k + 1, dtype=torch.long, device=model.device) for k in range(heads.config.num_heads)]
     with torch.inference_mode():
-        model.heads(hidden).topk(10, dim=-1)
+        for k, p in enumerate(paths):
+            heads.draft_logits(k, hidden, p).topk(10, dim=-1)
         start = time.perf_counter()
         for _ in range(repeats):
-            model.heads(hidden).topk(10, dim=-1)
-    return (time.perf_counter() - start) / repeats / one_token_s
+            for k, p in enumerate(paths):
+                heads.draft_logits(k, hidden, p).topk(10, dim=-1)
+    return (time.perf_counter() - start) / (repeats * len(paths)) / one_token_s
 
 
 def _machine() -> str:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa import kv_cache
+from medusa.draft import draft_tree
 from medusa.tree import Tree, tree_buffers
-from medusa.verify import draft_tree_tokens, greedy_accept, greedy_accept_along_path
+from medusa.verify import greedy_accept, greedy_accept_along_path
 
 
 @dataclass
@@ -76,7 +77,7 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
-        heads: :class:`medusa.heads.MedusaHeads` on the same device and dtype.
+        heads: :class:`medusa.heads.MedusaHeads` or :class:`medusa.heads.HydraHeads` on the same device and dtype.
         input_ids: ``(T,)`` long prompt ids.
         tree: candidate tree; must fit the heads (depth <= K).
         max_new_tokens: generation budget.
@@ -96,7 +97,7 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
     check_context(model, len(input_ids), max_new_tokens, tree.depth)
     device = input_ids.device
-    buffers = tree_buffers(tree, tree.top_k, device)
+    buffers = tree_buffers(tree, device)
     cache = kv_cache.new_cache()
     start = time.perf_counter()
     positions = torch.arange(len(input_ids), device=device)
@@ -109,8 +110,7 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     while not stats.stopped_by:
         start = time.perf_counter()
         prefix_len = kv_cache.cache_length(cache)
-        topk = heads(last_hidden).topk(tree.top_k, dim=-1).indices  # (K, top_k)
-        tokens = draft_tree_tokens(root, heads.to_base_ids(topk), buffers)  # (N,)
+        tokens = draft_tree(heads, last_hidden, root, buffers).tokens  # (N,)
         result, hidden = _verify(model, tokens, prefix_len + buffers.depth, buffers, cache, verify_logits)
         kv_cache.keep_positions(cache, prefix_len, result.path_nodes)
         root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]

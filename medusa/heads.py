@@ -6,6 +6,11 @@ t + k + 2, while the base's own lm_head predicts t + 1. Each head is L ResBlocks
 projection. W and b start at zero, so an untrained head's hidden state equals the base's and, with the base's
 lm_head, it starts as the base's next-token predictor.
 
+Hydra heads (Ankner et al., 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding", section 3):
+head k also reads the base's frozen input embeddings of the k + 1 tokens between t and its target (t+1 .. t+k+1):
+the true tokens in training, the tokens on the tree path from the root down to the node in decoding. A tree of
+depth D is then drafted level by level, one batched head call per level (:mod:`medusa.draft`).
+
 The vocab projection is either the base's frozen lm_head (shared, not saved with the heads) or a trainable per-head
 copy. Either may be truncated to the ``head_vocab_size`` most frequent target tokens (a ``token_map`` from head
 vocabulary index to base token id, the layout vLLM's Medusa loader reads), which keeps the head cost small next to
@@ -25,6 +30,10 @@ from torch import nn
 HEAD_TOKEN_OFFSET = 2
 # Label / head index meaning "no target" (the cross-entropy ignore index).
 IGNORE_INDEX = -100
+HEAD_TYPES = ("medusa", "hydra")
+# Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra).
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 
 
 def head_target_offset(k: int) -> int:
@@ -54,10 +63,20 @@ class MedusaHeadsConfig:
     """Name or folder of the base model the heads were trained on (informational)."""
     lm_head_fingerprint: dict = field(default_factory=dict)
     """Summary of the base lm_head (see :func:`lm_head_fingerprint`) checked when loading onto a base."""
+    head_type: str = "medusa"
+    """"medusa": each head reads the hidden state at t only; "hydra": head k also reads the input embeddings of
+    tokens t+1 .. t+k+1 (sequentially dependent heads)."""
     model_type: str = "medusa_heads"
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
+        if self.format_version not in SUPPORTED_FORMAT_VERSIONS:
+            raise ValueError(f"unknown heads format_version {self.format_version!r}: this release reads "
+                             f"{list(SUPPORTED_FORMAT_VERSIONS)} (written by a newer release?)")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"unknown head_type {self.head_type!r}: expected one of {list(HEAD_TYPES)}")
+        if self.format_version == 1 and self.head_type != "medusa":
+            raise ValueError(f"format_version 1 holds only Medusa heads, got head_type {self.head_type!r}")
         for name in ("hidden_size", "vocab_size", "num_heads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -78,7 +97,11 @@ class MedusaHeadsConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown keys in Medusa heads config: {sorted(unknown)}")
-        return cls(**data)
+        data = dict(data)
+        data.setdefault("format_version", 1)  # version 1 files were written before the field mattered
+        config = cls(**data)
+        config.format_version = FORMAT_VERSION  # read as version 1 or 2, held (and re-saved) as the current one
+        return config
 
 
 def read_json(path: str | Path, what: str):
@@ -138,21 +161,14 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
-    """K Medusa heads over the base's last hidden state.
+class _HeadsBase(nn.Module):
+    """What both head types share: the config, the token map, the vocab projection and the draft interface.
 
-    Args:
-        config: head shapes.
-        lm_head_weight: the base's lm_head weight ``(V, H)``; shared heads keep a frozen view (or, when truncated,
-            a copy of the ``token_map`` rows); per-head projections are initialised from it.
-        token_map: ``(head_vocab_size,)`` base token ids of the truncated head vocabulary; required exactly when
-            ``config.head_vocab_size`` is set.
-
-    Raises:
-        ValueError: the lm_head or token map does not match the config.
+    Subclasses implement ``features(k, hidden, tokens)``: head k's ``(..., H)`` features from base hidden states
+    ``(..., H)`` and, for Hydra heads, the embeddings of the ``k + 1`` tokens that follow (``(..., k+1)`` ids).
     """
 
-    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None = None):
+    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None):
         super().__init__()
         self.config = config
         if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
@@ -161,11 +177,6 @@ class MedusaHeads(nn.Module):
                 f"(vocab_size={config.vocab_size}, hidden_size={config.hidden_size})"
             )
         _check_token_map(config, token_map)
-        hidden = config.hidden_size
-        # One distinct module per layer and head (list multiplication would share a single ResBlock).
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*(ResBlock(hidden) for _ in range(config.num_layers))) for _ in range(config.num_heads)
-        )
         if token_map is not None:
             self.register_buffer("token_map", token_map.to(torch.long).clone())
         else:
@@ -180,29 +191,57 @@ class MedusaHeads(nn.Module):
         else:
             self.shared_weight = None
             self.lm_heads = nn.ModuleList(
-                nn.Linear(hidden, rows.shape[0], bias=False) for _ in range(config.num_heads)
+                nn.Linear(config.hidden_size, rows.shape[0], bias=False) for _ in range(config.num_heads)
             )
             for head in self.lm_heads:
                 head.weight.data.copy_(rows)
+
+    def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
+        """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy."""
+        if self.lm_heads is None:
+            return feats @ self.shared_weight.to(feats.dtype).T  # (..., Vh)
+        return self.lm_heads[k](feats)  # (..., Vh)
 
     @property
     def head_vocab_size(self) -> int:
         return self.config.head_vocab_size or self.config.vocab_size
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Head logits over the head vocabulary.
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Head logits over the head vocabulary at every position (training and evaluation).
 
         Args:
-            hidden_states: ``(..., H)`` the base's last hidden states (after its final norm).
+            hidden_states: ``(B, T, H)`` (or ``(T, H)``) the base's last hidden states (after its final norm).
+            input_ids: ``(B, T)`` (or ``(T,)``) the tokens of the same sequences; Hydra heads read the embeddings of
+                tokens t+1 .. t+k+1 from it (zeros past the end, where no target exists). Ignored by Medusa heads.
 
         Returns:
-            ``(K, ..., Vh)`` logits; index ``k`` predicts ``head_target_offset(k)`` positions ahead.
+            ``(K, B, T, Vh)`` (or ``(K, T, Vh)``) logits; index ``k`` predicts ``head_target_offset(k)`` positions
+            ahead.
+
+        Raises:
+            ValueError: Hydra heads called without ``input_ids``.
         """
-        feats = torch.stack([block(hidden_states) for block in self.blocks])  # (K, ..., H)
-        if self.lm_heads is None:
-            weight = self.shared_weight.to(feats.dtype)
-            return feats @ weight.T  # (K, ..., Vh)
-        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats, strict=True)])  # (K, ..., Vh)
+        follow = self._following_tokens(hidden_states, input_ids)  # (..., T, K) or None
+        return torch.stack([
+            self.project(k, self.features(k, hidden_states, None if follow is None else follow[..., : k + 1]))
+            for k in range(self.config.num_heads)
+        ])  # (K, ..., T, Vh)
+
+    def draft_logits(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+        """Head ``k``'s logits at ``P`` tree nodes of depth ``k`` (one batched call per tree level).
+
+        Args:
+            k: head index (the depth of the nodes whose children are drafted).
+            hidden: ``(H,)`` the base's hidden state at the last accepted position t.
+            path_tokens: ``(P, k + 1)`` long: for each node, the tokens from the root (token t+1) down to the node.
+
+        Returns:
+            ``(P, Vh)`` logits over the head vocabulary.
+        """
+        return self.project(k, self.features(k, hidden.expand(len(path_tokens), -1), path_tokens))
+
+    def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None):
+        return None
 
     def to_base_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape) to base token ids."""
@@ -214,6 +253,106 @@ class MedusaHeads(nn.Module):
             return base_ids
         lookup = head_lookup_table(self.token_map, self.config.vocab_size, missing).to(base_ids.device)  # (V,)
         return torch.where(base_ids >= 0, lookup[base_ids.clamp_min(0)], torch.full_like(base_ids, missing))
+
+
+class MedusaHeads(_HeadsBase):
+    """K Medusa heads over the base's last hidden state (Cai et al., 2024, section 2.1.1).
+
+    Args:
+        config: head shapes (``head_type`` "medusa").
+        lm_head_weight: the base's lm_head weight ``(V, H)``; shared heads keep a frozen view (or, when truncated,
+            a copy of the ``token_map`` rows); per-head projections are initialised from it.
+        token_map: ``(head_vocab_size,)`` base token ids of the truncated head vocabulary; required exactly when
+            ``config.head_vocab_size`` is set.
+
+    Raises:
+        ValueError: the lm_head or token map does not match the config.
+    """
+
+    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None = None):
+        super().__init__(config, lm_head_weight, token_map)
+        # One distinct module per layer and head (list multiplication would share a single ResBlock).
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
+        )
+
+    def features(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        return self.blocks[k](hidden)  # (..., H)
+
+    def draft_logits(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+        # A Medusa head does not read the path: one row serves every node of the level.
+        return self.project(k, self.blocks[k](hidden[None])).expand(len(path_tokens), -1)  # (P, Vh)
+
+
+class HydraHeads(_HeadsBase):
+    """K sequentially dependent (Hydra) heads (Ankner et al., 2024, section 3).
+
+    Head k reads ``[h_t ; e(x_{t+1}) ; ... ; e(x_{t+k+1})]``: the base's hidden state at t and the base's frozen
+    input embeddings (RMS-normalised, so their scale matches whatever the base's embedding scale is) of the k + 1
+    tokens after t, and predicts x_{t+k+2}. Its MLP is ``h_t + SiLU(W_in [...] + b)`` (W_in, b zero-initialised, so
+    an untrained head is the base's next-token predictor, as a Medusa head) followed by ``num_layers - 1`` ResBlocks.
+
+    Args:
+        config: head shapes (``head_type`` "hydra", ``num_layers`` >= 1).
+        lm_head_weight: the base's lm_head weight ``(V, H)`` (see :class:`MedusaHeads`).
+        embed_weight: the base's input embedding weight ``(V, H)``; kept as a frozen view, never saved.
+        token_map: as for :class:`MedusaHeads`.
+
+    Raises:
+        ValueError: the lm_head, embeddings or token map do not match the config, or ``num_layers`` is 0.
+    """
+
+    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
+                 token_map: torch.Tensor | None = None):
+        super().__init__(config, lm_head_weight, token_map)
+        hidden = config.hidden_size
+        if config.num_layers < 1:
+            raise ValueError("Hydra heads need num_layers >= 1 (the input layer reads the token embeddings)")
+        if embed_weight is None or tuple(embed_weight.shape) != (config.vocab_size, hidden):
+            shape = None if embed_weight is None else tuple(embed_weight.shape)
+            raise ValueError(f"Hydra heads need the base's input embeddings of shape ({config.vocab_size}, {hidden}), "
+                             f"got {shape}")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden, hidden) for k in range(config.num_heads))
+        for layer in self.inputs:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden) for _ in range(config.num_layers - 1))) for _ in range(config.num_heads)
+        )
+
+    def features(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        if tokens is None or tokens.shape[-1] != k + 1:
+            raise ValueError(f"Hydra head {k} needs the {k + 1} tokens after position t, got "
+                             f"{None if tokens is None else tokens.shape[-1]}")
+        embeds = nn.functional.embedding(tokens, self.embed_weight).to(hidden.dtype)  # (..., k+1, H)
+        embeds = nn.functional.rms_norm(embeds, (embeds.shape[-1],))
+        x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
+        return self.blocks[k](hidden + nn.functional.silu(self.inputs[k](x)))  # (..., H)
+
+    def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """``(..., T, K)``: ``[t, j]`` is the token at t + 1 + j, 0 past the end (no target exists there)."""
+        if input_ids is None:
+            raise ValueError("Hydra heads need input_ids: head k reads the embeddings of tokens t+1 .. t+k+1")
+        if input_ids.shape != hidden_states.shape[:-1]:
+            raise ValueError(f"input_ids shape {tuple(input_ids.shape)} does not match hidden states "
+                             f"{tuple(hidden_states.shape[:-1])}")
+        num = self.config.num_heads
+        padded = nn.functional.pad(input_ids, (0, num), value=0)  # (..., T + K)
+        return padded.unfold(-1, num, 1)[..., 1:, :]  # (..., T, K)
+
+
+def build_heads(config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None,
+                token_map: torch.Tensor | None = None) -> MedusaHeads | HydraHeads:
+    """The heads ``config.head_type`` names, over the base's lm_head (and, for Hydra, input embeddings) ``(V, H)``.
+
+    Raises:
+        ValueError: Hydra heads without ``embed_weight``, or shapes that do not match the config.
+    """
+    if config.head_type == "hydra":
+        return HydraHeads(config, lm_head_weight, embed_weight, token_map)
+    return MedusaHeads(config, lm_head_weight, token_map)
 
 
 def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int,

@@ -1,8 +1,17 @@
-"""Medusa-1 training loss: decayed sum of per-head cross-entropies over supervised future tokens.
+"""Head training losses: decayed sum over heads of a per-head term on supervised future tokens.
 
 Medusa (Cai et al., 2024, section 2.2.1, "Medusa-1: frozen backbone"): head k reads the hidden state at position t
 and is trained on the token at position t + k + 2 with a cross-entropy whose weight decays geometrically with k
 (``lambda_k = decay ** k``), because far heads are less accurate and should not dominate the gradient.
+
+The per-head term is one of (``loss``):
+- ``"hard"``: cross-entropy against the token in the data;
+- ``"teacher"``: soft cross-entropy against the base's own distribution for that token, the base's lm_head applied
+  to its hidden state at t + k + 1, which the same forward already computes (Hydra++ teacher distillation, Ankner
+  et al. 2024, section 4; Medusa report section 2.3.2). On greedy self-distilled text the teacher's argmax is the
+  label; the soft target also ranks the runners-up, which the tree's other branches use. Restricted to a truncated
+  head vocabulary, the teacher is renormalised over it;
+- ``"mixed"``: ``mix * hard + (1 - mix) * teacher``.
 
 Pure tensor code: no transformers, Accelerate or tokenizer here.
 """
@@ -14,9 +23,27 @@ from torch.nn import functional as F
 
 from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
-__all__ = ["IGNORE_INDEX", "head_lookup_table", "head_targets", "medusa_loss"]
+__all__ = ["IGNORE_INDEX", "LOSS_TYPES", "head_lookup_table", "head_targets", "medusa_loss", "soft_cross_entropy"]
 
 TOP_K = 5
+LOSS_TYPES = ("hard", "teacher", "mixed")
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-row soft cross-entropy ``-sum_v p_T(v) log q_T(v) * T**2`` with ``p_T = softmax(teacher / T)`` and
+    ``q_T = softmax(logits / T)`` (Hinton et al. 2015; the T**2 keeps gradient sizes comparable across T).
+
+    Args:
+        logits: ``(..., V)`` student logits.
+        teacher_logits: ``(..., V)`` teacher logits (no gradient flows into them).
+        temperature: T > 0.
+
+    Returns:
+        ``(...)`` float32 losses; with a one-hot teacher and T = 1 this is the hard cross-entropy.
+    """
+    teacher = torch.softmax(teacher_logits.detach().float() / temperature, dim=-1)  # (..., V)
+    log_q = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
+    return -(teacher * log_q).sum(dim=-1) * temperature**2
 
 
 def head_targets(labels: torch.Tensor, k: int, head_lookup: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,11 +71,17 @@ def medusa_loss(
     labels: torch.Tensor,
     head_lookup: torch.Tensor | None = None,
     decay: float = 0.8,
+    teacher_logits: torch.Tensor | None = None,
+    loss_type: str = "hard",
+    temperature: float = 1.0,
+    mix: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decayed sum over heads of the mean cross-entropy on each head's supervised targets.
+    """Decayed sum over heads of the mean per-head term on each head's supervised targets.
 
-    ``loss = sum_k decay**k * CE_k`` where ``CE_k`` averages over the positions t whose target ``labels[:, t+k+2]``
-    is supervised and inside the head vocabulary. A head with no such target contributes exactly 0 (never NaN) and
+    ``loss = sum_k decay**k * L_k``. For ``"hard"``, ``L_k`` is the cross-entropy averaged over the positions t
+    whose target ``labels[:, t+k+2]`` is supervised and inside the head vocabulary; for ``"teacher"``, the soft
+    cross-entropy against ``teacher_logits[:, t+k+1]`` averaged over the positions whose target is supervised; for
+    ``"mixed"``, ``mix * hard + (1 - mix) * teacher``. A head with no target contributes exactly 0 (never NaN) and
     still keeps its logits in the graph, so every head parameter gets a (zero) gradient under DDP.
 
     Args:
@@ -57,6 +90,11 @@ def medusa_loss(
         head_lookup: ``(V,)`` base id -> head index or ``IGNORE_INDEX`` (see :func:`head_lookup_table`);
             ``None`` when the heads predict over the full vocabulary.
         decay: per-head loss weight base (Medusa's lambda_k = decay ** k).
+        teacher_logits: ``(B, T, Vh)`` the base's logits over the head vocabulary at every position (row j predicts
+            token j + 1); required unless ``loss_type`` is ``"hard"``.
+        loss_type: one of :data:`LOSS_TYPES`.
+        temperature: teacher temperature (see :func:`soft_cross_entropy`).
+        mix: weight of the hard term in ``"mixed"``.
 
     Returns:
         ``(loss, stats)``: the scalar loss and ``(K,)`` tensors that sum over batches and processes:
@@ -64,11 +102,18 @@ def medusa_loss(
         count as misses), ``ce_sum`` summed cross-entropy over in-vocab targets and ``ce_count`` their number.
 
     Raises:
-        ValueError: the logits and labels shapes disagree.
+        ValueError: the logits and labels shapes disagree, an unknown ``loss_type``, or a teacher loss without
+            ``teacher_logits``.
     """
     num_heads, batch, seq, head_vocab = head_logits.shape
     if labels.shape != (batch, seq):
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits (B, T) = {(batch, seq)}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss {loss_type!r}: expected one of {list(LOSS_TYPES)}")
+    if loss_type != "hard" and (teacher_logits is None or teacher_logits.shape != (batch, seq, head_vocab)):
+        got = None if teacher_logits is None else tuple(teacher_logits.shape)
+        raise ValueError(f"loss {loss_type!r} needs the base's teacher logits of shape {(batch, seq, head_vocab)} "
+                         f"(the base's lm_head over the head vocabulary), got {got}")
     loss = head_logits.new_zeros(())
     counters = ("top1", "top5", "count")
     stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in counters}
@@ -82,7 +127,14 @@ def medusa_loss(
                                  reduction="sum")
         ce_count = in_vocab.sum()
         # sum / max(count, 1): exactly 0 with a zero gradient when nothing is supervised.
-        loss = loss + decay**k * ce_sum / ce_count.clamp_min(1)
+        term = ce_sum / ce_count.clamp_min(1)
+        if loss_type != "hard":
+            offset = head_target_offset(k) - 1  # the base's logits at t + k + 1 predict token t + k + 2
+            teacher = teacher_logits[:, offset : offset + targets.shape[1]]  # (B, T', Vh)
+            soft = soft_cross_entropy(logits, teacher, temperature)  # (B, T')
+            soft_term = (soft * supervised).sum() / supervised.sum().clamp_min(1)
+            term = soft_term if loss_type == "teacher" else mix * term + (1 - mix) * soft_term
+        loss = loss + decay**k * term
         with torch.no_grad():
             top = logits.topk(min(TOP_K, head_vocab), dim=-1).indices  # (B, T', 5)
             hits = (top == targets.unsqueeze(-1)) & in_vocab.unsqueeze(-1)  # (B, T', 5)

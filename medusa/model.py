@@ -11,7 +11,7 @@ from torch import nn
 
 from medusa.checkpoint import load_heads, read_heads_config
 from medusa.generate import GenerationStats, Step, medusa_generate, medusa_steps
-from medusa.heads import MedusaHeads
+from medusa.heads import HydraHeads, MedusaHeads
 from medusa.tree import Tree, load_tree
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class MedusaModel(nn.Module):
         tokenizer: optional, used for stop tokens and by the CLI.
     """
 
-    def __init__(self, base, heads: MedusaHeads, tree: Tree | None = None, tokenizer=None):
+    def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None):
         super().__init__()
         self.base = base
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
@@ -78,7 +78,8 @@ class MedusaModel(nn.Module):
         """
         read_heads_config(heads)  # fail on a bad heads folder before spending time loading the base
         model, tokenizer = load_base(base, dtype, device, attn_implementation)
-        loaded = load_heads(heads, model.get_output_embeddings().weight)
+        loaded = load_heads(heads, model.get_output_embeddings().weight,
+                            embed_weight=model.get_input_embeddings().weight)
         if tree is None and (Path(heads) / TREE_FILE_NAME).is_file():
             tree = Path(heads) / TREE_FILE_NAME
         if tree is None:

@@ -113,46 +113,68 @@ def save_tree(tree: Tree, path: str | Path, note: str = "") -> None:
 class TreeBuffers:
     """Index tensors of a tree, built once per (tree, device).
 
-    N = tree.num_nodes (root at index 0), D = tree.depth, P = number of leaves.
+    N = tree.num_nodes (root at index 0), D = tree.depth, P = number of leaves. Nodes are ordered by depth, so the
+    nodes of one level are contiguous.
     """
 
     depth: torch.Tensor
     """(N,) long: depth of each node; the root is 0."""
     ancestor_mask: torch.Tensor
     """(N, N) bool: [i, j] is True when node j is node i or one of its ancestors (what node i may attend to)."""
-    candidate_index: torch.Tensor
-    """(N-1,) long: index of each non-root node's token in the flattened head top-k ``(K * top_k,)``."""
     retrieve_index: torch.Tensor
     """(P, D+1) long: node indices of each root-to-leaf path; padded with -1 past the leaf."""
+    node_paths: torch.Tensor
+    """(N, D+1) long: node indices from the root down to each node; padded with 0 past the node."""
+    level_parents: tuple[torch.Tensor, ...]
+    """Per level d < D: ``(P_d,)`` indices of the depth-d nodes that have children (drafted together)."""
+    level_children: tuple[torch.Tensor, ...]
+    """Per level d < D: ``(C_d,)`` indices of the depth-(d+1) nodes, in order."""
+    child_slot: tuple[torch.Tensor, ...]
+    """Per level d < D: ``(C_d,)`` position of each child's parent in ``level_parents[d]``."""
+    child_rank: tuple[torch.Tensor, ...]
+    """Per level d < D: ``(C_d,)`` the child's rank among its parent's candidates (0 = most likely)."""
+    level_top_k: tuple[int, ...]
+    """Per level d < D: candidates needed per parent (largest child rank + 1)."""
     children: tuple[tuple[int, ...], ...] = ()
     """Per node, the indices of its children (for walking the tree one node at a time)."""
 
 
-def tree_buffers(tree: Tree, top_k: int, device: torch.device | str = "cpu") -> TreeBuffers:
-    """Build the index tensors of ``tree`` for a head top-k of width ``top_k``."""
+def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
+    """Build the index tensors of ``tree`` (see :class:`TreeBuffers`)."""
     index = {p: i + 1 for i, p in enumerate(tree.paths)}
-    n = tree.num_nodes
+    index[()] = 0
+    n, depth_max = tree.num_nodes, tree.depth
     depth = torch.zeros(n, dtype=torch.long)
     ancestor = torch.eye(n, dtype=torch.bool)
     ancestor[:, 0] = True
-    candidate = torch.empty(n - 1, dtype=torch.long)
-    for path, i in index.items():
+    node_paths = torch.zeros(n, depth_max + 1, dtype=torch.long)
+    for path in tree.paths:
+        i = index[path]
         depth[i] = len(path)
-        candidate[i - 1] = (len(path) - 1) * top_k + path[-1]
-        for d in range(1, len(path)):
+        for d in range(1, len(path) + 1):
             ancestor[i, index[path[:d]]] = True
+            node_paths[i, d] = index[path[:d]]
     parents = {p[:-1] for p in tree.paths}
     leaves = [p for p in tree.paths if p not in parents] or [()]
-    retrieve = torch.full((len(leaves), tree.depth + 1), -1, dtype=torch.long)
+    retrieve = torch.full((len(leaves), depth_max + 1), -1, dtype=torch.long)
     for row, leaf in enumerate(leaves):
-        retrieve[row, 0] = 0
-        for d in range(1, len(leaf) + 1):
-            retrieve[row, d] = index[leaf[:d]]
+        retrieve[row, : len(leaf) + 1] = node_paths[index[leaf], : len(leaf) + 1]
     children = [[] for _ in range(n)]
-    for path, i in index.items():
-        children[index.get(path[:-1], 0)].append(i)
-    return TreeBuffers(depth.to(device), ancestor.to(device), candidate.to(device), retrieve.to(device),
-                       tuple(tuple(c) for c in children))
+    for path in tree.paths:
+        children[index[path[:-1]]].append(index[path])
+    level_parents, level_children, child_slot, child_rank, level_top_k = [], [], [], [], []
+    for d in range(depth_max):
+        expanding = sorted(index[p] for p in parents if len(p) == d)
+        slot = {node: s for s, node in enumerate(expanding)}
+        kids = [p for p in tree.paths if len(p) == d + 1]
+        level_parents.append(torch.tensor(expanding, dtype=torch.long, device=device))
+        level_children.append(torch.tensor([index[p] for p in kids], dtype=torch.long, device=device))
+        child_slot.append(torch.tensor([slot[index[p[:-1]]] for p in kids], dtype=torch.long, device=device))
+        child_rank.append(torch.tensor([p[-1] for p in kids], dtype=torch.long, device=device))
+        level_top_k.append(max(p[-1] for p in kids) + 1)
+    return TreeBuffers(depth.to(device), ancestor.to(device), retrieve.to(device), node_paths.to(device),
+                       tuple(level_parents), tuple(level_children), tuple(child_slot), tuple(child_rank),
+                       tuple(level_top_k), tuple(tuple(c) for c in children))
 
 
 def grow_tree(accuracy: torch.Tensor, num_nodes: int, name: str = "") -> Tree:

@@ -1,4 +1,4 @@
-"""Drafting tree candidates from the heads and verifying them against the base (pure tensor code).
+"""Verifying drafted tree candidates against the base (pure tensor code).
 
 Medusa report (Cai et al. 2024), sections 2.1.2 and 2.3.1: the heads' top-k tokens are laid out on a tree, the base
 scores every tree node in one forward with tree attention, and the longest path whose every token equals the base's
@@ -14,21 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from medusa.tree import TreeBuffers
-
-
-def draft_tree_tokens(root_token: torch.Tensor, head_topk_ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-    """Token ids of every tree node.
-
-    Args:
-        root_token: ``()`` long, the base's last emitted token (not yet in the cache).
-        head_topk_ids: ``(K, top_k)`` long base-vocab ids of each head's top-k, best first.
-        buffers: the tree's index tensors, built for the same ``top_k``.
-
-    Returns:
-        ``(N,)`` long: the root token followed by each node's candidate.
-    """
-    flat = head_topk_ids.reshape(-1)  # (K * top_k,)
-    return torch.cat([root_token.reshape(1), flat[buffers.candidate_index]])  # (N,)
 
 
 @dataclass
@@ -47,7 +32,7 @@ def greedy_accept(tree_tokens: torch.Tensor, tree_logits: torch.Tensor, buffers:
     """Accept the longest root-to-leaf prefix on which every token is the base's argmax at its parent.
 
     Args:
-        tree_tokens: ``(N,)`` long node tokens (from :func:`draft_tree_tokens`).
+        tree_tokens: ``(N,)`` long node tokens (from :func:`medusa.draft.draft_tree`).
         tree_logits: ``(N, V)`` base logits at every node (node i's logits predict the token after node i).
         buffers: the tree's index tensors.
 

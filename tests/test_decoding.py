@@ -51,6 +51,9 @@ class OracleHeads(torch.nn.Module):
             logits[k, torch.tensor(order)] = torch.linspace(10, 0, self.vocab)
         return logits
 
+    def draft_logits(self, k, hidden, path_tokens):
+        return self(hidden)[k].expand(len(path_tokens), -1)
+
     def to_base_ids(self, ids):
         return ids
 

@@ -48,7 +48,7 @@ def test_keep_positions_equals_a_cache_built_from_the_accepted_tokens(arch):
     prefix_len = 12  # longer than the sliding window
     prefix, nodes = ids_of(prefix_len), ids_of(TREE.num_nodes, seed=1)
     _, _, cache = prefill(model, prefix)
-    buffers = tree_buffers(TREE, top_k=2)
+    buffers = tree_buffers(TREE)
     with torch.no_grad():
         kv_cache.forward(model, nodes, prefix_len + buffers.depth, buffers.ancestor_mask, cache)
     assert kv_cache.cache_length(cache) == prefix_len + TREE.num_nodes
@@ -97,7 +97,7 @@ def visible_keys(mask: torch.Tensor) -> torch.Tensor:
 def test_mask_form_values_and_window(arch, kinds, dtype):
     config = tiny_config(arch)
     prefix_len = 12
-    buffers = tree_buffers(TREE, top_k=2)
+    buffers = tree_buffers(TREE)
     positions = prefix_len + buffers.depth  # (N,)
     mask = kv_cache.build_attention_mask(config, prefix_len, positions, buffers.ancestor_mask, dtype)
     if kinds is None:  # no per-layer types: a single tensor

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa.draft import draft_tree
 from medusa.tree import Tree, expected_acceptance, grow_tree, load_tree, save_tree, tree_buffers
-from medusa.verify import draft_tree_tokens, greedy_accept
+from medusa.verify import greedy_accept
 
 TREE_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
 
@@ -51,22 +52,41 @@ def test_chain():
 
 
 def test_buffers_of_a_hand_made_tree():
-    buffers = tree_buffers(SMALL, top_k=4)
+    buffers = tree_buffers(SMALL)
     assert buffers.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6]}
     expected = torch.zeros(7, 7, dtype=torch.bool)
     for node, visible in ancestors.items():
         expected[node, visible] = True
     assert torch.equal(buffers.ancestor_mask, expected)
-    # Node with path p takes head (len(p) - 1)'s rank p[-1] from the flattened (K * top_k,) top-k.
-    assert buffers.candidate_index.tolist() == [0, 1, 4, 5, 4, 8]
     assert buffers.retrieve_index.tolist() == [LEAF_01 + [-1], LEAF_10 + [-1], LEAF_000]
+    assert buffers.node_paths[6].tolist() == LEAF_000 and buffers.node_paths[2].tolist() == [0, 2, 0, 0]
+    # Level d drafts the depth-(d+1) nodes from the depth-d nodes that have children.
+    assert [p.tolist() for p in buffers.level_parents] == [[0], [1, 2], [3]]
+    assert [c.tolist() for c in buffers.level_children] == [[1, 2], [3, 4, 5], [6]]
+    assert [s.tolist() for s in buffers.child_slot] == [[0, 0], [0, 0, 1], [0]]
+    assert [r.tolist() for r in buffers.child_rank] == [[0, 1], [0, 1, 0], [0]]
+    assert buffers.level_top_k == (2, 2, 1)
 
 
-def test_draft_tree_tokens_follow_paths():
-    top_k = 3
-    head_topk = torch.arange(100, 100 + 3 * top_k).reshape(3, top_k)  # (K, top_k), all distinct
-    tokens = draft_tree_tokens(torch.tensor(7), head_topk, tree_buffers(SMALL, top_k))
+class FixedHeads:
+    """Medusa-like heads whose head k ranks ``ranking[k]`` (base ids, best first) whatever the node."""
+
+    def __init__(self, ranking: torch.Tensor, vocab: int = 200):
+        self.ranking, self.vocab = ranking, vocab
+
+    def draft_logits(self, k, hidden, path_tokens):
+        logits = torch.zeros(self.vocab)
+        logits[self.ranking[k]] = torch.linspace(10, 1, len(self.ranking[k]))
+        return logits.expand(len(path_tokens), -1)
+
+    def to_base_ids(self, ids):
+        return ids
+
+
+def test_drafted_tokens_follow_paths():
+    head_topk = torch.arange(100, 109).reshape(3, 3)  # (K, top_k), all distinct
+    tokens = draft_tree(FixedHeads(head_topk), torch.zeros(4), torch.tensor(7), tree_buffers(SMALL)).tokens
     assert tokens[0] == 7
     for i, path in enumerate(SMALL.paths, start=1):
         assert tokens[i] == head_topk[len(path) - 1, path[-1]]
@@ -84,7 +104,7 @@ def tree_case(predicted: dict[int, int], vocab: int = 50):
 def test_greedy_accept_takes_the_longest_matching_path():
     # Base agrees with (0), (0,0), (0,0,0): the last leaf wins over the first leaf (0,1), which matches only (0).
     tokens, logits = tree_case({0: 11, 1: 13, 3: 16, 6: 42})
-    result = greedy_accept(tokens, logits, tree_buffers(SMALL, 2))
+    result = greedy_accept(tokens, logits, tree_buffers(SMALL))
     assert result.accepted == 3
     assert result.path_nodes.tolist() == LEAF_000
     assert result.next_token == 42
@@ -92,7 +112,7 @@ def test_greedy_accept_takes_the_longest_matching_path():
 
 def test_greedy_accept_partial_path_and_bonus_token():
     tokens, logits = tree_case({0: 12, 2: 30})  # (1) accepted, (1,0) rejected: the base says 30 instead of 15
-    result = greedy_accept(tokens, logits, tree_buffers(SMALL, 2))
+    result = greedy_accept(tokens, logits, tree_buffers(SMALL))
     assert (result.accepted, result.path_nodes.tolist(), int(result.next_token)) == (1, [0, 2], 30)
 
 
@@ -100,7 +120,7 @@ def test_padding_never_matches():
     # Leaf (0,1) is fully accepted and the base's prediction after it equals the root token. Reading the -1 pad as
     # node 0 would accept a phantom third token there.
     tokens, logits = tree_case({0: 11, 1: 14, 4: 10})
-    result = greedy_accept(tokens, logits, tree_buffers(SMALL, 2))
+    result = greedy_accept(tokens, logits, tree_buffers(SMALL))
     assert result.accepted == 2
     assert result.path_nodes.tolist() == LEAF_01
     assert result.next_token == 10
@@ -108,7 +128,7 @@ def test_padding_never_matches():
 
 def test_zero_acceptance_emits_the_base_token():
     tokens, logits = tree_case({0: 33})
-    result = greedy_accept(tokens, logits, tree_buffers(SMALL, 2))
+    result = greedy_accept(tokens, logits, tree_buffers(SMALL))
     assert (result.accepted, result.path_nodes.tolist(), int(result.next_token)) == (0, [0], 33)
 
 
@@ -195,7 +215,7 @@ def test_shipped_tree_files_are_valid():
     for path in files:
         tree = load_tree(path)
         assert tree.paths, path
-        buffers = tree_buffers(tree, tree.top_k)
+        buffers = tree_buffers(tree)
         assert buffers.ancestor_mask.shape == (tree.num_nodes, tree.num_nodes), path
         assert (buffers.retrieve_index[:, 0] == 0).all(), path
 
@@ -205,11 +225,11 @@ def test_accept_along_path_matches_accepting_on_all_nodes():
     from medusa.verify import greedy_accept_along_path
 
     tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]])
-    buffers = tree_buffers(tree, 3)
+    buffers = tree_buffers(tree)
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         topk = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(3)])  # (K, top_k) distinct per head
-        tokens = draft_tree_tokens(torch.tensor(5), topk, buffers)
+        tokens = draft_tree(FixedHeads(topk, vocab=6), torch.zeros(4), torch.tensor(5), buffers).tokens
         logits = torch.randn(tree.num_nodes, 6, generator=gen) * 3
         full = greedy_accept(tokens, logits, buffers)
         asked = []

@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
+HEAD_TYPE_CHOICES = ("medusa", "hydra")
+LOSS_CHOICES = ("hard", "teacher", "mixed")
 TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
@@ -35,10 +37,13 @@ class TrainConfig:
     self-distilled records)."""
     output_dir: str = "outputs/medusa"
     """Run folder: checkpoints/, distilled data, heads/ and eval.json are written here."""
+    head_type: str = "medusa"
+    """"medusa" (each head reads the hidden state at t) or "hydra" (head k also reads the input embeddings of the
+    tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024)."""
     num_heads: int = 4
     """K: number of Medusa heads; head k predicts the token k + 2 positions ahead."""
     num_layers: int = 1
-    """ResBlocks per head."""
+    """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks."""
     share_lm_head: bool = True
     """Project with the base's frozen lm_head (True) or train a per-head copy (False)."""
     head_vocab_size: int | None = 8192
@@ -46,6 +51,13 @@ class TrainConfig:
     vocabulary (also used when it is not smaller than the base vocabulary)."""
     loss_decay: float = 0.8
     """Head k's loss weight is loss_decay ** k."""
+    loss: str = "hard"
+    """"hard" (cross-entropy on the data's tokens), "teacher" (soft cross-entropy on the base's own distribution
+    for each target token, from its lm_head) or "mixed" (loss_mix * hard + (1 - loss_mix) * teacher)."""
+    teacher_temperature: float = 1.0
+    """Temperature of the teacher loss (both distributions are divided by it; the loss is scaled by its square)."""
+    loss_mix: float = 0.5
+    """Weight of the hard term when loss is "mixed"."""
     max_seq_len: int = 1024
     """Conversations are truncated to this many tokens."""
     batch_size: int = 8
@@ -104,6 +116,14 @@ class TrainConfig:
             raise ValueError("base (the base model folder) is required")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
+        _check_choice("head_type", self.head_type, HEAD_TYPE_CHOICES)
+        _check_choice("loss", self.loss, LOSS_CHOICES)
+        if self.head_type == "hydra" and self.num_layers < 1:
+            raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
+        if not self.teacher_temperature > 0:
+            raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}")
+        if not 0 <= self.loss_mix <= 1:
+            raise ValueError(f"loss_mix must be in [0, 1], got {self.loss_mix}")
         for name in ("num_heads", "max_seq_len", "batch_size", "grad_accum_steps", "max_steps", "log_every",
                      "distill_max_new_tokens", "distill_max_prompt_tokens", "distill_batch_size"):
             _check_min(name, getattr(self, name), 1)

@@ -32,8 +32,16 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
+from medusa import heads as heads_module
 from medusa.checkpoint import load_heads, save_heads
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, head_target_offset, lm_head_fingerprint, most_frequent_tokens
+from medusa.heads import (
+    HydraHeads,
+    MedusaHeads,
+    MedusaHeadsConfig,
+    head_target_offset,
+    lm_head_fingerprint,
+    most_frequent_tokens,
+)
 from medusa.losses import head_lookup_table, medusa_loss
 from train.config import TrainConfig, resume_mismatch
 from train.data import (
@@ -72,6 +80,8 @@ class Run:
     held_examples: list[dict]
     head_lookup: torch.Tensor | None
     pad_id: int
+    teacher_weight: torch.Tensor | None
+    """``(Vh, H)`` the base's lm_head rows of the head vocabulary (teacher logits), when the loss needs them."""
     step: int = 0
     hidden_cache: dict[int, torch.Tensor] | None = None
     """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
@@ -119,11 +129,18 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     train_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len)
     held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len)
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
+                         "project with it and the teacher loss needs it")
     lm_head = model.get_output_embeddings().weight  # (V, H)
+    embed = model.get_input_embeddings().weight  # (V, H)
     if checkpoint:
-        heads = load_heads(checkpoint / HEADS_DIR, lm_head)
+        heads = load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
     else:
-        heads = build_heads(config, lm_head, train_examples, eos_ids(model, tokenizer))
+        heads = build_heads(config, lm_head, embed, train_examples, eos_ids(model, tokenizer))
+    teacher_weight = None
+    if config.loss != "hard":
+        teacher_weight = lm_head.detach() if heads.token_map is None else lm_head.detach()[heads.token_map]
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
@@ -140,7 +157,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
-               pad_id, step=step, hidden_cache={} if config.cache_hidden_states else None)
+               pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None)
 
 
 def make_accelerator(config: TrainConfig) -> Accelerator:
@@ -227,8 +244,10 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def build_heads(config: TrainConfig, lm_head: torch.Tensor, examples: list[dict], always: list[int]) -> MedusaHeads:
-    """Fresh heads over the base's lm_head ``(V, H)``, with a token map of the most frequent training targets."""
+def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
+                always: list[int]) -> MedusaHeads | HydraHeads:
+    """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
+    of the most frequent training targets."""
     vocab, hidden = lm_head.shape
     head_vocab = config.head_vocab_size if config.head_vocab_size and config.head_vocab_size < vocab else None
     token_map = None
@@ -238,9 +257,9 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, examples: list[dict]
     heads_config = MedusaHeadsConfig(
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
-        lm_head_fingerprint=lm_head_fingerprint(lm_head),
+        lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
     )
-    return MedusaHeads(heads_config, lm_head, token_map)
+    return heads_module.build_heads(heads_config, lm_head, embed, token_map)
 
 
 def make_optimizer(heads: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -396,8 +415,8 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
         last = micro == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
-            logits = run.heads(hidden)  # (K, B, T, Vh)
-            loss, _ = medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay)
+            logits = run.heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
+            loss, _ = head_loss(run, logits, hidden, batch)
             accelerator.backward(loss / config.grad_accum_steps)
         total += loss.detach() / config.grad_accum_steps
     if config.max_grad_norm > 0:
@@ -406,6 +425,21 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):
+    """:func:`medusa.losses.medusa_loss` with the run's loss settings; teacher logits come from the base's lm_head
+    rows of the head vocabulary applied to the same hidden states ``(B, T, H)``."""
+    config = run.config
+    teacher = None
+    if run.teacher_weight is not None:
+        with torch.no_grad():
+            teacher = hidden.float() @ run.teacher_weight.float().T  # (B, T, Vh)
+            cap = getattr(run.model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+            if cap is not None:
+                teacher = torch.tanh(teacher / cap) * cap
+    return medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay, teacher_logits=teacher,
+                       loss_type=config.loss, temperature=config.teacher_temperature, mix=config.loss_mix)
 
 
 @torch.no_grad()
@@ -428,8 +462,8 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
         batch = _to_device(collate(mine[start : start + config.batch_size], run.pad_id), accelerator.device)
         hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
         with accelerator.autocast():
-            logits = heads(hidden)  # (K, B, T, Vh)
-        _, stats = medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay)
+            logits = heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
+        _, stats = head_loss(run, logits, hidden, batch)
         for name, value in stats.items():
             totals[name] = totals.get(name, 0) + value
     if not totals:  # this process has no held-out slice; it still joins the reduction
