@@ -22,7 +22,7 @@ TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
 RESUMABLE_FIELDS = frozenset(
     {"output_dir", "max_steps", "save_every", "eval_every", "max_eval_batches", "log_every", "keep_checkpoints",
-     "tracker", "distill_time_limit_s", "cache_hidden_states"}
+     "tracker", "distill_time_limit_s", "cache_hidden_states", "hidden_state_store", "num_proc"}
 )
 
 
@@ -108,6 +108,12 @@ class TrainConfig:
     cache_hidden_states: bool = False
     """Keep each training example's base hidden states in memory (bf16, on CPU) after its first forward, so every
     later epoch runs the heads only. Costs sequence length x hidden size x 2 bytes per example."""
+    hidden_state_store: str | None = None
+    """Folder of a hidden-state store (train/store.py): the training examples' base hidden states on disk (bf16,
+    memory-mapped), built by one base pass if missing and resumed if partial; training then reads them instead of
+    running the base (the held-out split still runs it). Null runs the base every step."""
+    num_proc: int = 1
+    """Processes for tokenising the data (datasets map; the result is cached on disk)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -125,7 +131,7 @@ class TrainConfig:
         if not 0 <= self.loss_mix <= 1:
             raise ValueError(f"loss_mix must be in [0, 1], got {self.loss_mix}")
         for name in ("num_heads", "max_seq_len", "batch_size", "grad_accum_steps", "max_steps", "log_every",
-                     "distill_max_new_tokens", "distill_max_prompt_tokens", "distill_batch_size"):
+                     "distill_max_new_tokens", "distill_max_prompt_tokens", "distill_batch_size", "num_proc"):
             _check_min(name, getattr(self, name), 1)
         for name in ("num_layers", "warmup_steps", "save_every", "eval_every", "keep_checkpoints", "seed",
                      "weight_decay", "max_grad_norm"):
@@ -133,6 +139,8 @@ class TrainConfig:
         for name in ("head_vocab_size", "max_conversations", "max_eval_batches"):
             if getattr(self, name) is not None:
                 _check_min(name, getattr(self, name), 1)
+        if self.cache_hidden_states and self.hidden_state_store:
+            raise ValueError("cache_hidden_states and hidden_state_store both keep hidden states: choose one")
         if self.num_layers == 0 and self.share_lm_head:
             raise ValueError("num_layers=0 with share_lm_head=true leaves the heads nothing to train")
         if self.max_seq_len < 3:

@@ -53,6 +53,7 @@ from train.data import (
     tokenize_conversations,
 )
 from train.distill import distill, jsonl_ids
+from train.store import HiddenStateStore, base_hidden_states, ensure_store
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Run:
     step: int = 0
     hidden_cache: dict[int, torch.Tensor] | None = None
     """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
+    store: HiddenStateStore | None = None
+    """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
 
 
 def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
@@ -132,6 +135,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
                          "project with it and the teacher loss needs it")
+    store = ensure_store(config.hidden_state_store, model, train_examples, config.max_seq_len, config.batch_size,
+                         accelerator) if config.hidden_state_store else None
     lm_head = model.get_output_embeddings().weight  # (V, H)
     embed = model.get_input_embeddings().weight  # (V, H)
     if checkpoint:
@@ -157,7 +162,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
-               pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None)
+               pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None,
+               store=store)
 
 
 def make_accelerator(config: TrainConfig) -> Accelerator:
@@ -203,23 +209,16 @@ def freeze_base(model: torch.nn.Module) -> None:
     model.eval()
 
 
-def base_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states ``(B, T, H)`` (after the final norm) of the frozen base; no logits are computed.
-
-    ``get_decoder()`` is the inner transformer (``LlamaModel``, ``GPT2Model``...) in transformers 5.x.
-    """
-    with torch.no_grad():
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state  # (B, T, H)
-
-
 def batch_hidden_states(run: Run, indices: list[int], batch: dict) -> torch.Tensor:
-    """Base hidden states ``(B, T, H)`` for a micro-batch, from ``run.hidden_cache`` when every example is in it.
+    """Base hidden states ``(B, T, H)`` for a micro-batch: from ``run.store`` when there is one, else from
+    ``run.hidden_cache`` when every example is in it.
 
-    Without a cache this is :func:`base_hidden_states`. With one, a batch holding any new example runs the base and
-    stores each example's unpadded states (bf16, CPU); a fully cached batch is re-padded with zeros (padding
-    positions carry no label).
+    Without either this is :func:`train.store.base_hidden_states`. With a cache, a batch holding any new example runs
+    the base and stores each example's unpadded states (bf16, CPU); a fully cached batch is re-padded with zeros
+    (padding positions carry no label).
     """
+    if run.store is not None:
+        return run.store.hidden_batch(indices).to(batch["input_ids"].device)  # (B, T, H)
     if run.hidden_cache is None or any(i not in run.hidden_cache for i in indices):
         hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
         if run.hidden_cache is not None:

@@ -1,0 +1,396 @@
+"""Hidden-state store: the frozen base's last hidden states, computed once and kept on disk in bf16.
+
+Medusa-1 trains the heads over a frozen base (Cai et al. 2024, section 2.2.1), so the base's hidden states of a
+training example never change: one pass of the base writes them here, and every later epoch reads them back at the
+speed of the heads, for data larger than RAM too (the shards are memory-mapped). Teacher logits are the base's
+lm_head applied to these states: they are recomputed, not stored.
+
+A store is a folder:
+
+- ``meta.json``: format version, the base's identity (name, sizes, lm_head fingerprint), ``max_seq_len``, dtype,
+  counts, bytes per token, and for each finished shard its files, their exact byte sizes and its example lengths.
+- ``shard_NNNNN.hidden``: ``(N, H)`` uint16 holding the bf16 bits of the unpadded states of consecutive examples.
+- ``shard_NNNNN.tokens``: ``(N, 2)`` int32, the input id and the label of each of those tokens.
+
+Example ``i`` lives in one shard at a token offset, with its length ``T_i``; that index is rebuilt from the lengths
+in ``meta.json``. Shards keep the examples in their original order; inside a shard the examples go through the base
+in length-sorted batches (little padding). A shard is written under a temporary name and renamed, then ``meta.json``
+is rewritten the same way, so an interrupted build resumes after the last shard ``meta.json`` lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa.heads import fingerprint_mismatch, lm_head_fingerprint
+from train.data import collate
+
+logger = logging.getLogger(__name__)
+
+STORE_FORMAT = "medusa-hidden-state-store"
+STORE_FORMAT_VERSION = 1
+META_NAME = "meta.json"
+HIDDEN_SUFFIX = ".hidden"
+TOKENS_SUFFIX = ".tokens"
+TMP_PREFIX = ".tmp-"
+DEFAULT_SHARD_TOKENS = 1 << 20
+# On open with a model, this many leading tokens of example 0 go through the base again and must match the stored
+# states to this relative L2 error: bf16 storage and another compute dtype stay far below it, another base does not.
+STATE_CHECK_TOKENS = 16
+STATE_CHECK_RTOL = 5e-2
+
+
+class StoreError(ValueError):
+    """A hidden-state store that cannot be used as asked: another base, data or max_seq_len, or a damaged file."""
+
+
+def base_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states ``(B, T, H)`` (after the final norm) of the frozen base; no logits are computed.
+
+    ``get_decoder()`` is the inner transformer (``LlamaModel``, ``GPT2Model``...) in transformers 5.x.
+    """
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state  # (B, T, H)
+
+
+def base_identity(model) -> dict:
+    """What identifies the base a store was built with: name, sizes and the lm_head fingerprint."""
+    text_config = model.config.get_text_config(decoder=True)
+    lm_head = model.get_output_embeddings().weight  # (V, H)
+    return {"name_or_path": getattr(model.config, "name_or_path", ""), "model_type": model.config.model_type,
+            "hidden_size": int(text_config.hidden_size), "vocab_size": int(lm_head.shape[0]),
+            "num_hidden_layers": int(text_config.num_hidden_layers),
+            "lm_head_fingerprint": lm_head_fingerprint(lm_head)}
+
+
+def examples_digest(examples: list[dict]) -> str:
+    """SHA-256 of every example's input ids and labels, in order: a store answers for exactly these examples."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(np.asarray([len(e["input_ids"])], dtype=np.int64).tobytes())
+        digest.update(np.asarray(e["input_ids"], dtype=np.int64).tobytes())
+        digest.update(np.asarray(e["labels"], dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """``[(first, stop), ...]``: consecutive examples, each shard closed once it holds ``shard_tokens`` tokens."""
+    plan, first, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        tokens += n
+        if tokens >= shard_tokens:
+            plan.append((first, i + 1))
+            first, tokens = i + 1, 0
+    if first < len(lengths):
+        plan.append((first, len(lengths)))
+    return plan
+
+
+def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices into ``lengths`` in batches of similar length (sorted, longest first, so memory peaks at once)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building.
+
+
+def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
+                shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
+    """Run the frozen base once over ``examples`` and write their hidden states to the store folder ``path``.
+
+    Resumable: a folder holding part of the same store (same base, examples, ``max_seq_len``, ``shard_tokens``)
+    continues after its last finished shard; a finished store is left as it is. Progress (tokens/s) is logged per
+    shard.
+
+    Args:
+        path: the store folder (created).
+        model: the base causal LM, frozen, on its device; states are computed in its dtype and stored in bf16.
+        examples: ``{"input_ids", "labels"}`` lists, as :func:`train.data.tokenize_conversations` returns.
+        max_seq_len: the tokenisation limit the examples were cut to (recorded and checked on open).
+        batch_size: sequences per base forward.
+        shard_tokens: tokens per shard file (the last shard may hold fewer); ``2 * H + 8`` bytes each.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        StoreError: ``path`` holds a store of another base, other examples or another ``max_seq_len``, a damaged
+            ``meta.json`` or a finished shard whose size differs from ``meta.json``.
+        ValueError: ``examples`` is empty or an example is empty or longer than ``max_seq_len``.
+    """
+    path = Path(path)
+    if not examples:
+        raise ValueError(f"{path}: no examples to store")
+    lengths = [len(e["input_ids"]) for e in examples]
+    if min(lengths) < 1 or max(lengths) > max_seq_len:
+        raise ValueError(f"{path}: example lengths must be in [1, max_seq_len={max_seq_len}], got "
+                         f"{min(lengths)}..{max(lengths)}")
+    meta = _new_meta(model, examples, lengths, max_seq_len, shard_tokens)
+    if (path / META_NAME).is_file():
+        stored = read_meta(path)
+        _check_same_build(path, stored, meta, model)
+        _check_shard_sizes(path, stored["shards"])
+        meta["shards"] = stored["shards"]
+    path.mkdir(parents=True, exist_ok=True)
+    for leftover in path.glob(f"{TMP_PREFIX}*"):  # an interrupted shard: written again below
+        leftover.unlink()
+    plan = plan_shards(lengths, shard_tokens)
+    if meta["shards"]:
+        logger.info("%s: resuming after shard %d of %d", path, len(meta["shards"]), len(plan))
+    for index in range(len(meta["shards"]), len(plan)):
+        first, stop = plan[index]
+        start = time.monotonic()
+        shard = _write_shard(path, index, first, model, examples[first:stop], batch_size)
+        meta["shards"].append(shard)
+        meta["complete"] = index == len(plan) - 1
+        _write_json_atomic(path / META_NAME, meta)
+        seconds = time.monotonic() - start
+        logger.info("%s: shard %d/%d, %d examples, %d tokens in %.1f s (%.0f tokens/s)", path, index + 1,
+                    len(plan), stop - first, shard["tokens"], seconds, shard["tokens"] / max(seconds, 1e-9))
+    return path
+
+
+def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int, shard_tokens: int) -> dict:
+    identity = base_identity(model)
+    bytes_per_token = 2 * identity["hidden_size"] + 2 * np.dtype(np.int32).itemsize
+    return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "base": identity,
+            "max_seq_len": max_seq_len, "dtype": "bfloat16", "token_dtype": "int32",
+            "num_examples": len(examples), "num_tokens": int(sum(lengths)), "bytes_per_token": bytes_per_token,
+            "shard_tokens": shard_tokens, "examples_sha256": examples_digest(examples), "complete": False,
+            "shards": []}
+
+
+def _check_same_build(path: Path, stored: dict, meta: dict, model) -> None:
+    """Raise :class:`StoreError` when a partly built store at ``path`` is not the one ``meta`` describes."""
+    problems = [f"{key}: stored {stored.get(key)!r} != now {meta[key]!r}"
+                for key in ("max_seq_len", "num_examples", "shard_tokens", "examples_sha256")
+                if stored.get(key) != meta[key]]
+    problems += _identity_problems(stored["base"], model)
+    if problems:
+        raise StoreError(f"{path / META_NAME}: a different store is in this folder:\n  " + "\n  ".join(problems)
+                         + "\ndelete the folder or choose another one")
+
+
+def _identity_problems(stored: dict, model) -> list[str]:
+    """How the base ``model`` differs from the identity a store recorded (empty when it is the same base)."""
+    now = base_identity(model)
+    problems = [f"base {key}: stored {stored.get(key)!r} != now {now[key]!r}"
+                for key in ("hidden_size", "vocab_size", "num_hidden_layers") if stored.get(key) != now[key]]
+    lm_head = model.get_output_embeddings().weight  # (V, H)
+    if not problems and (mismatch := fingerprint_mismatch(stored.get("lm_head_fingerprint"), lm_head)):
+        problems.append(mismatch.replace("the heads were trained on", "the store was built with"))
+    return problems
+
+
+def _write_shard(path: Path, index: int, first: int, model, examples: list[dict], batch_size: int) -> dict:
+    """Write one shard (hidden states and tokens) under temporary names, then rename; returns its meta entry."""
+    name = f"shard_{index:05d}"
+    lengths = [len(e["input_ids"]) for e in examples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    hidden_size = base_identity(model)["hidden_size"]
+    tokens = np.empty((offsets[-1], 2), dtype=np.int32)  # (N, 2)
+    for e, offset, n in zip(examples, offsets, lengths, strict=False):
+        tokens[offset : offset + n, 0], tokens[offset : offset + n, 1] = e["input_ids"], e["labels"]
+    tmp_hidden, tmp_tokens = path / f"{TMP_PREFIX}{name}{HIDDEN_SUFFIX}", path / f"{TMP_PREFIX}{name}{TOKENS_SUFFIX}"
+    hidden = np.memmap(tmp_hidden, dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), hidden_size))  # (N, H)
+    device = next(model.parameters()).device
+    for batch_rows in length_sorted_batches(lengths, batch_size):
+        batch = collate([examples[r] for r in batch_rows], pad_id=0)
+        states = base_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        bits = states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()  # (B, T, H)
+        for row, r in enumerate(batch_rows):
+            hidden[offsets[r] : offsets[r + 1]] = bits[row, : lengths[r]]
+    hidden.flush()
+    del hidden
+    tokens.tofile(tmp_tokens)
+    for tmp in (tmp_hidden, tmp_tokens):
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path / tmp.name[len(TMP_PREFIX) :])
+    return {"name": name, "first_example": first, "examples": len(examples), "tokens": int(offsets[-1]),
+            "hidden_bytes": int(offsets[-1]) * hidden_size * 2, "tokens_bytes": int(tokens.nbytes),
+            "lengths": lengths}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def ensure_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
+                 accelerator=None) -> HiddenStateStore:
+    """Build (or resume) the store at ``path`` on the main process, then open it on every process.
+
+    ``accelerator`` is an ``accelerate.Accelerator`` or ``None`` for a single process. Raises what
+    :func:`build_store` and :meth:`HiddenStateStore.open` raise.
+    """
+    if accelerator is None or accelerator.is_main_process:
+        build_store(path, model, examples, max_seq_len, batch_size)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return HiddenStateStore.open(path, model=model, max_seq_len=max_seq_len, examples=examples)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading.
+
+
+def read_meta(path: str | Path) -> dict:
+    """The ``meta.json`` of the store folder ``path``.
+
+    Raises:
+        StoreError: it is missing, not valid JSON, not a store's meta, or of an unknown format version.
+    """
+    meta_path = Path(path) / META_NAME
+    if not meta_path.is_file():
+        raise StoreError(f"{meta_path} not found: {path} is not a hidden-state store (or its build never started)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{meta_path} is corrupt (not valid JSON: {e}); delete the store and build it again") from e
+    if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
+        raise StoreError(f"{meta_path} is not the meta of a hidden-state store (format {STORE_FORMAT!r} expected)")
+    if meta.get("format_version") != STORE_FORMAT_VERSION:
+        raise StoreError(f"{meta_path}: unknown store format version {meta.get('format_version')!r} (this code "
+                         f"reads version {STORE_FORMAT_VERSION}); rebuild the store with this version")
+    missing = {"base", "max_seq_len", "num_examples", "shards", "complete"} - set(meta)
+    if missing:
+        raise StoreError(f"{meta_path} is corrupt: missing {sorted(missing)}")
+    return meta
+
+
+def _check_shard_sizes(path: Path, shards: list[dict]) -> None:
+    """Raise :class:`StoreError` naming the first shard file whose size on disk differs from ``meta.json``."""
+    for shard in shards:
+        for suffix, key in ((HIDDEN_SUFFIX, "hidden_bytes"), (TOKENS_SUFFIX, "tokens_bytes")):
+            file = path / f"{shard['name']}{suffix}"
+            size = file.stat().st_size if file.is_file() else None
+            if size != shard[key]:
+                found = "missing" if size is None else f"{size} bytes"
+                raise StoreError(f"{file}: shard {found} on disk, {shard[key]} bytes in {path / META_NAME} "
+                                 "(truncated or replaced); delete the store and build it again")
+
+
+class HiddenStateStore:
+    """Read access to a finished store: examples, their ``(T_i, H)`` bf16 states and padded batches.
+
+    Shards are memory-mapped copy-on-write: reading an example touches only its pages, nothing is loaded up front.
+    """
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.meta = path, meta
+        self.hidden_size = int(meta["base"]["hidden_size"])
+        lengths = [np.asarray(s["lengths"], dtype=np.int64) for s in meta["shards"]]
+        self.lengths = np.concatenate(lengths)  # (N,)
+        self.shard_of = np.concatenate([np.full(len(x), s, dtype=np.int64) for s, x in enumerate(lengths)])  # (N,)
+        self.offset = np.concatenate([np.cumsum(x) - x for x in lengths])  # (N,) token offset inside the shard
+        self._hidden: dict[int, np.ndarray] = {}
+        self._tokens: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def open(cls, path: str | Path, model=None, max_seq_len: int | None = None,
+             examples: list[dict] | None = None) -> HiddenStateStore:
+        """Open the store folder ``path``, checking it against what the caller is about to train with.
+
+        Args:
+            path: the store folder.
+            model: when given, the store must have been built by this base: same sizes, lm_head fingerprint, and the
+                first tokens of example 0 give the same states again (relative L2 error below 5e-2).
+            max_seq_len: when given, must equal the store's.
+            examples: when given, must be exactly the stored examples (same ids and labels, same order).
+
+        Raises:
+            StoreError: meta.json missing, corrupt or of an unknown version; the build is unfinished; a shard's size
+                on disk differs from meta.json; another base, ``max_seq_len`` or examples.
+        """
+        path = Path(path)
+        meta = read_meta(path)
+        meta_path = path / META_NAME
+        if not meta["complete"]:
+            raise StoreError(f"{meta_path}: the build stopped after {len(meta['shards'])} shards; run it again "
+                             "(build_store resumes it)")
+        _check_shard_sizes(path, meta["shards"])
+        if max_seq_len is not None and meta["max_seq_len"] != max_seq_len:
+            raise StoreError(f"{meta_path}: built with max_seq_len {meta['max_seq_len']}, asked for {max_seq_len}")
+        if examples is not None and (len(examples) != meta["num_examples"]
+                                     or examples_digest(examples) != meta.get("examples_sha256")):
+            raise StoreError(f"{meta_path}: the store holds other examples than the {len(examples)} given "
+                             f"({meta['num_examples']} stored); data, split or tokenizer changed: delete the store "
+                             "or choose another folder")
+        store = cls(path, meta)
+        if model is not None:
+            store._check_base(model)
+        return store
+
+    def _check_base(self, model) -> None:
+        problems = _identity_problems(self.meta["base"], model)
+        if not problems:
+            n = min(STATE_CHECK_TOKENS, int(self.lengths[0]))
+            device = next(model.parameters()).device
+            ids = torch.tensor([self.example(0)["input_ids"][:n]], device=device)  # (1, n)
+            fresh = base_hidden_states(model, ids, torch.ones_like(ids))[0].float().cpu()  # (n, H)
+            stored = self.hidden(0)[:n].float()  # (n, H)
+            error = ((fresh - stored).norm() / stored.norm().clamp_min(1e-12)).item()
+            if error > STATE_CHECK_RTOL:
+                problems.append(f"the base gives other hidden states (relative error {error:.3g} on example 0)")
+        if problems:
+            raise StoreError(f"{self.path / META_NAME}: built by another base "
+                             f"({self.meta['base'].get('name_or_path')!r}):\n  " + "\n  ".join(problems))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.meta["max_seq_len"])
+
+    def _shard_arrays(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        if s not in self._hidden:
+            shard = self.meta["shards"][s]
+            self._hidden[s] = np.memmap(self.path / f"{shard['name']}{HIDDEN_SUFFIX}", dtype=np.uint16, mode="c",
+                                        shape=(shard["tokens"], self.hidden_size))  # (N_s, H)
+            self._tokens[s] = np.memmap(self.path / f"{shard['name']}{TOKENS_SUFFIX}", dtype=np.int32, mode="r",
+                                        shape=(shard["tokens"], 2))  # (N_s, 2)
+        return self._hidden[s], self._tokens[s]
+
+    def _span(self, i: int) -> tuple[int, int, int]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"example {i} outside the store's {len(self)} examples ({self.path})")
+        return int(self.shard_of[i]), int(self.offset[i]), int(self.lengths[i])
+
+    def example(self, i: int) -> dict:
+        """``{"input_ids", "labels"}`` (lists of ints) of example ``i``."""
+        s, offset, n = self._span(i)
+        tokens = self._shard_arrays(s)[1][offset : offset + n]  # (T_i, 2)
+        return {"input_ids": tokens[:, 0].tolist(), "labels": tokens[:, 1].tolist()}
+
+    def hidden(self, i: int) -> torch.Tensor:
+        """Example ``i``'s base hidden states ``(T_i, H)`` in bf16: a view of the memory map, not a copy."""
+        s, offset, n = self._span(i)
+        return torch.from_numpy(self._shard_arrays(s)[0][offset : offset + n]).view(torch.bfloat16)  # (T_i, H)
+
+    def hidden_batch(self, indices: list[int]) -> torch.Tensor:
+        """Right-padded float32 hidden states ``(B, T, H)`` of ``indices``, ``T`` the longest; padding is zero."""
+        width = int(max(self.lengths[i] for i in indices))
+        hidden = torch.zeros(len(indices), width, self.hidden_size)  # (B, T, H)
+        for row, i in enumerate(indices):
+            states = self.hidden(i)  # (T_i, H)
+            hidden[row, : len(states)] = states.float()
+        return hidden
+
+    def batch(self, indices: list[int], pad_id: int = 0) -> dict:
+        """``hidden`` ``(B, T, H)`` float32 plus ``input_ids``/``attention_mask``/``labels`` ``(B, T)`` as
+        :func:`train.data.collate` makes them (padding: ``pad_id``, mask 0, label -100, zero states)."""
+        return {"hidden": self.hidden_batch(indices), **collate([self.example(i) for i in indices], pad_id)}
