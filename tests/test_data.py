@@ -8,8 +8,10 @@ import torch
 from tests.tiny import tiny_tokenizer
 from train.data import (
     Conversation,
+    ReadReport,
     collate,
     load_conversations,
+    normalize_record,
     split_held_out,
     target_token_counts,
     tokenize_conversation,
@@ -159,3 +161,72 @@ def test_target_token_counts():
     with pytest.raises(ValueError, match="outside"):
         target_token_counts([{"input_ids": [9], "labels": [9]}], vocab_size=5)
     assert counts.dtype == torch.long
+
+
+def chat_records(n: int) -> list[dict]:
+    words = "the quick brown fox jumps over the lazy dog hello world".split()
+    return [sharegpt(i, [("human", " ".join(words[i % 5 : i % 5 + 3])), ("gpt", " ".join(words[i % 7 :]))])
+            for i in range(n)]
+
+
+def test_json_jsonl_and_parquet_read_alike(tmp_path):
+    import datasets
+
+    records = chat_records(6)
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "a.parquet"))
+    read = [load_conversations(tmp_path / f"a.{ext}") for ext in ("json", "jsonl", "parquet")]
+    assert read[0][0] == read[1][0] == read[2][0] and len(read[0][0]) == 6
+    assert all(report.read == 6 and report.dropped_truncated == 0 for _, report in read)
+
+
+def test_mixed_record_styles_in_one_file(tmp_path):
+    # datasets gives every record every column (None where absent): neither style may read the other's None.
+    records = [sharegpt(0, [("human", "a"), ("gpt", "b")]),
+               {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    convs, _ = load_conversations(path)
+    assert [c.id for c in convs] == ["c0", "1"]
+    assert [m["content"] for m in convs[1].messages] == ["c", "d"]
+
+
+def test_unsupported_suffix_raises(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"unsupported dataset format '\.csv'"):
+        load_conversations(path)
+
+
+def test_tokenisation_cache_is_keyed_by_tokenizer_and_max_seq_len(tmp_path, tok):
+    from tokenizers import AddedToken
+
+    convs = [Conversation(f"c{i}", normalize_messages(r)) for i, r in enumerate(chat_records(8))]
+    cache = tmp_path / "cache"
+    first, report = tokenize_conversations(convs, tok, 64, cache_dir=cache)
+    files = set(cache.iterdir())
+    assert len(files) == 1
+    again, report_again = tokenize_conversations(convs, tok, 64, cache_dir=cache)
+    assert again == first and report_again == report and set(cache.iterdir()) == files  # reused
+    shorter, _ = tokenize_conversations(convs, tok, 30, cache_dir=cache)
+    assert all(len(e["input_ids"]) <= 30 for e in shorter) and shorter != first and len(set(cache.iterdir())) == 2
+    changed = tiny_tokenizer()
+    changed.add_tokens([AddedToken("quick brown", special=False)])
+    retokenised, _ = tokenize_conversations(convs, changed, 64, cache_dir=cache)
+    assert retokenised != first and len(set(cache.iterdir())) == 3
+    assert tokenize_conversations(convs, tok, 64)[0] == first  # no cache_dir: nothing cached, same result
+
+
+def normalize_messages(record: dict) -> list[dict]:
+    convs_report = ReadReport()
+    return normalize_record(record, 0, convs_report).messages
+
+
+@pytest.mark.slow
+def test_tokenisation_with_two_processes_matches_one(tok):
+    convs = [Conversation(f"c{i}", normalize_messages(r)) for i, r in enumerate(chat_records(10))]
+    convs.append(Conversation("none", [{"role": "user", "content": "only a question"}]))
+    one = tokenize_conversations(convs, tok, 64)
+    two = tokenize_conversations(convs, tok, 64, num_proc=2)
+    assert one == two and one[1].dropped_no_target == 1

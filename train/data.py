@@ -7,6 +7,10 @@ Accepted inputs:
   (``conversations`` of ``from``/``value``) or OpenAI-style records (``messages`` of ``role``/``content``).
 - self-distilled records written by :mod:`train.distill`, which also carry the exact token ids the base produced
   (``prompt_ids``/``response_ids``); those ids are used as they are instead of re-tokenising text.
+
+Files are read with ``datasets.load_dataset`` (json, jsonl, parquet); only a JSON array cut off mid-record goes
+through the hand-written :func:`read_json_array`. Tokenisation is a ``Dataset.map`` (``num_proc`` workers), cached on
+disk under a name that hashes the conversations, the tokenizer and ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -112,10 +116,13 @@ def normalize_record(record: dict, index: int, report: ReadReport) -> Conversati
     Consecutive turns of the same role are merged (chat templates that require alternation would raise), leading
     assistant turns are dropped, and records with no user+assistant exchange return ``None`` (counted in ``report``).
     """
-    if "messages" in record:
-        raw = [(m.get("role"), m.get("content")) for m in record["messages"] or []]
-    elif "conversations" in record:
-        raw = [(m.get("from"), m.get("value")) for m in record["conversations"] or []]
+    # Records read by ``datasets`` carry every column of the file: a key absent from a record is None there.
+    if record.get("messages") is not None:
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"]]
+    elif record.get("conversations") is not None:
+        raw = [(m.get("from"), m.get("value")) for m in record["conversations"]]
+    elif "messages" in record or "conversations" in record:
+        raw = []  # the key is there but empty (null)
     else:
         raise ValueError(f"record {index} has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI style)")
     messages: list[dict] = []
@@ -138,7 +145,7 @@ def normalize_record(record: dict, index: int, report: ReadReport) -> Conversati
     if not any(m["role"] == "assistant" for m in messages):
         report.dropped_no_assistant += 1
         return None
-    conv_id = str(record.get("id", index))
+    conv_id = str(record["id"] if record.get("id") is not None else index)
     return Conversation(conv_id, messages, record.get("prompt_ids"), record.get("response_ids"))
 
 
@@ -189,18 +196,39 @@ def load_conversations(
     return conversations, report
 
 
-def _read_records(path: Path, report: ReadReport) -> list[dict]:
+def _read_records(path: Path, report: ReadReport):
+    """The records of a json/jsonl/parquet file, read by ``datasets`` (an iterable of dicts).
+
+    A JSON array cut off mid-record (the bundled ShareGPT) is the one case ``datasets`` cannot read: it goes through
+    :func:`read_json_array`, which keeps the complete records and counts the cut one in ``report``. A file whose
+    records ``datasets`` cannot fit into one schema is read record by record (with a warning), so nothing is lost.
+    """
     suffix = path.suffix.lower()
-    if suffix == ".json" and _first_char(path) == "[":
+    if suffix not in (".json", ".jsonl", ".parquet"):
+        raise ValueError(f"unsupported dataset format {suffix!r} for {path}: use .json, .jsonl or .parquet")
+    is_array = suffix == ".json" and _first_char(path) == "["
+    if is_array and _last_char(path) != "]":
         records, report.dropped_truncated = read_json_array(path)
         return records
-    if suffix in (".json", ".jsonl"):
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if suffix == ".parquet":
-        import datasets
+    import datasets
 
-        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
-    raise ValueError(f"unsupported dataset format {suffix!r} for {path}: use .json, .jsonl or .parquet")
+    try:
+        return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
+                                     split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError, TypeError) as e:
+        if suffix == ".parquet":
+            raise ValueError(f"{path}: datasets could not read this parquet file: {e}") from e
+        logger.warning("%s: datasets could not read it (%s); reading it record by record", path, e)
+    if is_array:
+        return read_json_array(path)[0]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _last_char(path: Path) -> str:
+    """The last non-whitespace character of a file (reads its tail only)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, 2) - 4096))
+        return f.read().decode("utf-8", errors="ignore").rstrip()[-1:]
 
 
 def _first_char(path: Path) -> str:
@@ -345,16 +373,33 @@ def tokenize_conversation(conv: Conversation, tokenizer, max_seq_len: int) -> di
     return {"input_ids": ids, "labels": labels}
 
 
+TOKENIZE_VERSION = 1
+"""Bump when :func:`tokenize_conversation` changes what it returns: cached tokenisations then become stale."""
+STATUS_KEPT, STATUS_NO_TARGET, STATUS_TEMPLATE_ERROR = "kept", "no_target", "template_error"
+
+
 def tokenize_conversations(
-    convs: list[Conversation], tokenizer, max_seq_len: int
+    convs: list[Conversation], tokenizer, max_seq_len: int, num_proc: int = 1, cache_dir: str | Path | None = None
 ) -> tuple[list[dict], TokenizeReport]:
-    """Tokenise conversations for head training (see :func:`tokenize_conversation`).
+    """Tokenise conversations for head training (see :func:`tokenize_conversation`) with ``datasets.Dataset.map``.
+
+    Args:
+        convs: the conversations.
+        tokenizer: the base's tokenizer (with a chat template unless every conversation carries base ids).
+        max_seq_len: examples are cut to this many tokens.
+        num_proc: worker processes for ``map``.
+        cache_dir: folder of the on-disk cache of the result, or ``None`` for none. The cache file is named by a
+            hash of the conversations, the tokenizer (vocabulary, merges, special tokens, chat template),
+            ``max_seq_len`` and :data:`TOKENIZE_VERSION`, so a change to any of them never reuses a stale result.
+
+    Returns:
+        ``(examples, report)``: ``{"input_ids", "labels"}`` lists in the order of ``convs`` (dropped ones left out).
 
     Raises:
         ValueError: ``convs`` is empty, no conversation has an assistant turn, the tokenizer has no chat template
             while some conversation needs one, or every conversation was dropped.
     """
-    import jinja2
+    import datasets
 
     if not convs:
         raise ValueError("no conversations to tokenise")
@@ -362,25 +407,73 @@ def tokenize_conversations(
         raise ValueError("no conversation has an assistant turn: there is nothing to train the heads on")
     if any(c.response_ids is None for c in convs) and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template, needed to find the assistant tokens")
-    report, examples = TokenizeReport(conversations=len(convs)), []
-    for conv in convs:
-        try:
-            example = tokenize_conversation(conv, tokenizer, max_seq_len)
-        except jinja2.TemplateError as e:
-            logger.debug("chat template rejected conversation %s: %s", conv.id, e)
-            report.dropped_template_error += 1
-            continue
-        if example is None:
-            report.dropped_no_target += 1
-            continue
+    rows = [{"id": c.id, "messages": c.messages, "prompt_ids": c.prompt_ids, "response_ids": c.response_ids}
+            for c in convs]
+    key = tokenize_cache_key(rows, tokenizer, max_seq_len)
+    cache_file = None
+    if cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        cache_file = str(Path(cache_dir) / f"tokenized-{key}.arrow")
+    ids = datasets.Sequence(datasets.Value("int32"))
+    features = datasets.Features({"input_ids": ids, "labels": ids, "status": datasets.Value("string")})
+    mapped = datasets.Dataset.from_list(rows).map(
+        _tokenize_row, fn_kwargs={"tokenizer": tokenizer, "max_seq_len": max_seq_len}, features=features,
+        remove_columns=list(rows[0]), num_proc=num_proc if num_proc > 1 else None, cache_file_name=cache_file,
+        new_fingerprint=key, desc="tokenising",
+    )
+    status = mapped["status"]
+    report = TokenizeReport(conversations=len(convs), dropped_no_target=status.count(STATUS_NO_TARGET),
+                            dropped_template_error=status.count(STATUS_TEMPLATE_ERROR))
+    examples = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in mapped
+                if row["status"] == STATUS_KEPT]
+    for example in examples:
         report.truncated += len(example["input_ids"]) == max_seq_len
         report.supervised_tokens += sum(label != -100 for label in example["labels"])
-        examples.append(example)
     report.kept = len(examples)
     logger.info("%s", report.summary())
     if not examples:
         raise ValueError(f"every conversation was dropped: {report.summary()}")
     return examples, report
+
+
+def _tokenize_row(row: dict, tokenizer, max_seq_len: int) -> dict:
+    """``Dataset.map`` function: one conversation row to ``{"input_ids", "labels", "status"}``."""
+    import jinja2
+
+    conv = Conversation(row["id"], row["messages"], row["prompt_ids"], row["response_ids"])
+    try:
+        example = tokenize_conversation(conv, tokenizer, max_seq_len)
+    except jinja2.TemplateError as e:
+        logger.debug("chat template rejected conversation %s: %s", conv.id, e)
+        return {"input_ids": [], "labels": [], "status": STATUS_TEMPLATE_ERROR}
+    if example is None:
+        return {"input_ids": [], "labels": [], "status": STATUS_NO_TARGET}
+    return {**example, "status": STATUS_KEPT}
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """SHA-256 of what tokenisation depends on: vocabulary and merges (or the vocabulary of a slow tokenizer),
+    special and end-of-turn tokens, and the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [type(tokenizer).__name__,
+             backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items())),
+             json.dumps(sorted(_end_of_turn_ids(tokenizer))), str(getattr(tokenizer, "chat_template", None))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def tokenize_cache_key(rows: list[dict], tokenizer, max_seq_len: int) -> str:
+    """The name of a cached tokenisation: a hash of the rows, the tokenizer, ``max_seq_len`` and the code version."""
+    digest = hashlib.sha256(f"v{TOKENIZE_VERSION}:{max_seq_len}:{tokenizer_digest(tokenizer)}".encode())
+    for row in rows:
+        digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
+
+
+def default_tokenize_cache_dir() -> Path:
+    """Where training caches tokenised data: ``medusa_tokenized`` in the ``datasets`` cache (``HF_DATASETS_CACHE``)."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "medusa_tokenized"
 
 
 def collate(examples: list[dict], pad_id: int) -> dict:

@@ -47,6 +47,7 @@ from train.config import TrainConfig, resume_mismatch
 from train.data import (
     Conversation,
     collate,
+    default_tokenize_cache_dir,
     load_conversations,
     split_held_out,
     target_token_counts,
@@ -130,7 +131,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     state = read_checkpoint_state(checkpoint, config) if checkpoint else None
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
     train_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
-    train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len)
+    train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len, config.num_proc,
+                                               default_tokenize_cache_dir())
     held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len)
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
