@@ -1,4 +1,4 @@
-"""The ``medusa`` command: prepare-model, train, generate, bench, build-tree."""
+"""The ``medusa`` command: prepare-model, distill, train, generate, bench, build-tree."""
 
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train Medusa heads (Medusa-1: frozen base) with Accelerate")
     add_train_arguments(p)
     p.set_defaults(func=run_train)
+
+    p = sub.add_parser("distill", help="answer a dataset's prompts with the base itself (self-distillation)")
+    p.add_argument("--base", required=True, help="base model folder (with tokenizer and chat template)")
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
+    p.add_argument("--out-dir", required=True, help="writes distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
+    p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("held-out-prompts", help="write the first prompts of held-out conversations as JSON lines")
     p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
@@ -118,6 +133,39 @@ def cmd_prepare(args) -> int:
 
     out = prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
+    return 0
+
+
+def cmd_distill(args) -> int:
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.config import TrainConfig
+    from train.data import load_conversations, split_held_out
+    from train.distill import distill_splits
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+    def value(given, field):
+        return defaults[field] if given is None else given
+
+    logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
+    conversations, _ = load_conversations(args.data, limit=args.max_conversations)
+    train_convs, held_convs = split_held_out(conversations, value(args.held_out_fraction, "held_out_fraction"),
+                                             value(args.seed, "seed"))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    train_path, held_path = distill_splits(
+        model.eval(), tokenizer, train_convs, held_convs, args.out_dir,
+        max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
+        max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
+        batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s)
+    for path, split in ((held_path, held_convs), (train_path, train_convs)):
+        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
+        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
     return 0
 
 

@@ -7,6 +7,9 @@ line per conversation with the messages and the exact token ids (Medusa report, 
 "self-distillation").
 
 The output file is appended batch by batch and read back on restart, so an interrupted run resumes where it stopped.
+Prompts are batched by length within windows of file order (little padding, yet a time-limited run keeps prompts of
+every length, not only the shortest ones), and each batch logs answers/s and generated tokens/s.
+``medusa distill`` (:func:`distill_splits`) writes a dataset's held-out split first, then its training split.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ import torch
 from train.data import Conversation, first_prompt
 
 logger = logging.getLogger(__name__)
+
+DISTILLED_TRAIN_NAME = "distilled_train.jsonl"
+DISTILLED_HELD_OUT_NAME = "distilled_held_out.jsonl"
+WINDOW_BATCHES = 8
+"""Prompts are sorted by length within windows of this many batches, taken in file order."""
 
 
 def jsonl_ids(out_path: Path) -> set[str]:
@@ -57,7 +65,8 @@ def distill(
         out_path: JSON-lines file, appended to; ids already present are skipped.
         max_new_tokens: generation budget per answer (tokens).
         max_prompt_tokens: prompts longer than this are skipped (counted in the log).
-        batch_size: prompts generated together (left padded, sorted by length to limit padding).
+        batch_size: prompts generated together (left padded; sorted by length within windows of
+            :data:`WINDOW_BATCHES` batches in file order, to limit padding).
         time_limit_s: stop after the batch that crosses this wall-clock budget (seconds); ``None`` for no limit.
 
     Returns:
@@ -83,13 +92,14 @@ def distill(
         todo.append((conv.id, prompt, list(ids)))
     logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped)",
                 len(todo), len(done), too_long, max_prompt_tokens)
-    todo.sort(key=lambda item: len(item[2]))
+    todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
-    start, written = time.monotonic(), 0
+    start, written, generated = time.monotonic(), 0, 0
     with open(out_path, "a", encoding="utf-8") as out:
         for b in range(0, len(todo), batch_size):
             batch = todo[b : b + batch_size]
+            batch_start = time.monotonic()
             responses = _generate_batch(model, [ids for _, _, ids in batch], pad_id, max_new_tokens, device)
             for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
                 text = tokenizer.decode(response, skip_special_tokens=True)
@@ -98,11 +108,41 @@ def distill(
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             written += len(batch)
-            elapsed = time.monotonic() - start
-            logger.info("distilled %d/%d prompts in %.0f s", written, len(todo), elapsed)
+            generated += sum(len(r) for r in responses)
+            now = time.monotonic()
+            elapsed, batch_s = now - start, max(now - batch_start, 1e-9)
+            logger.info("distilled %d/%d prompts in %.0f s: batch %.2f answers/s %.1f tokens/s; overall %.2f "
+                        "answers/s %.1f tokens/s", written, len(todo), elapsed, len(batch) / batch_s,
+                        sum(len(r) for r in responses) / batch_s, written / elapsed, generated / elapsed)
             if time_limit_s is not None and elapsed > time_limit_s:
                 break
     return written
+
+
+def window_sorted(items: list, key, window: int) -> list:
+    """``items`` cut into consecutive windows of ``window`` (their file order kept), each sorted by ``key``."""
+    return [item for w in range(0, len(items), window) for item in sorted(items[w : w + window], key=key)]
+
+
+def distill_splits(model, tokenizer, train_convs: list[Conversation], held_convs: list[Conversation],
+                   out_dir: str | Path, max_new_tokens: int, max_prompt_tokens: int, batch_size: int,
+                   time_limit_s: float | None = None) -> tuple[Path, Path]:
+    """Distill the held-out split into ``out_dir/distilled_held_out.jsonl`` first, then the training split into
+    ``out_dir/distilled_train.jsonl`` (both resumable, see :func:`distill`).
+
+    ``time_limit_s`` (seconds) bounds both together: the training split gets what the held-out split left, and is
+    skipped when nothing is left. Returns ``(train_path, held_out_path)``.
+    """
+    out_dir = Path(out_dir)
+    train_path, held_path = out_dir / DISTILLED_TRAIN_NAME, out_dir / DISTILLED_HELD_OUT_NAME
+    start = time.monotonic()
+    distill(model, tokenizer, held_convs, held_path, max_new_tokens, max_prompt_tokens, batch_size, time_limit_s)
+    left = None if time_limit_s is None else time_limit_s - (time.monotonic() - start)
+    if left is None or left > 0:
+        distill(model, tokenizer, train_convs, train_path, max_new_tokens, max_prompt_tokens, batch_size, left)
+    else:
+        logger.info("time limit reached after the held-out split: the training split waits for the next run")
+    return train_path, held_path
 
 
 def _generate_batch(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int, device) -> list[list[int]]:

@@ -53,7 +53,7 @@ from train.data import (
     target_token_counts,
     tokenize_conversations,
 )
-from train.distill import distill, jsonl_ids
+from train.distill import DISTILLED_HELD_OUT_NAME, DISTILLED_TRAIN_NAME, distill, jsonl_ids
 from train.store import HiddenStateStore, base_hidden_states, ensure_store
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,6 @@ CHECKPOINT_PREFIX = "step_"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 EVAL_NAME = "eval.json"
-DISTILLED_TRAIN_NAME = "distilled_train.jsonl"
-DISTILLED_HELD_OUT_NAME = "distilled_held_out.jsonl"
 
 
 @dataclass
