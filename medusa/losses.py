@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
-__all__ = ["IGNORE_INDEX", "head_lookup_table", "head_targets", "medusa_loss"]
+__all__ = ["IGNORE_INDEX", "head_ce_sums", "head_lookup_table", "head_target_counts", "head_targets", "medusa_loss"]
 
 TOP_K = 5
 
@@ -92,3 +92,51 @@ def medusa_loss(
             stats["ce_sum"][k] = ce_sum.detach()
             stats["ce_count"][k] = ce_count
     return loss, stats
+
+
+def head_target_counts(labels: torch.Tensor, num_heads: int, head_lookup: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of targets each head is trained on in ``labels``: supervised and inside the head vocabulary.
+
+    Needs no logits, so a trainer can count the targets of a whole optimizer step before its first forward.
+
+    Args:
+        labels: ``(B, T)`` as for :func:`medusa_loss`.
+        num_heads: K.
+        head_lookup: as for :func:`medusa_loss`.
+
+    Returns:
+        ``(K,)`` long tensor on ``labels``' device; entry k is the denominator of ``CE_k`` in :func:`medusa_loss`.
+    """
+    counts = [(head_targets(labels, k, head_lookup)[0] != IGNORE_INDEX).sum() for k in range(num_heads)]
+    return torch.stack(counts)  # (K,)
+
+
+def head_ce_sums(
+    head_logits: torch.Tensor, labels: torch.Tensor, head_lookup: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-head cross-entropy summed (not averaged) over each head's targets, with gradient.
+
+    Sums add up across micro-batches and processes, so a trainer can divide them by the target count of a whole
+    optimizer step (see ``train.trainer.step_loss``) and the loss does not depend on how the step is split.
+    A head with no target gives exactly 0 and keeps its logits in the graph.
+
+    Args:
+        head_logits: ``(K, B, T, Vh)``.
+        labels: ``(B, T)``; head_lookup: as for :func:`medusa_loss`.
+
+    Returns:
+        ``(K,)`` float32 summed cross-entropies (nats); the matching counts are :func:`head_target_counts`.
+
+    Raises:
+        ValueError: the logits and labels shapes disagree.
+    """
+    num_heads, batch, seq, head_vocab = head_logits.shape
+    if labels.shape != (batch, seq):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits (B, T) = {(batch, seq)}")
+    sums = []
+    for k in range(num_heads):
+        targets, _ = head_targets(labels, k, head_lookup)  # (B, T')
+        logits = head_logits[k, :, : targets.shape[1]].float()  # (B, T', Vh)
+        sums.append(F.cross_entropy(logits.reshape(-1, head_vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                    reduction="sum"))
+    return torch.stack(sums)  # (K,)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from medusa.checkpoint import load_heads
+from medusa.losses import head_ce_sums, head_target_counts, medusa_loss
 from tests.tiny import save_tiny, tiny_tokenizer
 from train.config import TrainConfig
-from train.trainer import latest_checkpoint, micro_batches, train
+from train.trainer import fit, latest_checkpoint, micro_batches, setup, step_loss, train
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog hello world how are you today Medusa heads predict tokens".split()
@@ -28,6 +30,18 @@ def write_chats(path: Path, n: int = 24) -> Path:
         question = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(4))
         answer = " ".join(WORDS[(3 * i + j) % len(WORDS)] for j in range(10))
         records.append({"id": f"c{i}", "conversations": [{"from": "human", "value": question},
+                                                          {"from": "gpt", "value": answer}]})
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def write_mixed_chats(path: Path, n: int = 16) -> Path:
+    """Chats whose answers alternate between one sentence and twelve: a per-micro-batch mean weights them unevenly."""
+    records = []
+    for i in range(n):
+        sentences = 1 if i % 2 == 0 else 12
+        answer = " ".join(" ".join(WORDS[(i + s + j) % len(WORDS)] for j in range(6)) + "." for s in range(sentences))
+        records.append({"id": f"m{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                                           {"from": "gpt", "value": answer}]})
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return path
@@ -49,6 +63,18 @@ def make_config(base_dir, chats, out, **overrides) -> TrainConfig:
                   eval_every=2, log_every=1, held_out_fraction=0.25, mixed_precision="no")
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def split_config(base_dir, chats, out, batch_size, grad_accum_steps, **overrides) -> TrainConfig:
+    """Full-vocabulary heads, every example once per step, no warmup, no held-out split, no clipping."""
+    return make_config(base_dir, chats, out, head_vocab_size=None, max_seq_len=256, batch_size=batch_size,
+                       grad_accum_steps=grad_accum_steps, warmup_steps=0, max_steps=3, save_every=0, eval_every=0,
+                       held_out_fraction=0.0, max_grad_norm=0.0, **overrides)
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)).item() for k in a)
 
 
 def heads_state(heads_dir: Path) -> dict:
@@ -118,15 +144,11 @@ def test_micro_batches_resume_and_shard():
     assert sorted(rank0[0] + rank1[0]) == sorted(set(rank0[0] + rank1[0]))  # one global batch, no overlap
 
 
-@pytest.mark.slow
-def test_two_process_cpu_launch(base_dir, chats, tmp_path):
-    out = tmp_path / "ddp"
+def launch_two_processes(train_args: list[str], port: int) -> subprocess.CompletedProcess:
+    """Run ``python -m train ARGS`` on 2 CPU processes (DDP over gloo); asserts it succeeded."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29517", "-m", "train",
-           "--base", str(base_dir), "--data", str(chats), "--output-dir", str(out), "--max-steps", "2",
-           "--batch-size", "2", "--grad-accum-steps", "2", "--max-seq-len", "48", "--num-heads", "2",
-           "--head-vocab-size", "64", "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
-           "--self-distill", "--distill-max-new-tokens", "4"]
+           str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", str(port), "-m", "train",
+           *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -137,8 +159,18 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch(base_dir, chats, tmp_path):
+    out = tmp_path / "ddp"
+    result = launch_two_processes(["--base", str(base_dir), "--data", str(chats), "--output-dir", str(out),
+                                   "--max-steps", "2", "--batch-size", "2", "--grad-accum-steps", "2",
+                                   "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
+                                   "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
+                                   "--self-distill", "--distill-max-new-tokens", "4"], port=29517)
     assert "training on 2 process(es) (MULTI_CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
     assert metrics["steps"] == 2 and metrics["examples"] > 0
@@ -172,3 +204,50 @@ def test_hidden_state_cache_runs_the_base_once_per_example(base_dir, chats, tmp_
     # Same data order; the cache only rounds hidden states to bf16.
     for key in plain:
         assert torch.allclose(cached[key].float(), plain[key].float(), atol=5e-3), key
+
+
+def test_step_loss_shares_add_up_to_medusa_loss():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 12, 10)  # (K, B, T, Vh)
+    labels = torch.randint(0, 10, (4, 12))
+    labels[0, :9] = -100
+    labels[2, 5:] = -100
+    whole, _ = medusa_loss(logits, labels, decay=0.7)
+    counts = head_target_counts(labels, 3)  # (K,)
+    shares = [step_loss(head_ce_sums(logits[:, b : b + 1], labels[b : b + 1]), counts, 0.7) for b in range(4)]
+    torch.testing.assert_close(sum(shares), whole)
+    assert step_loss(torch.zeros(2), torch.zeros(2, dtype=torch.long), 0.8).item() == 0  # no target: 0, not NaN
+
+
+def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path):
+    """8 x 1, 1 x 8 and 4 x 2 (batch x accumulation) over answers of 1 and 12 sentences: one loss, one set of heads."""
+    chats = write_mixed_chats(tmp_path / "mixed.jsonl")
+    runs = {}
+    for batch, accum in ((8, 1), (1, 8), (4, 2)):
+        run = setup(split_config(base_dir, chats, tmp_path / f"{batch}x{accum}", batch, accum))
+        losses = fit(run)
+        runs[batch, accum] = losses, {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
+    losses, heads = runs[8, 1]
+    for split, (other_losses, other_heads) in runs.items():
+        assert other_losses == pytest.approx(losses, rel=1e-5), split
+        assert max_relative_difference(heads, other_heads) < 1e-5, split
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_batch(base_dir, tmp_path):
+    """2 processes x batch 4 against 1 process x batch 8: same step losses, heads within 1e-5 relative."""
+    chats = write_mixed_chats(tmp_path / "mixed.jsonl")
+    run = setup(split_config(base_dir, chats, tmp_path / "one", 8, 1))
+    losses = fit(run)
+    heads = {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
+    out = tmp_path / "two"
+    result = launch_two_processes(["--base", str(base_dir), "--data", str(chats), "--output-dir", str(out),
+                                   "--num-heads", "3", "--head-vocab-size", "none", "--max-seq-len", "256",
+                                   "--batch-size", "4", "--grad-accum-steps", "1", "--learning-rate", "1e-2",
+                                   "--warmup-steps", "0", "--max-steps", "3", "--save-every", "0", "--eval-every",
+                                   "0", "--log-every", "1", "--held-out-fraction", "0", "--max-grad-norm", "0",
+                                   "--mixed-precision", "no"], port=29518)
+    logged = [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", result.stderr)]
+    assert logged == pytest.approx(losses, rel=1e-5)
+    two = heads_state(out / "heads")
+    assert max_relative_difference({k: heads[k] for k in two}, two) < 1e-5

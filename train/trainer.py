@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 
 from medusa.checkpoint import load_heads, save_heads
 from medusa.heads import MedusaHeads, MedusaHeadsConfig, head_target_offset, lm_head_fingerprint, most_frequent_tokens
-from medusa.losses import head_lookup_table, medusa_loss
+from medusa.losses import head_ce_sums, head_lookup_table, head_target_counts, medusa_loss
 from train.config import TrainConfig, resume_mismatch
 from train.data import (
     Conversation,
@@ -329,21 +329,25 @@ def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int) ->
 
 
 def micro_batches(num_examples: int, batch_size: int, seed: int, rank: int, world: int,
-                  start: int = 0) -> Iterator[list[int]]:
+                  start: int = 0, accum: int = 1) -> Iterator[list[int]]:
     """Endless example indices of this process's micro-batches, from global micro-step ``start`` on.
 
-    Each epoch is a permutation seeded by ``(seed, epoch)``, wrapped around to whole global batches so every process
-    gets the same number of micro-batches; the order depends only on the step, so a resumed run continues it.
+    An optimizer step takes the next ``batch_size * world * accum`` examples of the epoch's permutation (seeded by
+    ``(seed, epoch)``); its micro-batch m gives process r the slice starting at ``(m * world + r) * batch_size``.
+    The examples of a step therefore depend on the step and the global batch only, not on how the step is split
+    into micro-batches and processes, and a resumed run continues the order. An epoch is wrapped around to whole
+    steps, so every process gets the same number of micro-batches.
     """
-    global_batch = batch_size * world
-    per_epoch = max(1, math.ceil(num_examples / global_batch))
+    step_examples = batch_size * world * accum
+    steps_per_epoch = max(1, math.ceil(num_examples / step_examples))
+    per_epoch = steps_per_epoch * accum  # micro-steps
     epoch, index = divmod(start, per_epoch)
     while True:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         order = torch.randperm(num_examples, generator=generator).tolist()
-        order = (order * math.ceil(per_epoch * global_batch / num_examples))[: per_epoch * global_batch]
-        for b in range(index, per_epoch):
-            first = b * global_batch + rank * batch_size
+        order = (order * math.ceil(steps_per_epoch * step_examples / num_examples))[: steps_per_epoch * step_examples]
+        for m in range(index, per_epoch):
+            first = (m * world + rank) * batch_size
             yield order[first : first + batch_size]
         epoch, index = epoch + 1, 0
 
@@ -356,22 +360,28 @@ def _to_device(batch: dict, device) -> dict:
 # The loop.
 
 
-def fit(run: Run) -> None:
-    """Optimizer steps from ``run.step`` to ``max_steps`` with periodic logging, evaluation and checkpoints."""
+def fit(run: Run) -> list[float]:
+    """Optimizer steps from ``run.step`` to ``max_steps`` with periodic logging, evaluation and checkpoints.
+
+    Returns:
+        The loss of each step run (summed over processes: the loss of the whole step), in order.
+    """
     config, accelerator = run.config, run.accelerator
     batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, accelerator.process_index,
-                            accelerator.num_processes, start=run.step * config.grad_accum_steps)
+                            accelerator.num_processes, start=run.step * config.grad_accum_steps,
+                            accum=config.grad_accum_steps)
     progress = tqdm(total=config.max_steps, initial=run.step, desc="medusa heads",
                     disable=not accelerator.is_main_process)
     saved_at = run.step if latest_checkpoint(config.output_dir) else None
+    losses = []
     while run.step < config.max_steps:
-        loss = train_step(run, batches)
+        losses.append(accelerator.reduce(train_step(run, batches), reduction="sum").item())
         run.step += 1
         progress.update(1)
         if run.step % config.log_every == 0 or run.step == config.max_steps:
-            mean_loss = accelerator.reduce(loss, reduction="mean").item()
-            progress.set_postfix(loss=f"{mean_loss:.4f}")
-            accelerator.log({"train/loss": mean_loss, "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
+            progress.set_postfix(loss=f"{losses[-1]:.4f}")
+            logger.info("step %d loss %.6f lr %.6g", run.step, losses[-1], run.scheduler.get_last_lr()[0])
+            accelerator.log({"train/loss": losses[-1], "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
         periodic_eval = config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps
         if periodic_eval and run.held_examples:
             metrics = evaluate(run, max_batches=config.max_eval_batches)
@@ -382,30 +392,61 @@ def fit(run: Run) -> None:
     progress.close()
     if saved_at != run.step:
         save_checkpoint(run)
+    return losses
 
 
 def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
-    """One optimizer step over ``grad_accum_steps`` micro-batches; returns the mean loss (a detached scalar)."""
+    """One optimizer step over ``grad_accum_steps`` micro-batches; returns this process's share of the step loss.
+
+    The loss is normalised by the targets of the whole step, counted over all micro-batches and processes before the
+    first forward (:func:`step_loss`), so it equals the loss of one batch holding the whole step: splitting a step
+    into micro-batches or processes changes neither the loss nor the gradient. The shares of all processes sum to the
+    step loss (a detached scalar).
+    """
     config, accelerator = run.config, run.accelerator
     run.heads.train()
+    num_heads = accelerator.unwrap_model(run.heads).config.num_heads
+    micro = [next(batches) for _ in range(config.grad_accum_steps)]
+    collated = [_to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
+                for indices in micro]
+    counts = sum(head_target_counts(b["labels"], num_heads, run.head_lookup) for b in collated)  # (K,)
+    global_counts = accelerator.reduce(counts, reduction="sum")  # (K,) over all processes
     total = torch.zeros((), device=accelerator.device)
-    for micro in range(config.grad_accum_steps):
-        indices = next(batches)
-        batch = _to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
-        hidden = batch_hidden_states(run, indices, batch)  # (B, T, H)
-        last = micro == config.grad_accum_steps - 1
+    for m, (indices, batch) in enumerate(zip(micro, collated, strict=True)):
+        hidden = batch_hidden_states(run, indices, batch).float()  # (B, T, H); the heads' weights are fp32
+        last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
             logits = run.heads(hidden)  # (K, B, T, Vh)
-            loss, _ = medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay)
-            accelerator.backward(loss / config.grad_accum_steps)
-        total += loss.detach() / config.grad_accum_steps
+            loss = step_loss(head_ce_sums(logits, batch["labels"], run.head_lookup), global_counts, config.loss_decay)
+            # DDP averages gradients over processes; the loss is already a share of the sum over all of them.
+            accelerator.backward(loss * accelerator.num_processes)
+        total += loss.detach()
     if config.max_grad_norm > 0:
         accelerator.clip_grad_norm_(run.heads.parameters(), config.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def step_loss(ce_sums: torch.Tensor, step_counts: torch.Tensor, decay: float) -> torch.Tensor:
+    """Medusa's decayed loss ``sum_k decay**k * CE_k`` for one micro-batch's share of an optimizer step.
+
+    ``CE_k`` is head k's cross-entropy averaged over the targets of the whole step (all micro-batches, all
+    processes), so the shares of a step add up to the loss of one batch holding the step, however it is split.
+
+    Args:
+        ce_sums: ``(K,)`` this micro-batch's summed cross-entropy per head (:func:`medusa.losses.head_ce_sums`).
+        step_counts: ``(K,)`` targets per head in the whole step (:func:`medusa.losses.head_target_counts`,
+            summed over micro-batches and processes); a head with none contributes exactly 0.
+        decay: Medusa's lambda_k = decay ** k.
+
+    Returns:
+        The scalar share of the step loss (nats), with gradient.
+    """
+    weights = torch.tensor([decay**k for k in range(len(ce_sums))], device=ce_sums.device)  # (K,)
+    return (weights * ce_sums / step_counts.clamp_min(1).to(ce_sums.dtype)).sum()
 
 
 @torch.no_grad()
