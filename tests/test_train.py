@@ -251,3 +251,30 @@ def test_two_processes_train_like_one_batch(base_dir, tmp_path):
     assert logged == pytest.approx(losses, rel=1e-5)
     two = heads_state(out / "heads")
     assert max_relative_difference({k: heads[k] for k in two}, two) < 1e-5
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one process-wide state that refuses a second mixed-precision mode; reset it around a test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+@pytest.mark.parametrize("mode", ["no", "bf16", "auto", "fp16"])
+def test_every_mixed_precision_mode_trains_or_is_refused_at_start_on_cpu(base_dir, chats, tmp_path, monkeypatch,
+                                                                         mode, fresh_accelerator_state):
+    import train.trainer as trainer
+
+    if mode == "fp16":
+        monkeypatch.setattr(trainer, "prepare_base", lambda *a, **k: pytest.fail("the base was loaded"))
+        with pytest.raises(ValueError, match="mixed_precision='fp16' cannot run on cpu"):
+            train(make_config(base_dir, chats, tmp_path / mode, mixed_precision=mode))
+        return
+    config = make_config(base_dir, chats, tmp_path / mode, mixed_precision=mode, max_steps=2, eval_every=0)
+    heads_dir = train(config)
+    state = heads_state(heads_dir)
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert state["blocks.0.0.linear.weight"].abs().sum() > 0

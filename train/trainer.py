@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
@@ -148,6 +148,10 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
 
     Accelerate turns a multi-process launch into CPU DDP (gloo) only when asked for CPU, and ``accelerate launch
     --multi_gpu`` / ``torchrun`` do not say so: a multi-process launch on a machine without CUDA runs on CPU.
+
+    Raises:
+        ImportError: the tracker's package is not installed.
+        ValueError: the mixed-precision mode cannot run on this device (see :func:`resolve_mixed_precision`).
     """
     module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(config.tracker)
     if module is not None and importlib.util.find_spec(module) is None:
@@ -155,18 +159,37 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
     if config.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
     cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    # Checked before the Accelerator exists: its state is process-wide and a refused mode must not stick to it.
+    mixed_precision = resolve_mixed_precision(config.mixed_precision, PartialState(cpu=cpu).device)
     # The shared lm_head rows and token map are constant buffers: broadcasting them every forward is wasted traffic.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-    return Accelerator(cpu=cpu, mixed_precision=resolve_mixed_precision(config.mixed_precision),
-                       log_with=None if config.tracker == "none" else config.tracker,
-                       project_dir=str(Path(config.output_dir) / "runs"), kwargs_handlers=[ddp])
+    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision,
+                              log_with=None if config.tracker == "none" else config.tracker,
+                              project_dir=str(Path(config.output_dir) / "runs"), kwargs_handlers=[ddp])
+    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
+        raise ValueError(f"mixed_precision={config.mixed_precision!r}: Accelerate runs no {mixed_precision} autocast "
+                         f"on {accelerator.device}; use 'no' or 'auto'")
+    return accelerator
 
 
-def resolve_mixed_precision(value: str) -> str:
-    """``"auto"`` -> ``"bf16"`` on a CUDA device that supports it, else ``"no"``; other values unchanged."""
-    if value != "auto":
-        return value
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+def resolve_mixed_precision(value: str, device: torch.device) -> str:
+    """The mixed-precision mode to run on ``device``: ``"auto"`` -> ``"bf16"`` on a CUDA device that supports it,
+    else ``"no"``; other values unchanged.
+
+    Raises:
+        ValueError: ``value`` cannot run on ``device``: fp16 on a CPU (Accelerate has no fp16 autocast there, so the
+            heads would get fp16 inputs with fp32 weights), bf16 on a CUDA device without bf16.
+    """
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if value == "auto":
+        return "bf16" if cuda_bf16 else "no"
+    if value == "fp16" and device.type == "cpu":
+        raise ValueError("mixed_precision='fp16' cannot run on cpu (Accelerate has no fp16 autocast there); "
+                         "use 'bf16', 'no' or 'auto'")
+    if value == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise ValueError(f"mixed_precision='bf16': {torch.cuda.get_device_name(device)} does not support bf16; "
+                         "use 'fp16', 'no' or 'auto'")
+    return value
 
 
 def prepare_base(config: TrainConfig, accelerator: Accelerator, model=None, tokenizer=None):
@@ -469,7 +492,7 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
         batch = _to_device(collate(mine[start : start + config.batch_size], run.pad_id), accelerator.device)
         hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
         with accelerator.autocast():
-            logits = heads(hidden)  # (K, B, T, Vh)
+            logits = heads(hidden.float())  # (K, B, T, Vh); the heads' weights are fp32
         _, stats = medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay)
         for name, value in stats.items():
             totals[name] = totals.get(name, 0) + value
