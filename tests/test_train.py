@@ -278,3 +278,110 @@ def test_every_mixed_precision_mode_trains_or_is_refused_at_start_on_cpu(base_di
     state = heads_state(heads_dir)
     assert all(torch.isfinite(v).all() for v in state.values())
     assert state["blocks.0.0.linear.weight"].abs().sum() > 0
+
+
+def config_flags(config: TrainConfig) -> list[str]:
+    """``python -m train`` flags that rebuild ``config``."""
+    flags = []
+    for name, value in config.to_dict().items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+        else:
+            flags += [flag, "none"]
+    return flags
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_point_then_resume_matches_an_uninterrupted_run(base_dir, chats, tmp_path):
+    """A real ``kill -9`` of a training subprocess, at a random checkpoint and a random delay after it."""
+    import random
+    import time
+
+    # Batch 4 x 2 micro-batches over 18 examples: epochs wrap mid-step; own lm_heads: the optimizer holds state.
+    config = make_config(base_dir, chats, tmp_path / "killed", share_lm_head=False, grad_accum_steps=2,
+                         max_steps=16, save_every=1, eval_every=0, keep_checkpoints=2, warmup_steps=3)
+    rng = random.Random()
+    target, delay = rng.randint(1, 10), rng.uniform(0, 0.05)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "train", *config_flags(config)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            latest = latest_checkpoint(config.output_dir)
+            if latest is not None and int(latest.name.split("_")[1]) >= target:
+                break
+            time.sleep(0.005)
+        time.sleep(delay)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+    where = f"killed after checkpoint {target} + {delay:.3f} s; stderr tail: {stderr[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, where
+    killed_at = latest_checkpoint(config.output_dir)
+    assert killed_at is None or int(killed_at.name.split("_")[1]) < config.max_steps, where
+
+    resumed = train(config, *tiny_model_and_tokenizer(base_dir))
+    straight = train(make_config(base_dir, chats, tmp_path / "straight", share_lm_head=False, grad_accum_steps=2,
+                                 max_steps=16, save_every=1, eval_every=0, keep_checkpoints=2, warmup_steps=3))
+    a, b = heads_state(straight), heads_state(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(b[key], a[key], rtol=1e-5, atol=1e-7), f"{key} differs ({where})"
+    checkpoints = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    assert checkpoints == ["step_15", "step_16"], checkpoints  # no hidden leftovers of the killed save
+
+
+def tiny_model_and_tokenizer(base_dir):
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), tiny_tokenizer()
+
+
+def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, tmp_path, monkeypatch):
+    import train.trainer as trainer
+
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=1, eval_every=0)
+    train(config)
+    real_replace = os.replace
+
+    def killed_before_rename(src, dst):
+        if Path(src).name == ".step_3.tmp":
+            raise KeyboardInterrupt("killed")  # stands in for the process dying between the writes and the rename
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(trainer.os, "replace", killed_before_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / ".step_3.tmp" / "trainer_state.json").is_file()  # written completely, but not visible
+    assert latest_checkpoint(tmp_path / "run").name == "step_2"
+    monkeypatch.setattr(trainer.os, "replace", real_replace)
+    train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
+
+
+def test_resume_restores_the_random_state(base_dir, chats, tmp_path):
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=2, eval_every=0)
+    run = setup(config)
+    fit(run)
+    expected = torch.rand(3)  # the next draws of the uninterrupted run
+    torch.manual_seed(1234)
+    setup(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=2, eval_every=0))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: (c / "trainer_state.json").write_text('{"step": 2'), r"trainer state .*trainer_state.json is not val"),
+    (lambda c: (c / "trainer_state.json").write_text('{"step": "two"}'), r"trainer_state.json must be a JSON object"),
+    (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:100]),
+     r"optimizer state .*optimizer.pt is damaged"),
+    (lambda c: (c / "rng_state_0.pt").write_bytes(b"not a torch file"), r"random state .*rng_state_0.pt is damaged"),
+])
+def test_damaged_checkpoint_is_refused_naming_the_file(base_dir, chats, tmp_path, damage, message):
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=2, eval_every=0)
+    train(config)
+    damage(latest_checkpoint(tmp_path / "run"))
+    with pytest.raises(ValueError, match=message):
+        train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=2, eval_every=0))

@@ -7,8 +7,9 @@ Medusa (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head
 ``evaluate``, ``save_checkpoint``) -> final evaluation and ``save_heads``.
 
 Only the heads go through ``accelerator.prepare`` (DDP wraps them alone); the base sits on ``accelerator.device``
-as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state, step, config),
-written atomically; a run whose ``output_dir`` holds checkpoints resumes from the latest one.
+as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state, each process's random
+state, step, config), written atomically; a run whose ``output_dir`` holds checkpoints resumes from the latest one and
+continues exactly as an uninterrupted run would (the data order and the schedule are functions of the step).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
@@ -33,7 +35,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from medusa.checkpoint import load_heads, save_heads
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, head_target_offset, lm_head_fingerprint, most_frequent_tokens
+from medusa.heads import (
+    MedusaHeads,
+    MedusaHeadsConfig,
+    head_target_offset,
+    lm_head_fingerprint,
+    most_frequent_tokens,
+    read_json,
+)
 from medusa.losses import head_ce_sums, head_lookup_table, head_target_counts, medusa_loss
 from train.config import TrainConfig, resume_mismatch
 from train.data import (
@@ -53,6 +62,7 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
+RNG_STATE_NAME = "rng_state_{rank}.pt"
 EVAL_NAME = "eval.json"
 DISTILLED_TRAIN_NAME = "distilled_train.jsonl"
 DISTILLED_HELD_OUT_NAME = "distilled_held_out.jsonl"
@@ -113,6 +123,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     logger.info("training on %d process(es) (%s), device %s, mixed precision %s", accelerator.num_processes,
                 accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
     set_seed(config.seed)
+    if accelerator.is_main_process:
+        remove_unfinished_checkpoints(config.output_dir)
     checkpoint = latest_checkpoint(config.output_dir)
     state = read_checkpoint_state(checkpoint, config) if checkpoint else None
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
@@ -128,7 +140,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
     if checkpoint:
-        optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(_torch_load(checkpoint / OPTIMIZER_NAME, "optimizer state"))
         logger.info("resuming from step %d (%s)", step, checkpoint)
     # The schedule is a function of the step alone: rebuilt at the resumed step, it follows a changed max_steps.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
@@ -139,6 +151,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         tracker_config = {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
+    if checkpoint:
+        restore_rng_state(checkpoint, accelerator.process_index)
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
                pad_id, step=step, hidden_cache={} if config.cache_hidden_states else None)
 
@@ -544,7 +558,11 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint (one with a trainer state file) with the highest step, or ``None``."""
+    """The complete checkpoint (one with a trainer state file) with the highest step, or ``None``.
+
+    Only folders named exactly ``step_N`` count: a checkpoint being written or deleted has a name starting with
+    a dot (see :func:`save_checkpoint`) and is never picked up.
+    """
     root = Path(output_dir) / CHECKPOINTS_DIR
     found = []
     for path in root.glob(f"{CHECKPOINT_PREFIX}*") if root.is_dir() else []:
@@ -554,14 +572,28 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def remove_unfinished_checkpoints(output_dir: str | Path) -> None:
+    """Delete the hidden ``.step_N.*`` folders a killed run left behind (checkpoints half written or deleted)."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    for path in sorted(root.glob(f".{CHECKPOINT_PREFIX}*")) if root.is_dir() else []:
+        logger.info("removing unfinished checkpoint folder %s", path)
+        shutil.rmtree(path)
+
+
 def read_checkpoint_state(checkpoint: Path, config: TrainConfig) -> dict:
-    """The checkpoint's ``{"step", "config"}``.
+    """The checkpoint's ``{"step", "micro_step", "num_processes", "config"}``.
 
     Raises:
-        ValueError: the checkpoint was written with a config that differs from ``config`` in fields that change
-            what is trained (all but :data:`train.config.RESUMABLE_FIELDS`); the message lists them.
+        FileNotFoundError: the state file is missing.
+        ValueError: the state file is not valid JSON or lacks a field, or the checkpoint was written with a config
+            that differs from ``config`` in fields that change what is trained (all but
+            :data:`train.config.RESUMABLE_FIELDS`); the message names the file or lists the fields.
     """
-    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
+    path = checkpoint / TRAINER_STATE_NAME
+    state = read_json(path, "trainer state")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("config"),
+                                                                                                  dict):
+        raise ValueError(f"trainer state {path} must be a JSON object with an integer 'step' and a 'config' object")
     problems = resume_mismatch(state["config"], config)
     if problems:
         raise ValueError(
@@ -572,23 +604,88 @@ def read_checkpoint_state(checkpoint: Path, config: TrainConfig) -> dict:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """Write ``checkpoints/step_N`` atomically (temporary folder renamed into place) and prune old ones."""
+    """Write ``checkpoints/step_N`` atomically and prune old ones.
+
+    Everything is written into the hidden folder ``.step_N.tmp`` (each process adds its RNG state) and the trainer
+    state last; one rename then makes the checkpoint visible. A process killed at any point leaves either the
+    previous checkpoints or the new one complete, never a half-written ``step_N``. Checkpoints are taken between
+    optimizer steps, so the gradient-accumulation position is always ``step * grad_accum_steps``.
+    """
     accelerator, path = run.accelerator, checkpoint_dir(run.config.output_dir, run.step)
+    tmp = path.with_name(f".{path.name}.tmp")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    torch.save(rng_state(), tmp / RNG_STATE_NAME.format(rank=accelerator.process_index))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
         save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step})
         torch.save(run.optimizer.state_dict(), tmp / OPTIMIZER_NAME)
-        state = {"step": run.step, "config": run.config.to_dict()}
+        state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
+                 "num_processes": accelerator.num_processes, "config": run.config.to_dict()}
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
         if path.exists():
-            shutil.rmtree(path)
+            _remove_checkpoint(path)
         os.replace(tmp, path)
         _prune_checkpoints(path.parent, run.config.keep_checkpoints)
         logger.info("checkpoint saved: %s", path)
     accelerator.wait_for_everyone()
     return path
+
+
+def rng_state() -> dict:
+    """This process's Python, NumPy, torch (and CUDA) random states, in a form ``torch.load(weights_only)`` reads."""
+    python_version, python_state, python_gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [python_version, list(python_state), python_gauss],
+             "numpy": [name, keys.tolist(), pos, has_gauss, cached], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(checkpoint: Path, rank: int) -> None:
+    """Set this process's random states to the ones saved in ``checkpoint`` (a warning when it has none for it).
+
+    Raises:
+        ValueError: the RNG state file is damaged (the message names it).
+    """
+    path = checkpoint / RNG_STATE_NAME.format(rank=rank)
+    if not path.is_file():
+        logger.warning("%s has no random state for process %d: random draws will differ from an uninterrupted run",
+                       checkpoint, rank)
+        return
+    state = _torch_load(path, "random state")
+    try:
+        version, python_state, gauss = state["python"]
+        random.setstate((version, tuple(python_state), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"random state {path} is damaged: {e}") from e
+
+
+def _torch_load(path: Path, what: str):
+    """``torch.load`` (tensors and plain containers only) with errors that name the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+        raise ValueError(f"{what} {path} is damaged or not a torch file: {type(e).__name__}: {e}") from e
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename out of sight first, so a kill during the deletion never leaves a partial ``step_N``."""
+    hidden = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden)
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
@@ -597,4 +694,4 @@ def _prune_checkpoints(root: Path, keep: int) -> None:
     steps = sorted(int(p.name[len(CHECKPOINT_PREFIX) :]) for p in root.glob(f"{CHECKPOINT_PREFIX}*")
                    if p.name[len(CHECKPOINT_PREFIX) :].isdigit())
     for step in steps[:-keep]:
-        shutil.rmtree(root / f"{CHECKPOINT_PREFIX}{step}")
+        _remove_checkpoint(root / f"{CHECKPOINT_PREFIX}{step}")
