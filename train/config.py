@@ -197,17 +197,26 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
 
     Raises:
         FileNotFoundError: the YAML file does not exist.
-        ValueError: the YAML is not a mapping, a key (in YAML or overrides) is not a field, or a value is invalid.
+        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, or a value
+            is invalid (a YAML value of the wrong type is reported with the file's name).
     """
     values: dict = {}
     if yaml_path is not None:
         path = Path(yaml_path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(loaded).__name__}")
         _check_known(loaded, f"config file {path}")
+        for name, value in loaded.items():
+            try:
+                coerce(name, _field_types()[name], value)
+            except ValueError as e:
+                raise ValueError(f"config file {path}: {e}") from e
         values.update(loaded)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     _check_known(overrides, "overrides")
