@@ -385,3 +385,39 @@ def test_damaged_checkpoint_is_refused_naming_the_file(base_dir, chats, tmp_path
     damage(latest_checkpoint(tmp_path / "run"))
     with pytest.raises(ValueError, match=message):
         train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=2, eval_every=0))
+
+
+def write_distilled(path: Path, response_len: int, n: int = 8) -> Path:
+    """Self-distilled records with no prompt ids: the response's first tokens sit at positions 0, 1, ..."""
+    records = [{"id": f"d{i}", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+                "prompt_ids": [], "response_ids": [5 + (i + j) % 7 for j in range(response_len)]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("response_len, message", [
+    (2, "no supervised token in the training data reaches any head"),
+    (3, r"heads \[1, 2\] have no target in the training data"),
+])
+def test_heads_without_targets_warn(base_dir, tmp_path, caplog, response_len, message):
+    data = write_distilled(tmp_path / "d.jsonl", response_len)
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, data, tmp_path / "run", held_out_fraction=0.0, head_vocab_size=None))
+    assert re.search(message, caplog.text), caplog.text
+
+
+def test_head_vocabulary_larger_than_the_distinct_targets_warns(base_dir, chats, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, chats, tmp_path / "run", head_vocab_size=200))
+    match = re.search(r"head_vocab_size=200 but the training targets hold only (\d+) distinct tokens", caplog.text)
+    assert match and int(match.group(1)) < 200, caplog.text
+
+
+def test_empty_held_out_split_warns_only_when_one_was_asked_for(base_dir, chats, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        run = setup(make_config(base_dir, chats, tmp_path / "a", held_out_fraction=0.001))
+    assert not run.held_examples and "held_out_fraction=0.001 left no held-out conversation" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, chats, tmp_path / "b", held_out_fraction=0.0))
+    assert "held-out" not in caplog.text

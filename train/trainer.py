@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 
 from medusa.checkpoint import load_heads, save_heads
 from medusa.heads import (
+    IGNORE_INDEX,
     MedusaHeads,
     MedusaHeadsConfig,
     head_target_offset,
@@ -130,12 +131,13 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
     train_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len)
-    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len)
+    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len, config.held_out_fraction)
     lm_head = model.get_output_embeddings().weight  # (V, H)
     if checkpoint:
         heads = load_heads(checkpoint / HEADS_DIR, lm_head)
     else:
         heads = build_heads(config, lm_head, train_examples, eos_ids(model, tokenizer))
+    warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
@@ -271,7 +273,13 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, examples: list[dict]
     token_map = None
     if head_vocab is not None:
         counts = target_token_counts(examples, vocab)  # (V,)
-        token_map = most_frequent_tokens(counts, head_vocab, always=[i for i in always if i < vocab])
+        kept = [i for i in always if i < vocab]
+        seen = int((counts > 0).sum()) + sum(1 for i in kept if counts[i] == 0)
+        if head_vocab > seen:
+            logger.warning("head_vocab_size=%d but the training targets hold only %d distinct tokens: %d head "
+                           "vocabulary entries are tokens never seen in training; head_vocab_size=%d would do",
+                           head_vocab, seen, head_vocab - seen, seen)
+        token_map = most_frequent_tokens(counts, head_vocab, always=kept)
     heads_config = MedusaHeadsConfig(
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
@@ -353,16 +361,44 @@ def _merge_jsonl(path: Path, shards: list[Path]) -> None:
         shard.unlink()
 
 
-def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int) -> list[dict]:
-    """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning)."""
+def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float) -> list[dict]:
+    """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning when
+    ``fraction`` asked for one)."""
     if not convs:
-        logger.warning("no held-out conversations: evaluation is skipped")
+        if fraction > 0:
+            logger.warning("held_out_fraction=%g left no held-out conversation: evaluation is skipped", fraction)
         return []
     try:
         return tokenize_conversations(convs, tokenizer, max_seq_len)[0]
     except ValueError as e:
         logger.warning("held-out split unusable (%s): evaluation is skipped", e)
         return []
+
+
+def head_target_totals(examples: list[dict], num_heads: int) -> list[int]:
+    """Targets of each head in ``examples``: supervised labels at least ``head_target_offset(k)`` positions in.
+
+    Targets outside a truncated head vocabulary are counted too (the vocabulary holds the most frequent ones).
+    """
+    totals = [0] * num_heads
+    for example in examples:
+        labels = example["labels"]
+        supervised = len(labels) - labels.count(IGNORE_INDEX)
+        for k in range(num_heads):
+            totals[k] += supervised - sum(label != IGNORE_INDEX for label in labels[: head_target_offset(k)])
+    return totals
+
+
+def warn_heads_without_targets(totals: list[int]) -> None:
+    """A warning when a head has no target in the training data: training is legal but leaves it untrained."""
+    if not any(totals):
+        logger.warning("no supervised token in the training data reaches any head (head k needs answer tokens at "
+                       "least k + 2 positions into the sequence): the heads will keep their initial values")
+        return
+    empty = [k for k, total in enumerate(totals) if total == 0]
+    if empty:
+        logger.warning("heads %s have no target in the training data (answers too short): they will keep their "
+                       "initial values", empty)
 
 
 def micro_batches(num_examples: int, batch_size: int, seed: int, rank: int, world: int,
