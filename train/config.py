@@ -51,7 +51,8 @@ class TrainConfig:
     batch_size: int = 8
     """Sequences per micro-batch on each process."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step. The loss is normalised by the targets of the whole step, so
+    batch_size x grad_accum_steps x processes, however split, trains the same heads."""
     learning_rate: float = 1e-3
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -63,7 +64,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping."""
     mixed_precision: str = "auto"
-    """"no", "bf16", "fp16", or "auto": bf16 on a CUDA device that supports it, otherwise "no"."""
+    """"no", "bf16", "fp16" (needs a CUDA device; refused at start on CPU), or "auto": bf16 on a CUDA device that
+    supports it, otherwise "no"."""
     save_every: int = 500
     """Checkpoint every this many optimizer steps (and at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
