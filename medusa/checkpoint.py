@@ -4,19 +4,25 @@ Weight keys: ``blocks.{k}.{j}.linear.{weight,bias}`` (ResBlock j of head k), ``i
 heads' input layer), ``lm_heads.{k}.weight`` when the heads own their projection, and ``token_map`` when the head
 vocabulary is truncated. ``config.json`` names the ``head_type`` (medusa | hydra) and the ``format_version``;
 version 1 folders (Medusa heads, before ``head_type`` existed) still load. Loading checks every key and every
-shape (no ``strict=False``) and checks the heads against the base they are put on.
+shape (no ``strict=False``) and checks the heads against the base they are put on. :func:`check_heads_folder` does
+every check that needs no base (config fields and types, another project's layout, a damaged weights file, weight
+shapes against the config) from the files alone, so a caller can run it before spending time on the base.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import tempfile
+import types
+import typing
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, build_heads, fingerprint_mismatch, read_json
@@ -25,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 HEADS_CONFIG_NAME = "config.json"
 HEADS_WEIGHTS_NAME = "model.safetensors"
+# Files that mark a folder written by another Medusa implementation, and what it is.
+FOREIGN_WEIGHTS = {
+    "medusa_lm_head.safetensors": "a FasterDecoding/Medusa checkpoint",
+    "medusa_lm_head.pt": "a FasterDecoding/Medusa checkpoint",
+    "pytorch_model.bin": "a PyTorch model folder",
+}
 
 
 class HeadsMismatchError(ValueError):
@@ -74,14 +86,127 @@ def read_heads_config(heads_dir: str | Path) -> MedusaHeadsConfig:
 
     Raises:
         FileNotFoundError: the folder or its config is missing.
-        ValueError: the config is not valid JSON or has unknown or invalid fields.
+        ValueError: the folder is in another project's format, or the config is not valid JSON, misses a required
+            field, has an unknown field or a field of the wrong type or value; the message names the file.
     """
-    path = Path(heads_dir) / HEADS_CONFIG_NAME
+    heads_dir = Path(heads_dir)
+    if not heads_dir.is_dir():
+        raise FileNotFoundError(f"Medusa heads folder not found: {heads_dir}")
+    path = heads_dir / HEADS_CONFIG_NAME
+    _check_not_foreign(heads_dir, path)
     data = read_json(path, "Medusa heads config")
     if not isinstance(data, dict):
-        raise ValueError(f"Medusa heads config {path} must be a JSON object")
+        raise ValueError(f"Medusa heads config {path} must be a JSON object, got {type(data).__name__}")
     data.pop("training", None)
-    return MedusaHeadsConfig.from_dict(data)
+    _check_config_fields(data, path)
+    try:
+        return MedusaHeadsConfig.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"Medusa heads config {path}: {e}") from e
+
+
+def _check_not_foreign(heads_dir: Path, config_path: Path) -> None:
+    """Name the format of a folder written by another project (FasterDecoding/Medusa, vLLM, a whole model)."""
+    ours = f"this project's heads format ({HEADS_CONFIG_NAME} with hidden_size/vocab_size/num_heads, and " \
+           f"{HEADS_WEIGHTS_NAME})"
+    config = {}
+    if config_path.is_file():
+        try:
+            loaded = json.loads(config_path.read_text())
+            config = loaded if isinstance(loaded, dict) else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            config = {}  # reported by the reader with the decoding error
+    if "medusa_num_heads" in config or "medusa_num_layers" in config:
+        raise ValueError(f"{config_path} has medusa_num_heads/medusa_num_layers: {heads_dir} is a "
+                         f"FasterDecoding/Medusa checkpoint, not {ours}")
+    model_type = config.get("model_type")
+    if model_type == "medusa":
+        raise ValueError(f"{config_path} has model_type 'medusa': {heads_dir} is a vLLM Medusa checkpoint, not {ours}")
+    if isinstance(model_type, str) and model_type != "medusa_heads":
+        raise ValueError(f"{config_path} has model_type {model_type!r}: {heads_dir} looks like a model folder (the "
+                         f"base?), not {ours}")
+    if not (heads_dir / HEADS_WEIGHTS_NAME).exists():
+        for name, what in FOREIGN_WEIGHTS.items():
+            if (heads_dir / name).exists():
+                raise ValueError(f"{heads_dir / name}: {heads_dir} is {what}, not {ours}")
+
+
+def _check_config_fields(data: dict, path: Path) -> None:
+    """Every required :class:`MedusaHeadsConfig` field present and every field of its annotated type."""
+    hints = typing.get_type_hints(MedusaHeadsConfig)
+    for f in dataclasses.fields(MedusaHeadsConfig):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name not in data:
+            if required:
+                raise ValueError(f"Medusa heads config {path} misses the required field {f.name!r}")
+            continue
+        if not _has_type(data[f.name], hints[f.name]):
+            raise ValueError(f"Medusa heads config {path}: field {f.name!r} must be {_type_name(hints[f.name])}, "
+                             f"got {data[f.name]!r}")
+
+
+def _has_type(value, annotation) -> bool:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_has_type(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(value, origin)
+
+
+def _type_name(annotation) -> str:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def check_heads_folder(heads_dir: str | Path) -> MedusaHeadsConfig:
+    """Check a heads folder from its files alone, without a base model; returns its config.
+
+    Reads the config (:func:`read_heads_config`) and only the header of the weights file, and compares every key and
+    shape with what the config describes.
+
+    Raises:
+        FileNotFoundError: the folder, config or weights file is missing.
+        ValueError: see :func:`read_heads_config`; or the weights file is truncated or not a safetensors file.
+        HeadsMismatchError: the weights have missing, unexpected or mis-shaped keys for the config.
+    """
+    heads_dir = Path(heads_dir)
+    config = read_heads_config(heads_dir)
+    path = heads_dir / HEADS_WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no Medusa heads weights at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+        raise ValueError(f"Medusa heads weights {path} are damaged (truncated or not a safetensors file): {e}") from e
+    _check_shapes(shapes, expected_shapes(config), path)
+    return config
+
+
+def expected_shapes(config: MedusaHeadsConfig) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of the weights file of heads with ``config`` (built on the meta device: nothing allocated)."""
+    lm_head = torch.empty(config.vocab_size, config.hidden_size, device="meta")
+    token_map = None if config.head_vocab_size is None else torch.arange(config.head_vocab_size)
+    with torch.device("meta"):
+        heads = build_heads(config, lm_head, lm_head, token_map)
+    return {key: tuple(value.shape) for key, value in heads.state_dict().items()}
+
+
+def _check_shapes(shapes: dict[str, tuple], expected: dict[str, tuple], path: Path) -> None:
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise HeadsMismatchError(f"{path}: missing keys {missing}, unexpected keys {unexpected} for the heads its "
+                                 f"{HEADS_CONFIG_NAME} describes")
+    for key, shape in shapes.items():
+        if shape != expected[key]:
+            raise HeadsMismatchError(f"{path}: {key} has shape {shape}, expected {expected[key]} from its "
+                                     f"{HEADS_CONFIG_NAME}")
 
 
 def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_fingerprint: bool = True,
@@ -92,11 +217,13 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
 
     Raises:
         FileNotFoundError: the folder, config or weights file is missing.
+        ValueError: the folder is damaged or in another format (see :func:`check_heads_folder`), or a weight holds
+            NaN or infinity.
         HeadsMismatchError: the base's hidden size, vocabulary size or lm_head differ from the ones the heads were
             trained on, or the weights file has missing, unexpected or mis-shaped keys.
     """
     heads_dir = Path(heads_dir)
-    config = read_heads_config(heads_dir)
+    config = check_heads_folder(heads_dir)
     vocab, hidden = lm_head_weight.shape
     if hidden != config.hidden_size:
         raise HeadsMismatchError(f"heads expect hidden size {config.hidden_size}, base has {hidden} ({heads_dir})")
@@ -107,22 +234,17 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
     if check_fingerprint and (problem := fingerprint_mismatch(config.lm_head_fingerprint, lm_head_weight)):
         raise HeadsMismatchError(f"heads in {heads_dir} were trained for another base: {problem}")
     weights_path = heads_dir / HEADS_WEIGHTS_NAME
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"no Medusa heads weights at {weights_path}")
-    state = load_file(str(weights_path))
+    try:
+        state = load_file(str(weights_path))
+    except Exception as e:  # the header was readable; the data may still be damaged
+        raise ValueError(f"Medusa heads weights {weights_path} are damaged: {e}") from e
+    for key, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"Medusa heads weights {weights_path}: {key} holds NaN or infinite values")
     token_map = state.get("token_map")
     try:
         heads = build_heads(config, lm_head_weight, embed_weight, token_map)
     except ValueError as e:
         raise HeadsMismatchError(f"{heads_dir}: {e}") from e
-    expected = heads.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise HeadsMismatchError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
-    for key, value in state.items():
-        if value.shape != expected[key].shape:
-            raise HeadsMismatchError(
-                f"{weights_path}: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}"
-            )
     heads.load_state_dict(state, strict=True)
     return heads.to(device=lm_head_weight.device)

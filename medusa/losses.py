@@ -23,7 +23,8 @@ from torch.nn import functional as F
 
 from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
-__all__ = ["IGNORE_INDEX", "LOSS_TYPES", "head_lookup_table", "head_targets", "medusa_loss", "soft_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "LOSS_TYPES", "head_ce_sums", "head_lookup_table", "head_soft_sums",
+           "head_target_counts", "head_targets", "medusa_loss", "soft_cross_entropy"]
 
 TOP_K = 5
 LOSS_TYPES = ("hard", "teacher", "mixed")
@@ -144,3 +145,78 @@ def medusa_loss(
             stats["ce_sum"][k] = ce_sum.detach()
             stats["ce_count"][k] = ce_count
     return loss, stats
+
+
+def head_target_counts(labels: torch.Tensor, num_heads: int, head_lookup: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of targets each head is trained on in ``labels``: supervised and inside the head vocabulary.
+
+    Needs no logits, so a trainer can count the targets of a whole optimizer step before its first forward.
+
+    Args:
+        labels: ``(B, T)`` as for :func:`medusa_loss`.
+        num_heads: K.
+        head_lookup: as for :func:`medusa_loss`.
+
+    Returns:
+        ``(K,)`` long tensor on ``labels``' device; entry k is the denominator of ``CE_k`` in :func:`medusa_loss`.
+    """
+    counts = [(head_targets(labels, k, head_lookup)[0] != IGNORE_INDEX).sum() for k in range(num_heads)]
+    return torch.stack(counts)  # (K,)
+
+
+def head_soft_sums(head_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Per-head soft cross-entropy against the base's own distribution, summed over each head's supervised targets.
+
+    The teacher-loss counterpart of :func:`head_ce_sums`: head k at position t is scored against
+    ``teacher_logits[:, t + k + 1]`` (the base's prediction of the same token) wherever ``labels[:, t + k + 2]`` is
+    supervised; the matching counts are :func:`head_target_counts` without a head lookup.
+
+    Args:
+        head_logits: ``(K, B, T, Vh)``.
+        teacher_logits: ``(B, T, Vh)`` the base's logits over the head vocabulary.
+        labels: ``(B, T)`` as for :func:`medusa_loss`.
+        temperature: see :func:`soft_cross_entropy`.
+
+    Returns:
+        ``(K,)`` float32 sums (nats), with gradient.
+    """
+    sums = []
+    for k in range(head_logits.shape[0]):
+        _, supervised = head_targets(labels, k, None)  # (B, T')
+        offset = head_target_offset(k) - 1
+        teacher = teacher_logits[:, offset : offset + supervised.shape[1]]  # (B, T', Vh)
+        soft = soft_cross_entropy(head_logits[k, :, : supervised.shape[1]], teacher, temperature)  # (B, T')
+        sums.append((soft * supervised).sum())
+    return torch.stack(sums)  # (K,)
+
+
+def head_ce_sums(
+    head_logits: torch.Tensor, labels: torch.Tensor, head_lookup: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-head cross-entropy summed (not averaged) over each head's targets, with gradient.
+
+    Sums add up across micro-batches and processes, so a trainer can divide them by the target count of a whole
+    optimizer step (see ``train.trainer.step_loss``) and the loss does not depend on how the step is split.
+    A head with no target gives exactly 0 and keeps its logits in the graph.
+
+    Args:
+        head_logits: ``(K, B, T, Vh)``.
+        labels: ``(B, T)``; head_lookup: as for :func:`medusa_loss`.
+
+    Returns:
+        ``(K,)`` float32 summed cross-entropies (nats); the matching counts are :func:`head_target_counts`.
+
+    Raises:
+        ValueError: the logits and labels shapes disagree.
+    """
+    num_heads, batch, seq, head_vocab = head_logits.shape
+    if labels.shape != (batch, seq):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits (B, T) = {(batch, seq)}")
+    sums = []
+    for k in range(num_heads):
+        targets, _ = head_targets(labels, k, head_lookup)  # (B, T')
+        logits = head_logits[k, :, : targets.shape[1]].float()  # (B, T', Vh)
+        sums.append(F.cross_entropy(logits.reshape(-1, head_vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                    reduction="sum"))
+    return torch.stack(sums)  # (K,)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medusa.checkpoint import load_heads, read_heads_config
+from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.generate import GenerationStats, Step, medusa_generate, medusa_steps
 from medusa.heads import HydraHeads, MedusaHeads
 from medusa.tree import Tree, load_tree
@@ -76,16 +76,19 @@ class MedusaModel(nn.Module):
             medusa.checkpoint.HeadsMismatchError: the heads were trained for another base.
             ValueError: the tree does not fit the heads.
         """
-        read_heads_config(heads)  # fail on a bad heads folder before spending time loading the base
-        model, tokenizer = load_base(base, dtype, device, attn_implementation)
-        loaded = load_heads(heads, model.get_output_embeddings().weight,
-                            embed_weight=model.get_input_embeddings().weight)
+        # Fail on a bad heads folder or tree file before spending time loading the base.
+        config = check_heads_folder(heads)
         if tree is None and (Path(heads) / TREE_FILE_NAME).is_file():
             tree = Path(heads) / TREE_FILE_NAME
         if tree is None:
             logger.info("no tree given and none in %s: using the top-1 chain", heads)
         elif not isinstance(tree, Tree):
             tree = load_tree(tree)
+        if tree is not None:
+            tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
+        model, tokenizer = load_base(base, dtype, device, attn_implementation)
+        loaded = load_heads(heads, model.get_output_embeddings().weight,
+                            embed_weight=model.get_input_embeddings().weight)
         return cls(model, loaded, tree, tokenizer)
 
     @property

@@ -98,7 +98,15 @@ def load_tree(path: str | Path) -> Tree:
     unknown = set(data) - {"name", "paths", "note"}
     if unknown:
         raise ValueError(f"tree file {path}: unknown keys {sorted(unknown)}")
-    return Tree.from_paths(data["paths"], name=data.get("name", path.stem))
+    for node in data["paths"]:
+        if not isinstance(node, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in node):
+            raise ValueError(f"tree file {path}: every path must be a list of integer ranks, got {node!r}")
+    if not isinstance(data.get("name", ""), str):
+        raise ValueError(f"tree file {path}: 'name' must be a string, got {data['name']!r}")
+    try:
+        return Tree.from_paths(data["paths"], name=data.get("name", path.stem))
+    except ValueError as e:
+        raise ValueError(f"tree file {path}: {e}") from e
 
 
 def save_tree(tree: Tree, path: str | Path, note: str = "") -> None:

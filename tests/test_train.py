@@ -1,7 +1,9 @@
 """Training end to end on a tiny Llama: frozen base, heads move, checkpoints resume, heads load, 2-process DDP."""
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from medusa.checkpoint import load_heads
+from medusa.losses import head_ce_sums, head_target_counts, medusa_loss
 from tests.tiny import save_tiny, tiny_tokenizer
 from train.config import TrainConfig
-from train.trainer import latest_checkpoint, micro_batches, train
+from train.trainer import fit, latest_checkpoint, micro_batches, setup, step_loss, train
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog hello world how are you today Medusa heads predict tokens".split()
@@ -28,6 +31,18 @@ def write_chats(path: Path, n: int = 24) -> Path:
         question = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(4))
         answer = " ".join(WORDS[(3 * i + j) % len(WORDS)] for j in range(10))
         records.append({"id": f"c{i}", "conversations": [{"from": "human", "value": question},
+                                                          {"from": "gpt", "value": answer}]})
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def write_mixed_chats(path: Path, n: int = 16) -> Path:
+    """Chats whose answers alternate between one sentence and twelve: a per-micro-batch mean weights them unevenly."""
+    records = []
+    for i in range(n):
+        sentences = 1 if i % 2 == 0 else 12
+        answer = " ".join(" ".join(WORDS[(i + s + j) % len(WORDS)] for j in range(6)) + "." for s in range(sentences))
+        records.append({"id": f"m{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                                           {"from": "gpt", "value": answer}]})
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return path
@@ -49,6 +64,18 @@ def make_config(base_dir, chats, out, **overrides) -> TrainConfig:
                   eval_every=2, log_every=1, held_out_fraction=0.25, mixed_precision="no")
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def split_config(base_dir, chats, out, batch_size, grad_accum_steps, **overrides) -> TrainConfig:
+    """Full-vocabulary heads, every example once per step, no warmup, no held-out split, no clipping."""
+    return make_config(base_dir, chats, out, head_vocab_size=None, max_seq_len=256, batch_size=batch_size,
+                       grad_accum_steps=grad_accum_steps, warmup_steps=0, max_steps=3, save_every=0, eval_every=0,
+                       held_out_fraction=0.0, max_grad_norm=0.0, **overrides)
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)).item() for k in a)
 
 
 def heads_state(heads_dir: Path) -> dict:
@@ -118,15 +145,11 @@ def test_micro_batches_resume_and_shard():
     assert sorted(rank0[0] + rank1[0]) == sorted(set(rank0[0] + rank1[0]))  # one global batch, no overlap
 
 
-@pytest.mark.slow
-def test_two_process_cpu_launch(base_dir, chats, tmp_path):
-    out = tmp_path / "ddp"
+def launch_two_processes(train_args: list[str], port: int) -> subprocess.CompletedProcess:
+    """Run ``python -m train ARGS`` on 2 CPU processes (DDP over gloo); asserts it succeeded."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29517", "-m", "train",
-           "--base", str(base_dir), "--data", str(chats), "--output-dir", str(out), "--max-steps", "2",
-           "--batch-size", "2", "--grad-accum-steps", "2", "--max-seq-len", "48", "--num-heads", "2",
-           "--head-vocab-size", "64", "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
-           "--self-distill", "--distill-max-new-tokens", "4"]
+           str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", str(port), "-m", "train",
+           *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -137,8 +160,18 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_two_process_cpu_launch(base_dir, chats, tmp_path):
+    out = tmp_path / "ddp"
+    result = launch_two_processes(["--base", str(base_dir), "--data", str(chats), "--output-dir", str(out),
+                                   "--max-steps", "2", "--batch-size", "2", "--grad-accum-steps", "2",
+                                   "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
+                                   "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
+                                   "--self-distill", "--distill-max-new-tokens", "4"], port=29517)
     assert "training on 2 process(es) (MULTI_CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
     assert metrics["steps"] == 2 and metrics["examples"] > 0
@@ -172,3 +205,223 @@ def test_hidden_state_cache_runs_the_base_once_per_example(base_dir, chats, tmp_
     # Same data order; the cache only rounds hidden states to bf16.
     for key in plain:
         assert torch.allclose(cached[key].float(), plain[key].float(), atol=5e-3), key
+
+
+def test_step_loss_shares_add_up_to_medusa_loss():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 12, 10)  # (K, B, T, Vh)
+    labels = torch.randint(0, 10, (4, 12))
+    labels[0, :9] = -100
+    labels[2, 5:] = -100
+    whole, _ = medusa_loss(logits, labels, decay=0.7)
+    counts = head_target_counts(labels, 3)  # (K,)
+    shares = [step_loss(head_ce_sums(logits[:, b : b + 1], labels[b : b + 1]), counts, 0.7) for b in range(4)]
+    torch.testing.assert_close(sum(shares), whole)
+    assert step_loss(torch.zeros(2), torch.zeros(2, dtype=torch.long), 0.8).item() == 0  # no target: 0, not NaN
+
+
+@pytest.mark.parametrize("variant", [{}, {"head_type": "hydra", "loss": "mixed"}])
+def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, variant):
+    """8 x 1, 1 x 8 and 4 x 2 (batch x accumulation) over answers of 1 and 12 sentences: one loss, one set of heads
+    (Medusa heads with the hard loss; Hydra heads with the hard + teacher mix, each term with its own count)."""
+    chats = write_mixed_chats(tmp_path / "mixed.jsonl")
+    runs = {}
+    for batch, accum in ((8, 1), (1, 8), (4, 2)):
+        config = split_config(base_dir, chats, tmp_path / f"{batch}x{accum}", batch, accum)
+        run = setup(dataclasses.replace(config, **variant))
+        losses = fit(run)
+        runs[batch, accum] = losses, {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
+    losses, heads = runs[8, 1]
+    for split, (other_losses, other_heads) in runs.items():
+        assert other_losses == pytest.approx(losses, rel=1e-5), split
+        assert max_relative_difference(heads, other_heads) < 1e-5, split
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_batch(base_dir, tmp_path):
+    """2 processes x batch 4 against 1 process x batch 8: same step losses, heads within 1e-5 relative."""
+    chats = write_mixed_chats(tmp_path / "mixed.jsonl")
+    run = setup(split_config(base_dir, chats, tmp_path / "one", 8, 1))
+    losses = fit(run)
+    heads = {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
+    out = tmp_path / "two"
+    result = launch_two_processes(["--base", str(base_dir), "--data", str(chats), "--output-dir", str(out),
+                                   "--num-heads", "3", "--head-vocab-size", "none", "--max-seq-len", "256",
+                                   "--batch-size", "4", "--grad-accum-steps", "1", "--learning-rate", "1e-2",
+                                   "--warmup-steps", "0", "--max-steps", "3", "--save-every", "0", "--eval-every",
+                                   "0", "--log-every", "1", "--held-out-fraction", "0", "--max-grad-norm", "0",
+                                   "--mixed-precision", "no"], port=29518)
+    logged = [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", result.stderr)]
+    assert logged == pytest.approx(losses, rel=1e-5)
+    two = heads_state(out / "heads")
+    assert max_relative_difference({k: heads[k] for k in two}, two) < 1e-5
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one process-wide state that refuses a second mixed-precision mode; reset it around a test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+@pytest.mark.parametrize("mode", ["no", "bf16", "auto", "fp16"])
+def test_every_mixed_precision_mode_trains_or_is_refused_at_start_on_cpu(base_dir, chats, tmp_path, monkeypatch,
+                                                                         mode, fresh_accelerator_state):
+    import train.trainer as trainer
+
+    if mode == "fp16":
+        monkeypatch.setattr(trainer, "prepare_base", lambda *a, **k: pytest.fail("the base was loaded"))
+        with pytest.raises(ValueError, match="mixed_precision='fp16' cannot run on cpu"):
+            train(make_config(base_dir, chats, tmp_path / mode, mixed_precision=mode))
+        return
+    config = make_config(base_dir, chats, tmp_path / mode, mixed_precision=mode, max_steps=2, eval_every=0)
+    heads_dir = train(config)
+    state = heads_state(heads_dir)
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert state["blocks.0.0.linear.weight"].abs().sum() > 0
+
+
+def config_flags(config: TrainConfig) -> list[str]:
+    """``python -m train`` flags that rebuild ``config``."""
+    flags = []
+    for name, value in config.to_dict().items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+        else:
+            flags += [flag, "none"]
+    return flags
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_point_then_resume_matches_an_uninterrupted_run(base_dir, chats, tmp_path):
+    """A real ``kill -9`` of a training subprocess, at a random checkpoint and a random delay after it."""
+    import random
+    import time
+
+    # Batch 4 x 2 micro-batches over 18 examples: epochs wrap mid-step; own lm_heads: the optimizer holds state.
+    config = make_config(base_dir, chats, tmp_path / "killed", share_lm_head=False, grad_accum_steps=2,
+                         max_steps=16, save_every=1, eval_every=0, keep_checkpoints=2, warmup_steps=3)
+    rng = random.Random()
+    target, delay = rng.randint(1, 10), rng.uniform(0, 0.05)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "train", *config_flags(config)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            latest = latest_checkpoint(config.output_dir)
+            if latest is not None and int(latest.name.split("_")[1]) >= target:
+                break
+            time.sleep(0.005)
+        time.sleep(delay)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+    where = f"killed after checkpoint {target} + {delay:.3f} s; stderr tail: {stderr[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, where
+    killed_at = latest_checkpoint(config.output_dir)
+    assert killed_at is None or int(killed_at.name.split("_")[1]) < config.max_steps, where
+
+    resumed = train(config, *tiny_model_and_tokenizer(base_dir))
+    straight = train(make_config(base_dir, chats, tmp_path / "straight", share_lm_head=False, grad_accum_steps=2,
+                                 max_steps=16, save_every=1, eval_every=0, keep_checkpoints=2, warmup_steps=3))
+    a, b = heads_state(straight), heads_state(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(b[key], a[key], rtol=1e-5, atol=1e-7), f"{key} differs ({where})"
+    checkpoints = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    assert checkpoints == ["step_15", "step_16"], checkpoints  # no hidden leftovers of the killed save
+
+
+def tiny_model_and_tokenizer(base_dir):
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), tiny_tokenizer()
+
+
+def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, tmp_path, monkeypatch):
+    import train.trainer as trainer
+
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=1, eval_every=0)
+    train(config)
+    real_replace = os.replace
+
+    def killed_before_rename(src, dst):
+        if Path(src).name == ".step_3.tmp":
+            raise KeyboardInterrupt("killed")  # stands in for the process dying between the writes and the rename
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(trainer.os, "replace", killed_before_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / ".step_3.tmp" / "trainer_state.json").is_file()  # written completely, but not visible
+    assert latest_checkpoint(tmp_path / "run").name == "step_2"
+    monkeypatch.setattr(trainer.os, "replace", real_replace)
+    train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
+
+
+def test_resume_restores_the_random_state(base_dir, chats, tmp_path):
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=2, eval_every=0)
+    run = setup(config)
+    fit(run)
+    expected = torch.rand(3)  # the next draws of the uninterrupted run
+    torch.manual_seed(1234)
+    setup(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=2, eval_every=0))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: (c / "trainer_state.json").write_text('{"step": 2'), r"trainer state .*trainer_state.json is not val"),
+    (lambda c: (c / "trainer_state.json").write_text('{"step": "two"}'), r"trainer_state.json must be a JSON object"),
+    (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:100]),
+     r"optimizer state .*optimizer.pt is damaged"),
+    (lambda c: (c / "rng_state_0.pt").write_bytes(b"not a torch file"), r"random state .*rng_state_0.pt is damaged"),
+])
+def test_damaged_checkpoint_is_refused_naming_the_file(base_dir, chats, tmp_path, damage, message):
+    config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=2, eval_every=0)
+    train(config)
+    damage(latest_checkpoint(tmp_path / "run"))
+    with pytest.raises(ValueError, match=message):
+        train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=2, eval_every=0))
+
+
+def write_distilled(path: Path, response_len: int, n: int = 8) -> Path:
+    """Self-distilled records with no prompt ids: the response's first tokens sit at positions 0, 1, ..."""
+    records = [{"id": f"d{i}", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+                "prompt_ids": [], "response_ids": [5 + (i + j) % 7 for j in range(response_len)]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("response_len, message", [
+    (2, "no supervised token in the training data reaches any head"),
+    (3, r"heads \[1, 2\] have no target in the training data"),
+])
+def test_heads_without_targets_warn(base_dir, tmp_path, caplog, response_len, message):
+    data = write_distilled(tmp_path / "d.jsonl", response_len)
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, data, tmp_path / "run", held_out_fraction=0.0, head_vocab_size=None))
+    assert re.search(message, caplog.text), caplog.text
+
+
+def test_head_vocabulary_larger_than_the_distinct_targets_warns(base_dir, chats, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, chats, tmp_path / "run", head_vocab_size=200))
+    match = re.search(r"head_vocab_size=200 but the training targets hold only (\d+) distinct tokens", caplog.text)
+    assert match and int(match.group(1)) < 200, caplog.text
+
+
+def test_empty_held_out_split_warns_only_when_one_was_asked_for(base_dir, chats, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        run = setup(make_config(base_dir, chats, tmp_path / "a", held_out_fraction=0.001))
+    assert not run.held_examples and "held_out_fraction=0.001 left no held-out conversation" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        setup(make_config(base_dir, chats, tmp_path / "b", held_out_fraction=0.0))
+    assert "held-out" not in caplog.text

@@ -63,7 +63,8 @@ class TrainConfig:
     batch_size: int = 8
     """Sequences per micro-batch on each process."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step. The loss is normalised by the targets of the whole step, so
+    batch_size x grad_accum_steps x processes, however split, trains the same heads."""
     learning_rate: float = 1e-3
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -75,7 +76,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping."""
     mixed_precision: str = "auto"
-    """"no", "bf16", "fp16", or "auto": bf16 on a CUDA device that supports it, otherwise "no"."""
+    """"no", "bf16", "fp16" (needs a CUDA device; refused at start on CPU), or "auto": bf16 on a CUDA device that
+    supports it, otherwise "no"."""
     save_every: int = 500
     """Checkpoint every this many optimizer steps (and at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
@@ -225,17 +227,26 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
 
     Raises:
         FileNotFoundError: the YAML file does not exist.
-        ValueError: the YAML is not a mapping, a key (in YAML or overrides) is not a field, or a value is invalid.
+        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, or a value
+            is invalid (a YAML value of the wrong type is reported with the file's name).
     """
     values: dict = {}
     if yaml_path is not None:
         path = Path(yaml_path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(loaded).__name__}")
         _check_known(loaded, f"config file {path}")
+        for name, value in loaded.items():
+            try:
+                coerce(name, _field_types()[name], value)
+            except ValueError as e:
+                raise ValueError(f"config file {path}: {e}") from e
         values.update(loaded)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     _check_known(overrides, "overrides")

@@ -7,8 +7,9 @@ Medusa (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head
 ``evaluate``, ``save_checkpoint``) -> final evaluation and ``save_heads``.
 
 Only the heads go through ``accelerator.prepare`` (DDP wraps them alone); the base sits on ``accelerator.device``
-as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state, step, config),
-written atomically; a run whose ``output_dir`` holds checkpoints resumes from the latest one.
+as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state, each process's random
+state, step, config), written atomically; a run whose ``output_dir`` holds checkpoints resumes from the latest one and
+continues exactly as an uninterrupted run would (the data order and the schedule are functions of the step).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
@@ -35,14 +37,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 from medusa import heads as heads_module
 from medusa.checkpoint import load_heads, save_heads
 from medusa.heads import (
+    IGNORE_INDEX,
     HydraHeads,
     MedusaHeads,
     MedusaHeadsConfig,
     head_target_offset,
     lm_head_fingerprint,
     most_frequent_tokens,
+    read_json,
 )
-from medusa.losses import head_lookup_table, medusa_loss
+from medusa.losses import head_ce_sums, head_lookup_table, head_soft_sums, head_target_counts, medusa_loss
 from train.config import TrainConfig, resume_mismatch
 from train.data import (
     Conversation,
@@ -63,6 +67,7 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
+RNG_STATE_NAME = "rng_state_{rank}.pt"
 EVAL_NAME = "eval.json"
 
 
@@ -125,13 +130,15 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     logger.info("training on %d process(es) (%s), device %s, mixed precision %s", accelerator.num_processes,
                 accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
     set_seed(config.seed)
+    if accelerator.is_main_process:
+        remove_unfinished_checkpoints(config.output_dir)
     checkpoint = latest_checkpoint(config.output_dir)
     state = read_checkpoint_state(checkpoint, config) if checkpoint else None
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
     train_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len, config.num_proc,
                                                default_tokenize_cache_dir())
-    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len)
+    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len, config.held_out_fraction)
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
                          "project with it and the teacher loss needs it")
@@ -143,6 +150,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         heads = load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
     else:
         heads = build_heads(config, lm_head, embed, train_examples, eos_ids(model, tokenizer))
+    warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
         teacher_weight = lm_head.detach() if heads.token_map is None else lm_head.detach()[heads.token_map]
@@ -150,7 +158,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
     if checkpoint:
-        optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(_torch_load(checkpoint / OPTIMIZER_NAME, "optimizer state"))
         logger.info("resuming from step %d (%s)", step, checkpoint)
     # The schedule is a function of the step alone: rebuilt at the resumed step, it follows a changed max_steps.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
@@ -161,6 +169,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         tracker_config = {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
+    if checkpoint:
+        restore_rng_state(checkpoint, accelerator.process_index)
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
                pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None,
                store=store)
@@ -171,6 +181,10 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
 
     Accelerate turns a multi-process launch into CPU DDP (gloo) only when asked for CPU, and ``accelerate launch
     --multi_gpu`` / ``torchrun`` do not say so: a multi-process launch on a machine without CUDA runs on CPU.
+
+    Raises:
+        ImportError: the tracker's package is not installed.
+        ValueError: the mixed-precision mode cannot run on this device (see :func:`resolve_mixed_precision`).
     """
     module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(config.tracker)
     if module is not None and importlib.util.find_spec(module) is None:
@@ -178,18 +192,37 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
     if config.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
     cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    # Checked before the Accelerator exists: its state is process-wide and a refused mode must not stick to it.
+    mixed_precision = resolve_mixed_precision(config.mixed_precision, PartialState(cpu=cpu).device)
     # The shared lm_head rows and token map are constant buffers: broadcasting them every forward is wasted traffic.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-    return Accelerator(cpu=cpu, mixed_precision=resolve_mixed_precision(config.mixed_precision),
-                       log_with=None if config.tracker == "none" else config.tracker,
-                       project_dir=str(Path(config.output_dir) / "runs"), kwargs_handlers=[ddp])
+    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision,
+                              log_with=None if config.tracker == "none" else config.tracker,
+                              project_dir=str(Path(config.output_dir) / "runs"), kwargs_handlers=[ddp])
+    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
+        raise ValueError(f"mixed_precision={config.mixed_precision!r}: Accelerate runs no {mixed_precision} autocast "
+                         f"on {accelerator.device}; use 'no' or 'auto'")
+    return accelerator
 
 
-def resolve_mixed_precision(value: str) -> str:
-    """``"auto"`` -> ``"bf16"`` on a CUDA device that supports it, else ``"no"``; other values unchanged."""
-    if value != "auto":
-        return value
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+def resolve_mixed_precision(value: str, device: torch.device) -> str:
+    """The mixed-precision mode to run on ``device``: ``"auto"`` -> ``"bf16"`` on a CUDA device that supports it,
+    else ``"no"``; other values unchanged.
+
+    Raises:
+        ValueError: ``value`` cannot run on ``device``: fp16 on a CPU (Accelerate has no fp16 autocast there, so the
+            heads would get fp16 inputs with fp32 weights), bf16 on a CUDA device without bf16.
+    """
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if value == "auto":
+        return "bf16" if cuda_bf16 else "no"
+    if value == "fp16" and device.type == "cpu":
+        raise ValueError("mixed_precision='fp16' cannot run on cpu (Accelerate has no fp16 autocast there); "
+                         "use 'bf16', 'no' or 'auto'")
+    if value == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise ValueError(f"mixed_precision='bf16': {torch.cuda.get_device_name(device)} does not support bf16; "
+                         "use 'fp16', 'no' or 'auto'")
+    return value
 
 
 def prepare_base(config: TrainConfig, accelerator: Accelerator, model=None, tokenizer=None):
@@ -252,7 +285,13 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
     token_map = None
     if head_vocab is not None:
         counts = target_token_counts(examples, vocab)  # (V,)
-        token_map = most_frequent_tokens(counts, head_vocab, always=[i for i in always if i < vocab])
+        kept = [i for i in always if i < vocab]
+        seen = int((counts > 0).sum()) + sum(1 for i in kept if counts[i] == 0)
+        if head_vocab > seen:
+            logger.warning("head_vocab_size=%d but the training targets hold only %d distinct tokens: %d head "
+                           "vocabulary entries are tokens never seen in training; head_vocab_size=%d would do",
+                           head_vocab, seen, head_vocab - seen, seen)
+        token_map = most_frequent_tokens(counts, head_vocab, always=kept)
     heads_config = MedusaHeadsConfig(
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
@@ -334,10 +373,12 @@ def _merge_jsonl(path: Path, shards: list[Path]) -> None:
         shard.unlink()
 
 
-def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int) -> list[dict]:
-    """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning)."""
+def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float) -> list[dict]:
+    """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning when
+    ``fraction`` asked for one)."""
     if not convs:
-        logger.warning("no held-out conversations: evaluation is skipped")
+        if fraction > 0:
+            logger.warning("held_out_fraction=%g left no held-out conversation: evaluation is skipped", fraction)
         return []
     try:
         return tokenize_conversations(convs, tokenizer, max_seq_len)[0]
@@ -346,22 +387,52 @@ def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int) ->
         return []
 
 
+def head_target_totals(examples: list[dict], num_heads: int) -> list[int]:
+    """Targets of each head in ``examples``: supervised labels at least ``head_target_offset(k)`` positions in.
+
+    Targets outside a truncated head vocabulary are counted too (the vocabulary holds the most frequent ones).
+    """
+    totals = [0] * num_heads
+    for example in examples:
+        labels = example["labels"]
+        supervised = len(labels) - labels.count(IGNORE_INDEX)
+        for k in range(num_heads):
+            totals[k] += supervised - sum(label != IGNORE_INDEX for label in labels[: head_target_offset(k)])
+    return totals
+
+
+def warn_heads_without_targets(totals: list[int]) -> None:
+    """A warning when a head has no target in the training data: training is legal but leaves it untrained."""
+    if not any(totals):
+        logger.warning("no supervised token in the training data reaches any head (head k needs answer tokens at "
+                       "least k + 2 positions into the sequence): the heads will keep their initial values")
+        return
+    empty = [k for k, total in enumerate(totals) if total == 0]
+    if empty:
+        logger.warning("heads %s have no target in the training data (answers too short): they will keep their "
+                       "initial values", empty)
+
+
 def micro_batches(num_examples: int, batch_size: int, seed: int, rank: int, world: int,
-                  start: int = 0) -> Iterator[list[int]]:
+                  start: int = 0, accum: int = 1) -> Iterator[list[int]]:
     """Endless example indices of this process's micro-batches, from global micro-step ``start`` on.
 
-    Each epoch is a permutation seeded by ``(seed, epoch)``, wrapped around to whole global batches so every process
-    gets the same number of micro-batches; the order depends only on the step, so a resumed run continues it.
+    An optimizer step takes the next ``batch_size * world * accum`` examples of the epoch's permutation (seeded by
+    ``(seed, epoch)``); its micro-batch m gives process r the slice starting at ``(m * world + r) * batch_size``.
+    The examples of a step therefore depend on the step and the global batch only, not on how the step is split
+    into micro-batches and processes, and a resumed run continues the order. An epoch is wrapped around to whole
+    steps, so every process gets the same number of micro-batches.
     """
-    global_batch = batch_size * world
-    per_epoch = max(1, math.ceil(num_examples / global_batch))
+    step_examples = batch_size * world * accum
+    steps_per_epoch = max(1, math.ceil(num_examples / step_examples))
+    per_epoch = steps_per_epoch * accum  # micro-steps
     epoch, index = divmod(start, per_epoch)
     while True:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         order = torch.randperm(num_examples, generator=generator).tolist()
-        order = (order * math.ceil(per_epoch * global_batch / num_examples))[: per_epoch * global_batch]
-        for b in range(index, per_epoch):
-            first = b * global_batch + rank * batch_size
+        order = (order * math.ceil(steps_per_epoch * step_examples / num_examples))[: steps_per_epoch * step_examples]
+        for m in range(index, per_epoch):
+            first = (m * world + rank) * batch_size
             yield order[first : first + batch_size]
         epoch, index = epoch + 1, 0
 
@@ -374,22 +445,28 @@ def _to_device(batch: dict, device) -> dict:
 # The loop.
 
 
-def fit(run: Run) -> None:
-    """Optimizer steps from ``run.step`` to ``max_steps`` with periodic logging, evaluation and checkpoints."""
+def fit(run: Run) -> list[float]:
+    """Optimizer steps from ``run.step`` to ``max_steps`` with periodic logging, evaluation and checkpoints.
+
+    Returns:
+        The loss of each step run (summed over processes: the loss of the whole step), in order.
+    """
     config, accelerator = run.config, run.accelerator
     batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, accelerator.process_index,
-                            accelerator.num_processes, start=run.step * config.grad_accum_steps)
+                            accelerator.num_processes, start=run.step * config.grad_accum_steps,
+                            accum=config.grad_accum_steps)
     progress = tqdm(total=config.max_steps, initial=run.step, desc="medusa heads",
                     disable=not accelerator.is_main_process)
     saved_at = run.step if latest_checkpoint(config.output_dir) else None
+    losses = []
     while run.step < config.max_steps:
-        loss = train_step(run, batches)
+        losses.append(accelerator.reduce(train_step(run, batches), reduction="sum").item())
         run.step += 1
         progress.update(1)
         if run.step % config.log_every == 0 or run.step == config.max_steps:
-            mean_loss = accelerator.reduce(loss, reduction="mean").item()
-            progress.set_postfix(loss=f"{mean_loss:.4f}")
-            accelerator.log({"train/loss": mean_loss, "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
+            progress.set_postfix(loss=f"{losses[-1]:.4f}")
+            logger.info("step %d loss %.6f lr %.6g", run.step, losses[-1], run.scheduler.get_last_lr()[0])
+            accelerator.log({"train/loss": losses[-1], "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
         periodic_eval = config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps
         if periodic_eval and run.held_examples:
             metrics = evaluate(run, max_batches=config.max_eval_batches)
@@ -400,24 +477,40 @@ def fit(run: Run) -> None:
     progress.close()
     if saved_at != run.step:
         save_checkpoint(run)
+    return losses
 
 
 def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
-    """One optimizer step over ``grad_accum_steps`` micro-batches; returns the mean loss (a detached scalar)."""
+    """One optimizer step over ``grad_accum_steps`` micro-batches; returns this process's share of the step loss.
+
+    The loss is normalised by the targets of the whole step, counted over all micro-batches and processes before the
+    first forward (:func:`step_loss`), so it equals the loss of one batch holding the whole step: splitting a step
+    into micro-batches or processes changes neither the loss nor the gradient. The shares of all processes sum to the
+    step loss (a detached scalar).
+    """
     config, accelerator = run.config, run.accelerator
     run.heads.train()
+    num_heads = accelerator.unwrap_model(run.heads).config.num_heads
+    micro = [next(batches) for _ in range(config.grad_accum_steps)]
+    collated = [_to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
+                for indices in micro]
+    counts = sum(head_target_counts(b["labels"], num_heads, run.head_lookup) for b in collated)  # (K,)
+    global_counts = accelerator.reduce(counts, reduction="sum")  # (K,) over all processes
+    global_supervised = None  # the teacher term counts every supervised target, in the head vocabulary or not
+    if run.teacher_weight is not None:
+        supervised = sum(head_target_counts(b["labels"], num_heads) for b in collated)  # (K,)
+        global_supervised = accelerator.reduce(supervised, reduction="sum")
     total = torch.zeros((), device=accelerator.device)
-    for micro in range(config.grad_accum_steps):
-        indices = next(batches)
-        batch = _to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
-        hidden = batch_hidden_states(run, indices, batch)  # (B, T, H)
-        last = micro == config.grad_accum_steps - 1
+    for m, (indices, batch) in enumerate(zip(micro, collated, strict=True)):
+        hidden = batch_hidden_states(run, indices, batch).float()  # (B, T, H); the heads' weights are fp32
+        last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
             logits = run.heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
-            loss, _ = head_loss(run, logits, hidden, batch)
-            accelerator.backward(loss / config.grad_accum_steps)
-        total += loss.detach() / config.grad_accum_steps
+            loss = mixed_step_loss(run, logits, hidden, batch, global_counts, global_supervised)
+            # DDP averages gradients over processes; the loss is already a share of the sum over all of them.
+            accelerator.backward(loss * accelerator.num_processes)
+        total += loss.detach()
     if config.max_grad_norm > 0:
         accelerator.clip_grad_norm_(run.heads.parameters(), config.max_grad_norm)
     run.optimizer.step()
@@ -426,19 +519,59 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     return total
 
 
+def teacher_logits(run: Run, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The base's own logits over the head vocabulary ``(B, T, Vh)`` from hidden states ``(B, T, H)`` (its lm_head
+    rows of the token map, with its final soft-capping), or ``None`` when the loss needs no teacher."""
+    if run.teacher_weight is None:
+        return None
+    with torch.no_grad():
+        teacher = hidden.float() @ run.teacher_weight.float().T  # (B, T, Vh)
+        cap = getattr(run.model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        return teacher if cap is None else torch.tanh(teacher / cap) * cap
+
+
 def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):
-    """:func:`medusa.losses.medusa_loss` with the run's loss settings; teacher logits come from the base's lm_head
-    rows of the head vocabulary applied to the same hidden states ``(B, T, H)``."""
+    """:func:`medusa.losses.medusa_loss` with the run's loss settings (evaluation: per-batch means and stats)."""
     config = run.config
-    teacher = None
-    if run.teacher_weight is not None:
-        with torch.no_grad():
-            teacher = hidden.float() @ run.teacher_weight.float().T  # (B, T, Vh)
-            cap = getattr(run.model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-            if cap is not None:
-                teacher = torch.tanh(teacher / cap) * cap
-    return medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay, teacher_logits=teacher,
-                       loss_type=config.loss, temperature=config.teacher_temperature, mix=config.loss_mix)
+    return medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay,
+                       teacher_logits=teacher_logits(run, hidden), loss_type=config.loss,
+                       temperature=config.teacher_temperature, mix=config.loss_mix)
+
+
+def mixed_step_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, hard_counts: torch.Tensor,
+                    soft_counts: torch.Tensor | None) -> torch.Tensor:
+    """One micro-batch's share of the step loss for ``config.loss`` (hard, teacher or mixed), each term normalised
+    by its own target count over the whole step (see :func:`step_loss`)."""
+    config = run.config
+    hard_weight = {"hard": 1.0, "teacher": 0.0, "mixed": config.loss_mix}[config.loss]
+    loss = logits.new_zeros((), dtype=torch.float32)
+    if hard_weight > 0:
+        sums = head_ce_sums(logits, batch["labels"], run.head_lookup)  # (K,)
+        loss = loss + hard_weight * step_loss(sums, hard_counts, config.loss_decay)
+    if hard_weight < 1:
+        sums = head_soft_sums(logits, teacher_logits(run, hidden), batch["labels"], config.teacher_temperature)
+        loss = loss + (1 - hard_weight) * step_loss(sums, soft_counts, config.loss_decay)
+    return loss
+
+
+def step_loss(ce_sums: torch.Tensor, step_counts: torch.Tensor, decay: float) -> torch.Tensor:
+    """Medusa's decayed loss ``sum_k decay**k * CE_k`` for one micro-batch's share of an optimizer step.
+
+    ``CE_k`` is head k's cross-entropy averaged over the targets of the whole step (all micro-batches, all
+    processes), so the shares of a step add up to the loss of one batch holding the step, however it is split.
+
+    Args:
+        ce_sums: ``(K,)`` this micro-batch's summed cross-entropy per head (:func:`medusa.losses.head_ce_sums`,
+            or the soft one, :func:`medusa.losses.head_soft_sums`).
+        step_counts: ``(K,)`` targets per head in the whole step (:func:`medusa.losses.head_target_counts`,
+            summed over micro-batches and processes); a head with none contributes exactly 0.
+        decay: Medusa's lambda_k = decay ** k.
+
+    Returns:
+        The scalar share of the step loss (nats), with gradient.
+    """
+    weights = torch.tensor([decay**k for k in range(len(ce_sums))], device=ce_sums.device)  # (K,)
+    return (weights * ce_sums / step_counts.clamp_min(1).to(ce_sums.dtype)).sum()
 
 
 @torch.no_grad()
@@ -461,8 +594,8 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
         batch = _to_device(collate(mine[start : start + config.batch_size], run.pad_id), accelerator.device)
         hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
         with accelerator.autocast():
-            logits = heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
-        _, stats = head_loss(run, logits, hidden, batch)
+            logits = heads(hidden.float(), batch["input_ids"])  # (K, B, T, Vh); the heads' weights are fp32
+        _, stats = head_loss(run, logits, hidden.float(), batch)
         for name, value in stats.items():
             totals[name] = totals.get(name, 0) + value
     if not totals:  # this process has no held-out slice; it still joins the reduction
@@ -513,7 +646,11 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint (one with a trainer state file) with the highest step, or ``None``."""
+    """The complete checkpoint (one with a trainer state file) with the highest step, or ``None``.
+
+    Only folders named exactly ``step_N`` count: a checkpoint being written or deleted has a name starting with
+    a dot (see :func:`save_checkpoint`) and is never picked up.
+    """
     root = Path(output_dir) / CHECKPOINTS_DIR
     found = []
     for path in root.glob(f"{CHECKPOINT_PREFIX}*") if root.is_dir() else []:
@@ -523,14 +660,28 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def remove_unfinished_checkpoints(output_dir: str | Path) -> None:
+    """Delete the hidden ``.step_N.*`` folders a killed run left behind (checkpoints half written or deleted)."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    for path in sorted(root.glob(f".{CHECKPOINT_PREFIX}*")) if root.is_dir() else []:
+        logger.info("removing unfinished checkpoint folder %s", path)
+        shutil.rmtree(path)
+
+
 def read_checkpoint_state(checkpoint: Path, config: TrainConfig) -> dict:
-    """The checkpoint's ``{"step", "config"}``.
+    """The checkpoint's ``{"step", "micro_step", "num_processes", "config"}``.
 
     Raises:
-        ValueError: the checkpoint was written with a config that differs from ``config`` in fields that change
-            what is trained (all but :data:`train.config.RESUMABLE_FIELDS`); the message lists them.
+        FileNotFoundError: the state file is missing.
+        ValueError: the state file is not valid JSON or lacks a field, or the checkpoint was written with a config
+            that differs from ``config`` in fields that change what is trained (all but
+            :data:`train.config.RESUMABLE_FIELDS`); the message names the file or lists the fields.
     """
-    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
+    path = checkpoint / TRAINER_STATE_NAME
+    state = read_json(path, "trainer state")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("config"),
+                                                                                                  dict):
+        raise ValueError(f"trainer state {path} must be a JSON object with an integer 'step' and a 'config' object")
     problems = resume_mismatch(state["config"], config)
     if problems:
         raise ValueError(
@@ -541,23 +692,88 @@ def read_checkpoint_state(checkpoint: Path, config: TrainConfig) -> dict:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """Write ``checkpoints/step_N`` atomically (temporary folder renamed into place) and prune old ones."""
+    """Write ``checkpoints/step_N`` atomically and prune old ones.
+
+    Everything is written into the hidden folder ``.step_N.tmp`` (each process adds its RNG state) and the trainer
+    state last; one rename then makes the checkpoint visible. A process killed at any point leaves either the
+    previous checkpoints or the new one complete, never a half-written ``step_N``. Checkpoints are taken between
+    optimizer steps, so the gradient-accumulation position is always ``step * grad_accum_steps``.
+    """
     accelerator, path = run.accelerator, checkpoint_dir(run.config.output_dir, run.step)
+    tmp = path.with_name(f".{path.name}.tmp")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    torch.save(rng_state(), tmp / RNG_STATE_NAME.format(rank=accelerator.process_index))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
         save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step})
         torch.save(run.optimizer.state_dict(), tmp / OPTIMIZER_NAME)
-        state = {"step": run.step, "config": run.config.to_dict()}
+        state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
+                 "num_processes": accelerator.num_processes, "config": run.config.to_dict()}
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
         if path.exists():
-            shutil.rmtree(path)
+            _remove_checkpoint(path)
         os.replace(tmp, path)
         _prune_checkpoints(path.parent, run.config.keep_checkpoints)
         logger.info("checkpoint saved: %s", path)
     accelerator.wait_for_everyone()
     return path
+
+
+def rng_state() -> dict:
+    """This process's Python, NumPy, torch (and CUDA) random states, in a form ``torch.load(weights_only)`` reads."""
+    python_version, python_state, python_gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [python_version, list(python_state), python_gauss],
+             "numpy": [name, keys.tolist(), pos, has_gauss, cached], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(checkpoint: Path, rank: int) -> None:
+    """Set this process's random states to the ones saved in ``checkpoint`` (a warning when it has none for it).
+
+    Raises:
+        ValueError: the RNG state file is damaged (the message names it).
+    """
+    path = checkpoint / RNG_STATE_NAME.format(rank=rank)
+    if not path.is_file():
+        logger.warning("%s has no random state for process %d: random draws will differ from an uninterrupted run",
+                       checkpoint, rank)
+        return
+    state = _torch_load(path, "random state")
+    try:
+        version, python_state, gauss = state["python"]
+        random.setstate((version, tuple(python_state), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"random state {path} is damaged: {e}") from e
+
+
+def _torch_load(path: Path, what: str):
+    """``torch.load`` (tensors and plain containers only) with errors that name the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+        raise ValueError(f"{what} {path} is damaged or not a torch file: {type(e).__name__}: {e}") from e
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename out of sight first, so a kill during the deletion never leaves a partial ``step_N``."""
+    hidden = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden)
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
@@ -566,4 +782,4 @@ def _prune_checkpoints(root: Path, keep: int) -> None:
     steps = sorted(int(p.name[len(CHECKPOINT_PREFIX) :]) for p in root.glob(f"{CHECKPOINT_PREFIX}*")
                    if p.name[len(CHECKPOINT_PREFIX) :].isdigit())
     for step in steps[:-keep]:
-        shutil.rmtree(root / f"{CHECKPOINT_PREFIX}{step}")
+        _remove_checkpoint(root / f"{CHECKPOINT_PREFIX}{step}")

@@ -1,0 +1,223 @@
+"""Damaged or foreign heads folders, tree files and run configs: an error naming the file, before the base loads.
+
+Each case of docs/bad-inputs.md that is not covered next to its module is here. ``MedusaModel.from_pretrained`` is
+called with base loading forbidden, so every error is proven to come before the base model is touched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import medusa.model
+from medusa.checkpoint import HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME, HeadsMismatchError, load_heads, save_heads
+from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.model import MedusaModel
+from train.config import load_config
+
+H, V = 16, 64
+
+
+@pytest.fixture
+def weight():
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def heads_dir(tmp_path, weight):
+    config = MedusaHeadsConfig(hidden_size=H, vocab_size=V, num_heads=3, num_layers=1,
+                               lm_head_fingerprint=lm_head_fingerprint(weight))
+    return save_heads(MedusaHeads(config, weight), tmp_path / "heads")
+
+
+@pytest.fixture(autouse=True)
+def no_base_loading(monkeypatch):
+    def forbidden(*args, **kwargs):
+        pytest.fail("the base model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(medusa.model, "load_base", forbidden)
+
+
+def load(heads, tree=None):
+    return MedusaModel.from_pretrained("unused-base", heads, tree=tree)
+
+
+def edit_config(heads_dir: Path, change) -> None:
+    path = heads_dir / HEADS_CONFIG_NAME
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+# (damage applied to a valid heads folder, exception, message); every message must also name the file.
+HEADS_CASES = {
+    "weights truncated mid-data": (lambda d: truncate(d / HEADS_WEIGHTS_NAME, 0.6), ValueError,
+                                   r"model.safetensors are damaged .*incomplete metadata"),
+    "weights truncated mid-header": (lambda d: truncate(d / HEADS_WEIGHTS_NAME, 0.01), ValueError,
+                                     "model.safetensors are damaged"),
+    "weights empty": (lambda d: (d / HEADS_WEIGHTS_NAME).write_bytes(b""), ValueError,
+                      "model.safetensors are damaged"),
+    "weights not safetensors": (lambda d: (d / HEADS_WEIGHTS_NAME).write_bytes(b"PK\x03\x04 a zip file" * 10),
+                                ValueError, "model.safetensors are damaged"),
+    "config misses hidden_size": (lambda d: edit_config(d, lambda c: c.pop("hidden_size")), ValueError,
+                                  r"config.json misses the required field 'hidden_size'"),
+    "config num_heads is a string": (lambda d: edit_config(d, lambda c: c.update(num_heads="3")), ValueError,
+                                     r"config.json: field 'num_heads' must be int, got '3'"),
+    "config share_lm_head is a string": (lambda d: edit_config(d, lambda c: c.update(share_lm_head="yes")),
+                                         ValueError, r"field 'share_lm_head' must be bool"),
+    "config head_vocab_size is a float": (lambda d: edit_config(d, lambda c: c.update(head_vocab_size=8.5)),
+                                          ValueError, r"field 'head_vocab_size' must be int or null"),
+    "config num_heads is zero": (lambda d: edit_config(d, lambda c: c.update(num_heads=0)), ValueError,
+                                 r"config.json: num_heads must be a positive integer"),
+    "config hidden_size disagrees with weights": (lambda d: edit_config(d, lambda c: c.update(hidden_size=32)),
+                                                  HeadsMismatchError, r"linear.\w+ has shape .* from its config.json"),
+    "config num_layers disagrees with weights": (lambda d: edit_config(d, lambda c: c.update(num_layers=2)),
+                                                 HeadsMismatchError, r"missing keys \['blocks.0.1.linear.bias'"),
+    "config says truncated vocab, no token_map": (lambda d: edit_config(d, lambda c: c.update(head_vocab_size=8)),
+                                                  HeadsMismatchError, r"missing keys \['token_map'\]"),
+    "config not valid JSON": (lambda d: (d / HEADS_CONFIG_NAME).write_text('{"hidden_size": 16,'), ValueError,
+                              "config.json is not valid JSON"),
+    "config a JSON list": (lambda d: (d / HEADS_CONFIG_NAME).write_text("[16, 64]"), ValueError,
+                           "config.json must be a JSON object, got list"),
+    "config missing": (lambda d: (d / HEADS_CONFIG_NAME).unlink(), FileNotFoundError,
+                       "Medusa heads config not found: .*config.json"),
+    "weights missing": (lambda d: (d / HEADS_WEIGHTS_NAME).unlink(), FileNotFoundError,
+                        "no Medusa heads weights at .*model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", HEADS_CASES, ids=list(HEADS_CASES))
+def test_damaged_heads_folder_is_reported_before_the_base_loads(heads_dir, case):
+    damage, error, message = HEADS_CASES[case]
+    damage(heads_dir)
+    with pytest.raises(error, match=message) as info:
+        load(heads_dir)
+    assert str(heads_dir) in str(info.value)
+
+
+def fasterdecoding_medusa(folder: Path) -> Path:
+    """The layout of FasterDecoding/Medusa: medusa_* config keys and medusa_lm_head.safetensors."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1,
+                                                    "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}))
+    save_file({"0.0.linear.weight": torch.zeros(H, H), "0.0.linear.bias": torch.zeros(H),
+               "0.1.weight": torch.zeros(V, H)}, folder / "medusa_lm_head.safetensors")
+    return folder
+
+
+def vllm_medusa(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 3, "num_hidden_layers": 1,
+                                                    "hidden_size": H, "vocab_size": V}))
+    save_file({"blocks.0.layers.0.weight": torch.zeros(H, H), "lm_heads.0.weight": torch.zeros(V, H)},
+              folder / "model.safetensors")
+    return folder
+
+
+def base_model_folder(folder: Path) -> Path:
+    from tests.tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(folder)
+    return folder
+
+
+def fasterdecoding_weights_only(folder: Path) -> Path:
+    fasterdecoding_medusa(folder)
+    (folder / "config.json").unlink()
+    return folder
+
+
+FOREIGN_CASES = {
+    "FasterDecoding/Medusa": (fasterdecoding_medusa, r"config.json has medusa_num_heads.* is a FasterDecoding/Medusa "
+                                                     r"checkpoint, not this project's heads format"),
+    "FasterDecoding/Medusa weights only": (fasterdecoding_weights_only,
+                                           r"medusa_lm_head.safetensors: .* is a FasterDecoding/Medusa checkpoint"),
+    "vLLM Medusa": (vllm_medusa, r"config.json has model_type 'medusa': .* is a vLLM Medusa checkpoint"),
+    "a base model folder": (base_model_folder, r"config.json has model_type 'llama': .* looks like a model folder"),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN_CASES, ids=list(FOREIGN_CASES))
+def test_folder_in_another_format_is_named(tmp_path, case):
+    build, message = FOREIGN_CASES[case]
+    folder = build(tmp_path / "foreign")
+    with pytest.raises(ValueError, match=message):
+        load(folder)
+
+
+def test_missing_heads_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Medusa heads folder not found: .*nowhere"):
+        load(tmp_path / "nowhere")
+
+
+def test_non_finite_weights_are_refused(heads_dir, weight):
+    state = load_file(heads_dir / HEADS_WEIGHTS_NAME)
+    state["blocks.1.0.linear.weight"][0, 0] = float("nan")
+    save_file(state, heads_dir / HEADS_WEIGHTS_NAME)
+    with pytest.raises(ValueError, match=r"model.safetensors: blocks.1.0.linear.weight holds NaN or infinite"):
+        load_heads(heads_dir, weight)
+
+
+TREE_CASES = {
+    "a path is not a list": ('{"paths": [0, 1]}', "every path must be a list of integer ranks, got 0"),
+    "a rank is a float": ('{"paths": [[0], [0.5]]}', r"every path must be a list of integer ranks, got \[0.5\]"),
+    "a rank is a string": ('{"paths": [["0"]]}', "every path must be a list of integer ranks"),
+    "a rank is negative": ('{"paths": [[-1]]}', "has a rank that is not a non-negative int"),
+    "name is not a string": ('{"paths": [[0]], "name": 3}', "'name' must be a string"),
+    "deeper than the heads": ('{"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}', "depth 4 but the model has only 3"),
+}
+
+
+@pytest.mark.parametrize("case", TREE_CASES, ids=list(TREE_CASES))
+def test_bad_tree_file_is_reported_before_the_base_loads(heads_dir, tmp_path, case):
+    content, message = TREE_CASES[case]
+    tree = tmp_path / "tree.json"
+    tree.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load(heads_dir, tree=tree)
+
+
+def test_tree_file_errors_name_the_file(tmp_path):
+    from medusa.tree import load_tree
+
+    tree = tmp_path / "bad-tree.json"
+    tree.write_text('{"paths": [[0, 0]]}')
+    with pytest.raises(ValueError, match=r"tree file .*bad-tree.json: .*has no parent"):
+        load_tree(tree)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("base: m\nmax_steps: [1, 2\n", r"config file .*run.yaml is not valid YAML"),
+    ("base: m\nmax_steps: ten\n", r"config file .*run.yaml: max_steps: expected int, got 'ten'"),
+    ("base: m\nshare_lm_head: maybe\n", r"config file .*run.yaml: share_lm_head: expected bool"),
+    ("- base: m\n", r"run.yaml: expected a mapping of TrainConfig fields, got list"),
+])
+def test_bad_run_config_names_the_file(tmp_path, content, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def test_catalogue_names_only_tests_that_exist():
+    """Every test docs/bad-inputs.md cites exists, and the catalogue holds at least 30 cases."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "bad-inputs.md").read_text()
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) >= 30
+    cited = re.findall(r"(test_\w+)::(test_\w+)", text)
+    assert cited
+    for module, name in cited:
+        source = (root / "tests" / f"{module}.py").read_text()
+        assert f"def {name}(" in source, f"docs/bad-inputs.md cites {module}::{name}, which does not exist"
