@@ -17,6 +17,17 @@ from medusa.tree import Tree, expected_acceptance, grow_tree
 
 
 @torch.inference_mode()
+def sequence_states(model, sequences: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The base's last hidden states of each sequence: ``(token_ids (T,), response_start, hidden (T, H))``."""
+    decoder = kv_cache.decoder_of(model)
+    out = []
+    for ids, start in sequences:
+        tokens = torch.tensor(ids, device=model.device)
+        out.append((tokens, start, decoder(input_ids=tokens[None]).last_hidden_state[0]))  # (T, H)
+    return out
+
+
+@torch.inference_mode()
 def rank_accuracy(model, heads: MedusaHeads | HydraHeads, sequences: list[tuple[list[int], int]],
                   top_k: int = 10) -> torch.Tensor:
     """Per-head, per-rank accuracy of the heads on token sequences.
@@ -38,19 +49,22 @@ def rank_accuracy(model, heads: MedusaHeads | HydraHeads, sequences: list[tuple[
     Raises:
         ValueError: no sequence has a response long enough to give a target.
     """
-    decoder = kv_cache.decoder_of(model)
+    return rank_accuracy_from_states(heads, sequence_states(model, sequences), top_k)
+
+
+@torch.inference_mode()
+def rank_accuracy_from_states(heads: MedusaHeads | HydraHeads, states: list[tuple[torch.Tensor, int, torch.Tensor]],
+                              top_k: int = 10) -> torch.Tensor:
+    """:func:`rank_accuracy` from precomputed :func:`sequence_states` (the base runs once for many heads)."""
     num_heads = heads.config.num_heads
     hits = torch.zeros(num_heads, top_k)
     counts = torch.zeros(num_heads)
-    device = model.device
-    for ids, start in sequences:
-        tokens = torch.tensor(ids, device=device)
-        hidden = decoder(input_ids=tokens[None]).last_hidden_state[0]  # (T, H)
+    for tokens, start, hidden in states:
         ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
         for k in range(num_heads):
             offset = head_target_offset(k)
             # Hidden state at t predicts t + offset; only targets inside the response count.
-            t = torch.arange(max(start - offset, 0), len(ids) - offset, device=device)
+            t = torch.arange(max(start - offset, 0), len(tokens) - offset, device=tokens.device)
             if len(t) == 0:
                 continue
             match = ranked[k, t] == tokens[t + offset, None]  # (n, top_k)
