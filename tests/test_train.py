@@ -139,7 +139,7 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
         raise
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "training on 2 process(es) (MULTI_CPU)" in result.stderr
+    assert "training on 2 processes (DDP on CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
     assert metrics["steps"] == 2 and metrics["examples"] > 0
     assert not list(out.glob("*.rank*.jsonl"))  # per-process distillation shards were merged
