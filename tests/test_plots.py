@@ -90,3 +90,18 @@ def test_plot_command_dispatches_on_the_json(tmp_path, capsys):
     assert_png(tmp_path / "run" / "eval.png")
     assert main(["plot", str(tmp_path / "other.json")]) == 2
     assert "neither a bench result nor a build-tree report" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_names_the_install_command(tmp_path, monkeypatch, capsys):
+    from medusa import plots
+    from medusa.cli import main
+
+    def missing():
+        raise ImportError(f"plots need matplotlib: {plots.INSTALL_HINT}")
+
+    monkeypatch.setattr(plots, "pyplot", missing)
+    append_evaluation(tmp_path, 2, metrics(4.0, 0.2))
+    assert write_curves(tmp_path) is None  # training does not fail for a picture
+    assert main(["bench", "--base", "b", "--heads", "h", "--prompts", "p", "--out", str(tmp_path / "b.json"),
+                 "--plot"]) == 2
+    assert 'pip install -e ".[plots]"' in capsys.readouterr().err
