@@ -3,12 +3,14 @@
 For each prompt both decoders run back to back (alternating which goes first), so machine noise hits both alike.
 Reported: tau (tokens per verify forward, prefill excluded), wall-clock tokens/s of each and their ratio, the fraction
 of prompts whose tokens are identical, and for each differing prompt the first differing position and the base's
-top-2 logit gap there (a gap near zero means a numerical tie, not a decoding bug).
+top-2 logit gap there (a gap near zero means a numerical tie, not a decoding bug), the figures of each prompt, and
+the machine's load average (timings on a machine busy with other work say little: see :func:`machine_load`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -88,6 +90,7 @@ class BenchResult:
     decode_tokens: int = 0
     accepted_hist: list[int] = field(default_factory=list)
     divergences: list[dict] = field(default_factory=list)
+    per_prompt: list[dict] = field(default_factory=list)
 
     def to_dict(self, num_heads: int) -> dict:
         steps = max(self.decode_steps, 1)
@@ -108,6 +111,7 @@ class BenchResult:
             "medusa_tokens": self.medusa_tokens,
             "decode_steps": self.decode_steps,
             "accepted_histogram": self.accepted_hist,
+            "per_prompt": self.per_prompt,
         }
 
 
@@ -145,7 +149,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         for a in stats.accepted_per_step:
             result.accepted_hist[a] += 1
         record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"],
-                  "medusa_s": runs["medusa_s"]}
+                  "medusa_s": runs["medusa_s"], "hf_tokens_per_s": len(reference) / runs["hf_s"],
+                  "medusa_tokens_per_s": len(tokens) / runs["medusa_s"]}
         if tokens == reference:
             result.identical_prompts += 1
         else:
@@ -154,10 +159,60 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
             gap = top2_gap(base, ids.to(base.device), reference, pos)
             result.divergences.append({"prompt": i, "position": pos, "base_top2_gap": gap})
             record["diverged_at"] = pos
+        result.per_prompt.append(record)
         if progress is not None:
             progress(i, record)
     out = result.to_dict(model.heads.config.num_heads)
     out.update(environment(model, max_new_tokens))
+    return out
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """The machine's 1, 5 and 15 minute load averages (``os.getloadavg``), or ``None`` where there are none."""
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
+    """The machine's load next to the threads in use, and a warning when they do not fit.
+
+    The 1-minute load average counts runnable processes; what is left of the cores for this process is roughly
+    ``cores - load``. When that is below ``threads``, torch's threads wait on each other and on the other work, and
+    timings (and a speedup measured from them) say little: 2 threads on 2 cores fell from 17.4 to 1.4 tokens/s with
+    one busy process next to them, where 1 thread kept 11.7.
+
+    Args:
+        threads: torch CPU threads in use.
+        loadavg: callable returning ``(1min, 5min, 15min)`` or ``None``; :func:`load_average` when ``None``
+            (tests pass a fake one).
+        cores: usable cores; :func:`usable_cores` when ``None``.
+
+    Returns:
+        ``{"load_1min", "load_5min", "load_15min", "cores", "threads", "warning"}``; loads are ``None`` and
+        ``warning`` is ``None`` when the platform has no load average.
+    """
+    loads = (loadavg or load_average)()
+    cores = cores or usable_cores()
+    out = {"load_1min": None, "load_5min": None, "load_15min": None, "cores": cores, "threads": threads,
+           "warning": None}
+    if loads is None:
+        return out
+    out.update(load_1min=round(loads[0], 2), load_5min=round(loads[1], 2), load_15min=round(loads[2], 2))
+    free = cores - loads[0]
+    if threads > free:
+        fewer = max(int(free), 1)
+        advice = f" or pass --threads {fewer}" if fewer < threads else ""
+        plural = "s" if threads != 1 else ""
+        out["warning"] = (f"load average {loads[0]:.1f} on {cores} cores leaves about {max(free, 0):.1f} free for "
+                          f"{threads} torch thread{plural}: timings are unreliable. Wait until the machine is "
+                          f"idle{advice}.")
     return out
 
 

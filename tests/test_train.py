@@ -172,7 +172,7 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
                                    "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
                                    "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
                                    "--self-distill", "--distill-max-new-tokens", "4"], port=29517)
-    assert "training on 2 process(es) (MULTI_CPU)" in result.stderr
+    assert "training on 2 processes (DDP on CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
     assert metrics["steps"] == 2 and metrics["examples"] > 0
     assert not list(out.glob("*.rank*.jsonl"))  # per-process distillation shards were merged

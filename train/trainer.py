@@ -58,6 +58,7 @@ from train.data import (
     tokenize_conversations,
 )
 from train.distill import DISTILLED_HELD_OUT_NAME, DISTILLED_TRAIN_NAME, distill, jsonl_ids
+from train.history import append_evaluation, write_curves
 from train.store import HiddenStateStore, base_hidden_states, ensure_store
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         extra = {"config": config.to_dict(), "steps": run.step, "held_out": metrics}
         save_heads(heads, out / HEADS_DIR, extra_config=extra)
         (out / EVAL_NAME).write_text(json.dumps({"steps": run.step, **metrics}, indent=2) + "\n")
+        write_curves(out)
         logger.info("heads written to %s; held-out %s", out / HEADS_DIR, _format_metrics(metrics))
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
@@ -127,8 +129,8 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     """Accelerator, frozen base, tokenised data, heads (fresh or from the latest checkpoint), optimizer, schedule."""
     accelerator = make_accelerator(config)
-    logger.info("training on %d process(es) (%s), device %s, mixed precision %s", accelerator.num_processes,
-                accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
+    logger.info("training on %s, device %s, mixed precision %s", describe_processes(accelerator), accelerator.device,
+                "off" if accelerator.mixed_precision == "no" else accelerator.mixed_precision)
     set_seed(config.seed)
     if accelerator.is_main_process:
         remove_unfinished_checkpoints(config.output_dir)
@@ -203,6 +205,16 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
         raise ValueError(f"mixed_precision={config.mixed_precision!r}: Accelerate runs no {mixed_precision} autocast "
                          f"on {accelerator.device}; use 'no' or 'auto'")
     return accelerator
+
+
+def describe_processes(accelerator: Accelerator) -> str:
+    """``"1 process"`` or, e.g., ``"2 processes (DDP on CPU)"``, for the log."""
+    n = accelerator.num_processes
+    if n == 1:
+        return "1 process"
+    kind = {"MULTI_CPU": "DDP on CPU", "MULTI_GPU": "DDP on GPUs"}.get(accelerator.distributed_type.value,
+                                                                       accelerator.distributed_type.value)
+    return f"{n} processes ({kind})"
 
 
 def resolve_mixed_precision(value: str, device: torch.device) -> str:
@@ -606,6 +618,8 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
     totals = {name: accelerator.reduce(value, reduction="sum") for name, value in totals.items()}
     heads.train()
     metrics = _metrics(totals, config.loss_decay)
+    if accelerator.is_main_process:
+        append_evaluation(config.output_dir, run.step, metrics)
     accelerator.log({f"eval/{k}": v for k, v in _flat_metrics(metrics).items()}, step=run.step)
     return metrics
 

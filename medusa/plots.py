@@ -1,0 +1,179 @@
+"""Pictures of a bench result, a tree-sizing report and a training run (matplotlib, PNG, no display needed).
+
+Each function takes the JSON the command already writes (or the list it already holds) and saves one PNG; nothing
+here runs a model. matplotlib is optional (``pip install -e ".[plots]"``): :func:`pyplot` raises an ``ImportError``
+naming that command when it is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+INSTALL_HINT = 'pip install -e ".[plots]"  (or: pip install matplotlib)'
+HEAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, works without a display).
+
+    Raises:
+        ImportError: matplotlib is not installed; the message names the install command.
+    """
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"plots need matplotlib: {INSTALL_HINT}") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
+
+
+def plot_bench(result: dict, path: str | Path) -> Path:
+    """Three panels from a ``medusa bench`` result: tokens per step, per-head acceptance, tokens/s per prompt.
+
+    Args:
+        result: the bench JSON (:func:`medusa.bench.run_bench`); ``per_prompt`` is optional (older results lack
+            it; the third panel then shows the totals).
+        path: PNG to write.
+
+    Returns:
+        ``path``.
+    """
+    plt = pyplot()
+    fig, (ax_hist, ax_heads, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.2))
+    hist = result["accepted_histogram"]
+    steps = max(sum(hist), 1)
+    emitted = range(1, len(hist) + 1)  # accepted drafts + the base's own token
+    bars = ax_hist.bar(emitted, [100 * c / steps for c in hist], color="tab:blue")
+    ax_hist.bar_label(bars, fmt="%.0f%%")
+    ax_hist.axvline(result["tau"], color="black", linestyle="--", label=f"tau = {result['tau']:.2f}")
+    ax_hist.set(xlabel="tokens emitted per verify forward (accepted drafts + 1)", ylabel="verify forwards (%)",
+                title=f"Tokens per step ({sum(hist)} steps)", xticks=list(emitted),
+                ylim=(0, 115 * max(hist) / steps or 1))
+    ax_hist.legend()
+
+    accept = result["per_head_accept"]
+    bars = ax_heads.bar(range(len(accept)), [100 * a for a in accept],
+                        color=[HEAD_COLORS[k % len(HEAD_COLORS)] for k in range(len(accept))])
+    ax_heads.bar_label(bars, fmt="%.0f%%")
+    ax_heads.set(xlabel="head k (drafts token t+k+2)", ylabel="verify forwards where its draft was kept (%)",
+                 title="Per-head acceptance", xticks=list(range(len(accept))), ylim=(0, 100))
+
+    rows = result.get("per_prompt") or [{"prompt": "all", "hf_tokens_per_s": result["baseline_tokens_per_s"],
+                                         "medusa_tokens_per_s": result["medusa_tokens_per_s"]}]
+    x = range(len(rows))
+    width = 0.4
+    hf = ax_speed.bar([i - width / 2 for i in x], [r["hf_tokens_per_s"] for r in rows], width, label="HF generate")
+    medusa = ax_speed.bar([i + width / 2 for i in x], [r["medusa_tokens_per_s"] for r in rows], width,
+                          label="Medusa")
+    if len(rows) <= 8:
+        ax_speed.bar_label(hf, fmt="%.1f")
+        ax_speed.bar_label(medusa, fmt="%.1f")
+    top = max(max(r["hf_tokens_per_s"], r["medusa_tokens_per_s"]) for r in rows)
+    ax_speed.set(xlabel="prompt", ylabel="tokens/s (wall clock)", xticks=list(x), ylim=(0, 1.3 * top),
+                 title=f"Speed: Medusa {result['speedup']:.2f}x HF overall",
+                 xticklabels=[str(r["prompt"]) for r in rows])
+    ax_speed.legend(loc="upper left", ncols=2)
+    fig.suptitle(_bench_caption(result), fontsize=10)
+    return _save(fig, path)
+
+
+def _bench_caption(result: dict) -> str:
+    nodes = result.get("tree_nodes")
+    parts = [f"tree {result.get('tree', '?')} ({'?' if nodes is None else nodes - 1} nodes + root)",
+             f"{result['prompts']} prompts x {result.get('max_new_tokens', '?')} new tokens",
+             f"identical to HF greedy: {100 * result['identical']:.0f}% of prompts",
+             f"{result.get('dtype', '?')}, {result.get('device', '?')}",
+             f"torch threads: {result.get('torch_threads', '?')}"]
+    load = result.get("load")
+    if load and load.get("load_1min") is not None:
+        parts.append(f"load {load['load_1min']:.1f} on {load['cores']} cores")
+    return "   |   ".join(parts)
+
+
+def plot_tree_report(report: dict, path: str | Path) -> Path:
+    """Three panels from a ``medusa build-tree`` report: expected tau, the verify cost, the predicted speedup.
+
+    The x axis of the first and last panels is the node budget (draft nodes, root excluded); the verify forward of a
+    tree with b nodes carries b + 1 tokens. The chosen budget is marked in all three.
+
+    Args:
+        report: the ``<tree>.report.json`` (``table``, ``cost_curve``, ``level_cost``, ``chosen_nodes``).
+        path: PNG to write.
+
+    Returns:
+        ``path``.
+    """
+    plt = pyplot()
+    table, chosen = report["table"], report["chosen_nodes"]
+    budgets = [r["nodes"] for r in table]
+    best = next(r for r in table if r["nodes"] == chosen)
+    fig, (ax_tau, ax_cost, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.2))
+
+    ax_tau.plot(budgets, [r["expected_tau"] for r in table], marker=".", color="tab:blue")
+    ax_tau.set(xlabel="tree nodes (draft tokens, root excluded)", ylabel="expected tau (tokens / verify forward)",
+               title="Expected acceptance length")
+
+    curve = {int(k): v for k, v in report["cost_curve"].items() if k.isdigit()}
+    sizes = sorted(curve)
+    ax_cost.plot(sizes, [curve[n] for n in sizes], marker="o", color="tab:red", label="measured forward cost")
+    ax_cost.plot([b + 1 for b in budgets], [r["relative_cost"] for r in table], color="tab:gray",
+                 linestyle=":", label=f"step cost used (+ {report.get('level_cost', 0):.2f} per tree level)")
+    ax_cost.axvline(chosen + 1, color="black", linestyle="--", label=f"chosen: {chosen} nodes + root")
+    one_token_ms = 1000 * report["cost_curve"].get("one_token_s", float("nan"))
+    ax_cost.set(xscale="log", xlabel="tokens in one verify forward (nodes + root)",
+                ylabel="cost (× one-token forward)", title=f"Verify cost (one token = {one_token_ms:.0f} ms)")
+    ax_cost.set_xticks(sizes, [str(n) for n in sizes])
+    ax_cost.legend()
+
+    ax_speed.plot(budgets, [r["predicted_speedup"] for r in table], marker=".", color="tab:green")
+    ax_speed.axhline(1.0, color="gray", linewidth=0.8)
+    ax_speed.set(xlabel="tree nodes (draft tokens, root excluded)", ylabel="predicted speedup (× plain decoding)",
+                 title="Predicted speedup = tau / cost")
+    for ax in (ax_tau, ax_speed):
+        ax.axvline(chosen, color="black", linestyle="--")
+    ax_speed.annotate(f"chosen: {chosen} nodes\ntau {best['expected_tau']:.2f}, {best['predicted_speedup']:.2f}x",
+                      xy=(chosen, best["predicted_speedup"]), xytext=(0.45, 0.88), textcoords="axes fraction",
+                      arrowprops={"arrowstyle": "->"})
+    return _save(fig, path)
+
+
+def plot_training(history: list[dict], path: str | Path) -> Path:
+    """Per-head held-out loss and top-1 accuracy against the optimizer step.
+
+    Args:
+        history: held-out evaluations in step order, each ``{"step", "heads": [{"head", "offset", "loss",
+            "top1"}, ...]}`` (as :func:`train.trainer.evaluate` returns, with the step added).
+        path: PNG to write.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: ``history`` is empty.
+    """
+    if not history:
+        raise ValueError("no held-out evaluation to plot")
+    plt = pyplot()
+    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    steps = [h["step"] for h in history]
+    for k, head in enumerate(history[-1]["heads"]):
+        color = HEAD_COLORS[k % len(HEAD_COLORS)]
+        label = f"head {head['head']} (token t+{head['offset']})"
+        ax_loss.plot(steps, [h["heads"][k]["loss"] for h in history], marker="o", color=color, label=label)
+        ax_top1.plot(steps, [100 * h["heads"][k]["top1"] for h in history], marker="o", color=color, label=label)
+    ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats / token)", title="Held-out loss per head")
+    ax_top1.set(xlabel="optimizer step", ylabel="top-1 accuracy (%)", title="Held-out top-1 per head")
+    ax_top1.set_ylim(bottom=0)
+    ax_loss.legend()
+    return _save(fig, path)
