@@ -59,6 +59,23 @@ def make_heads(model, store: HiddenStateStore, indices: list[int], variant: dict
     return build_heads(config, lm_head, embed, token_map)
 
 
+def crop(batch: dict, window: int | None, generator: torch.Generator):
+    """A random window of ``window`` positions per row (``None``: whole rows). The stored states carry their full
+    left context, so a window changes nothing but which targets are seen: the last k + 2 of a window lose head k's
+    target. Rows shorter than the window keep their padding (labels -100)."""
+    hidden, ids, labels = batch["hidden"], batch["input_ids"], batch["labels"]
+    if window is None or window >= ids.shape[1]:
+        return hidden, ids, labels
+    lengths = batch["attention_mask"].sum(1)  # (B,)
+    starts = [int(torch.randint(max(int(n) - window, 0) + 1, (1,), generator=generator)) for n in lengths]
+    rows = [slice(s, s + window) for s in starts]
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x[b, r] for b, r in enumerate(rows)])
+
+    return cut(hidden), cut(ids), cut(labels)
+
+
 def train_variant(model, store: HiddenStateStore, indices: list[int], variant: dict, args):
     """The trainer's step (``train.trainer.mixed_step_loss``, one process, no accumulation) on stored states."""
     torch.manual_seed(args.seed)
@@ -72,8 +89,8 @@ def train_variant(model, store: HiddenStateStore, indices: list[int], variant: d
     for step in range(args.steps):
         picked = torch.randint(len(indices), (args.batch_size,), generator=order).tolist()
         batch = store.batch([indices[i] for i in picked])
-        hidden, labels = batch["hidden"], batch["labels"]  # (B, T, H), (B, T)
-        logits = heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
+        hidden, ids, labels = crop(batch, args.window, order)  # (B, W, H), (B, W), (B, W)
+        logits = heads(hidden, ids)  # (K, B, W, Vh)
         loss = logits.new_zeros(())
         if hard_weight > 0:
             counts = head_target_counts(labels, args.num_heads, lookup)
@@ -128,6 +145,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="first N stored examples (default all)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--window", type=int, default=None, help="train on a random window of this many positions")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--num-heads", type=int, default=4)

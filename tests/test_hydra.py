@@ -210,3 +210,38 @@ def test_hydra_tree_deeper_than_heads_is_rejected():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="depth 4 but the model has only 3 heads"):
         medusa_generate(model, tiny_hydra_for(model), torch.tensor([5, 6, 7]), Tree.chain(4), 5)
+
+
+def test_train_hydra_teacher_end_to_end_then_decode_exactly(tmp_path):
+    """The trainer builds Hydra heads, trains them on the teacher loss, saves them; MedusaModel loads and decodes
+    them to the base's greedy tokens."""
+    from test_train import make_config, write_chats
+    from tiny import save_tiny, tiny_tokenizer
+
+    from medusa.model import MedusaModel
+    from train.trainer import train
+
+    base = save_tiny(tmp_path / "base", "llama")
+    chats = write_chats(tmp_path / "chats.jsonl")
+    config = make_config(base, chats, tmp_path / "run", head_type="hydra", loss="teacher", num_layers=2)
+    heads_dir = train(config, tokenizer=tiny_tokenizer())
+    assert json.loads((heads_dir / "config.json").read_text())["head_type"] == "hydra"
+    model = MedusaModel.from_pretrained(base, heads_dir, tree=WIDE_TREE)
+    assert isinstance(model.heads, HydraHeads)
+    ids = torch.randint(3, 300, (10,), generator=torch.Generator().manual_seed(0))
+    out, _ = model.generate(ids, max_new_tokens=24, stop_token_ids=set())
+    assert out == hf_greedy(model.base, ids, 24)
+
+
+def test_teacher_loss_without_an_lm_head_is_refused(tmp_path, monkeypatch):
+    from test_train import make_config, write_chats
+    from tiny import save_tiny, tiny_tokenizer
+
+    from train.trainer import train
+
+    base = save_tiny(tmp_path / "base", "llama")
+    model = tiny_model("llama")
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    config = make_config(base, write_chats(tmp_path / "chats.jsonl"), tmp_path / "run", loss="teacher")
+    with pytest.raises(ValueError, match="exposes no lm_head"):
+        train(config, model, tiny_tokenizer())
