@@ -33,7 +33,7 @@ from medusa.losses import head_ce_sums, head_soft_sums, head_target_counts
 from medusa.tree import expected_acceptance, grow_tree
 from train.data import load_conversations, split_held_out, target_token_counts, tokenize_conversations
 from train.store import HiddenStateStore, build_store
-from train.trainer import step_loss
+from train.trainer import crop_window, step_loss, window_starts
 
 logger = logging.getLogger("head_ablation")
 BUDGETS = (4, 8, 16, 32)
@@ -59,23 +59,6 @@ def make_heads(model, store: HiddenStateStore, indices: list[int], variant: dict
     return build_heads(config, lm_head, embed, token_map)
 
 
-def crop(batch: dict, window: int | None, generator: torch.Generator):
-    """A random window of ``window`` positions per row (``None``: whole rows). The stored states carry their full
-    left context, so a window changes nothing but which targets are seen: the last k + 2 of a window lose head k's
-    target. Rows shorter than the window keep their padding (labels -100)."""
-    hidden, ids, labels = batch["hidden"], batch["input_ids"], batch["labels"]
-    if window is None or window >= ids.shape[1]:
-        return hidden, ids, labels
-    lengths = batch["attention_mask"].sum(1)  # (B,)
-    starts = [int(torch.randint(max(int(n) - window, 0) + 1, (1,), generator=generator)) for n in lengths]
-    rows = [slice(s, s + window) for s in starts]
-
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([x[b, r] for b, r in enumerate(rows)])
-
-    return cut(hidden), cut(ids), cut(labels)
-
-
 def train_variant(model, store: HiddenStateStore, indices: list[int], variant: dict, args):
     """The trainer's step (``train.trainer.mixed_step_loss``, one process, no accumulation) on stored states."""
     torch.manual_seed(args.seed)
@@ -87,10 +70,12 @@ def train_variant(model, store: HiddenStateStore, indices: list[int], variant: d
     order = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     for step in range(args.steps):
-        picked = torch.randint(len(indices), (args.batch_size,), generator=order).tolist()
-        batch = store.batch([indices[i] for i in picked])
-        hidden, ids, labels = crop(batch, args.window, order)  # (B, W, H), (B, W), (B, W)
-        logits = heads(hidden, ids)  # (K, B, W, Vh)
+        picked = [indices[i] for i in torch.randint(len(indices), (args.batch_size,), generator=order).tolist()]
+        batch = store.batch(picked)
+        if args.window:  # the trainer's train_window
+            batch = crop_window(batch, window_starts(batch, picked, args.window, args.seed, step), args.window)
+        hidden, labels = batch["hidden"], batch["labels"]  # (B, W, H), (B, W)
+        logits = heads(hidden, batch["input_ids"])  # (K, B, W, Vh)
         loss = logits.new_zeros(())
         if hard_weight > 0:
             counts = head_target_counts(labels, args.num_heads, lookup)

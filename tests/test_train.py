@@ -220,10 +220,11 @@ def test_step_loss_shares_add_up_to_medusa_loss():
     assert step_loss(torch.zeros(2), torch.zeros(2, dtype=torch.long), 0.8).item() == 0  # no target: 0, not NaN
 
 
-@pytest.mark.parametrize("variant", [{}, {"head_type": "hydra", "loss": "mixed"}])
+@pytest.mark.parametrize("variant", [{}, {"head_type": "hydra", "loss": "mixed"}, {"train_window": 12}])
 def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, variant):
     """8 x 1, 1 x 8 and 4 x 2 (batch x accumulation) over answers of 1 and 12 sentences: one loss, one set of heads
-    (Medusa heads with the hard loss; Hydra heads with the hard + teacher mix, each term with its own count)."""
+    (Medusa heads with the hard loss; Hydra heads with the hard + teacher mix, each term with its own count; random
+    training windows, drawn per example and step)."""
     chats = write_mixed_chats(tmp_path / "mixed.jsonl")
     runs = {}
     for batch, accum in ((8, 1), (1, 8), (4, 2)):
@@ -232,9 +233,12 @@ def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, var
         losses = fit(run)
         runs[batch, accum] = losses, {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
     losses, heads = runs[8, 1]
+    # With windows some heads see only a few targets per step: Adam's normalised step turns float-summation noise in
+    # their near-zero gradients into visible (still small) weight differences, while the losses stay equal.
+    tolerance = 1e-3 if "train_window" in variant else 1e-5
     for split, (other_losses, other_heads) in runs.items():
         assert other_losses == pytest.approx(losses, rel=1e-5), split
-        assert max_relative_difference(heads, other_heads) < 1e-5, split
+        assert max_relative_difference(heads, other_heads) < tolerance, split
 
 
 @pytest.mark.slow
@@ -425,3 +429,23 @@ def test_empty_held_out_split_warns_only_when_one_was_asked_for(base_dir, chats,
     with caplog.at_level("WARNING", logger="train.trainer"):
         setup(make_config(base_dir, chats, tmp_path / "b", held_out_fraction=0.0))
     assert "held-out" not in caplog.text
+
+
+def test_training_windows_keep_the_full_context_and_hold_targets():
+    from train.trainer import crop_window, window_starts
+
+    labels = torch.full((2, 20), -100)
+    labels[0, 10:18] = 7  # row 0: 18 tokens, answer from position 10
+    labels[1, 3:9] = 5  # row 1: 9 tokens (padded to 20), answer from position 3
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    mask[0, :18], mask[1, :9] = 1, 1
+    batch = {"input_ids": torch.arange(40).reshape(2, 20), "labels": labels, "attention_mask": mask}
+    for step in range(20):
+        starts = window_starts(batch, [4, 9], 6, seed=0, step=step)
+        assert 8 <= starts[0] <= 12 and 1 <= starts[1] <= 3  # no window before the answer, none past the end
+        assert starts == window_starts(batch, [4, 9], 6, seed=0, step=step)  # a function of (seed, step, example)
+        cropped = crop_window(batch, starts, 6)
+        assert cropped["input_ids"].shape == (2, 6)
+        assert cropped["input_ids"][0].tolist() == list(range(starts[0], starts[0] + 6))
+        assert (cropped["labels"] != -100).any(dim=1).all()
+    assert len({tuple(window_starts(batch, [4, 9], 6, seed=0, step=s)) for s in range(20)}) > 1

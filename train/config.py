@@ -60,6 +60,10 @@ class TrainConfig:
     """Weight of the hard term when loss is "mixed"."""
     max_seq_len: int = 1024
     """Conversations are truncated to this many tokens."""
+    train_window: int | None = None
+    """Train each example on a random window of this many positions per step (its hidden states keep their full
+    context): the heads' cost per step drops with the window while every epoch still sees every example; null trains
+    on whole examples."""
     batch_size: int = 8
     """Sequences per micro-batch on each process."""
     grad_accum_steps: int = 1
@@ -138,7 +142,7 @@ class TrainConfig:
         for name in ("num_layers", "warmup_steps", "save_every", "eval_every", "keep_checkpoints", "seed",
                      "weight_decay", "max_grad_norm"):
             _check_min(name, getattr(self, name), 0)
-        for name in ("head_vocab_size", "max_conversations", "max_eval_batches"):
+        for name in ("head_vocab_size", "max_conversations", "max_eval_batches", "train_window"):
             if getattr(self, name) is not None:
                 _check_min(name, getattr(self, name), 1)
         if self.cache_hidden_states and self.hidden_state_store:

@@ -506,15 +506,20 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     micro = [next(batches) for _ in range(config.grad_accum_steps)]
     collated = [_to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
                 for indices in micro]
-    counts = sum(head_target_counts(b["labels"], num_heads, run.head_lookup) for b in collated)  # (K,)
+    starts = [window_starts(b, indices, config.train_window, config.seed, run.step) for b, indices in
+              zip(collated, micro, strict=True)] if config.train_window else [None] * len(micro)
+    windows = [crop_window(b, s, config.train_window) for b, s in zip(collated, starts, strict=True)]
+    counts = sum(head_target_counts(b["labels"], num_heads, run.head_lookup) for b in windows)  # (K,)
     global_counts = accelerator.reduce(counts, reduction="sum")  # (K,) over all processes
     global_supervised = None  # the teacher term counts every supervised target, in the head vocabulary or not
     if run.teacher_weight is not None:
-        supervised = sum(head_target_counts(b["labels"], num_heads) for b in collated)  # (K,)
+        supervised = sum(head_target_counts(b["labels"], num_heads) for b in windows)  # (K,)
         global_supervised = accelerator.reduce(supervised, reduction="sum")
     total = torch.zeros((), device=accelerator.device)
-    for m, (indices, batch) in enumerate(zip(micro, collated, strict=True)):
-        hidden = batch_hidden_states(run, indices, batch).float()  # (B, T, H); the heads' weights are fp32
+    for m, (indices, full, batch) in enumerate(zip(micro, collated, windows, strict=True)):
+        hidden = batch_hidden_states(run, indices, full).float()  # (B, T, H); the heads' weights are fp32
+        if starts[m] is not None:
+            hidden = crop_window({"hidden": hidden}, starts[m], config.train_window)["hidden"]  # (B, W, H)
         last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
@@ -529,6 +534,38 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def window_starts(batch: dict, indices: list[int], window: int, seed: int, step: int) -> list[int]:
+    """Where each example's training window starts at this step: drawn from (seed, step, example index) alone, so
+    the windows do not depend on how a step is split into micro-batches or processes, and a resumed run draws the
+    same ones. The start is uniform over the windows that begin at most 2 positions before the first supervised
+    token (earlier windows would hold no target), and a window never reaches past its example's end (so the padding
+    of the other examples in a micro-batch cannot move it)."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    first_label = (batch["labels"] != IGNORE_INDEX).float().argmax(dim=1).tolist()
+    starts = []
+    for i, n, first in zip(indices, lengths, first_label, strict=True):
+        low = max(first - 2, 0)
+        high = max(n - window, low)
+        start = random.Random(f"{seed}:{step}:{i}").randint(low, high)
+        starts.append(min(start, max(n - window, 0)))
+    return starts
+
+
+def crop_window(batch: dict, starts: list[int] | None, window: int | None) -> dict:
+    """Each row of every ``(B, T, ...)`` tensor in ``batch`` cut to ``[start, start + window)`` (padded positions
+    beyond a short row stay as they are). The base's hidden states keep their full left context, so a window only
+    chooses which targets a step sees (Medusa-1's base is frozen: nothing else depends on the rest of the row)."""
+    if starts is None:
+        return batch
+    width = min(window, next(iter(batch.values())).shape[1])
+    starts = [min(s, next(iter(batch.values())).shape[1] - width) for s in starts]
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x[row, s : s + width] for row, s in enumerate(starts)])
+
+    return {name: cut(value) for name, value in batch.items()}
 
 
 def teacher_logits(run: Run, hidden: torch.Tensor) -> torch.Tensor | None:
