@@ -225,6 +225,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "tree": model.tree.name,
         "tree_nodes": model.tree.num_nodes,
         "verify_logits": model.verify_logits,
+        "head_type": model.heads.config.head_type,
         "num_heads": model.heads.config.num_heads,
         "head_vocab_size": model.heads.head_vocab_size,
         "dtype": str(model.base.dtype),

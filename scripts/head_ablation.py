@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 from medusa.calibrate import rank_accuracy_from_states, sequence_states
+from medusa.checkpoint import load_heads
 from medusa.heads import MedusaHeadsConfig, build_heads, head_lookup_table, lm_head_fingerprint, most_frequent_tokens
 from medusa.losses import head_ce_sums, head_soft_sums, head_target_counts
 from medusa.tree import expected_acceptance, grow_tree
@@ -52,7 +53,8 @@ def held_out_sequences(path: Path, limit: int | None) -> list[tuple[list[int], i
 def make_heads(model, store: HiddenStateStore, indices: list[int], variant: dict, args):
     lm_head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     counts = target_token_counts([store.example(i) for i in indices], lm_head.shape[0])
-    token_map = most_frequent_tokens(counts, args.head_vocab_size, always=[model.generation_config.eos_token_id])
+    eos = model.generation_config.eos_token_id
+    token_map = most_frequent_tokens(counts, args.head_vocab_size, always=eos if isinstance(eos, list) else [eos])
     config = MedusaHeadsConfig(hidden_size=lm_head.shape[1], vocab_size=lm_head.shape[0], num_heads=args.num_heads,
                                num_layers=variant["num_layers"], head_vocab_size=args.head_vocab_size,
                                head_type=variant["head_type"], lm_head_fingerprint=lm_head_fingerprint(lm_head))
@@ -139,6 +141,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference", nargs="*", help="heads folders scored on the same held-out data, untrained")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -150,9 +153,20 @@ def main() -> None:
             return
     store = HiddenStateStore.open(args.store, model)
     start = time.perf_counter()
-    states = sequence_states(model, held_out_sequences(Path(args.held_out), args.held_out_limit))
+    cache = Path(args.held_out).with_suffix(f".states-{args.held_out_limit or 'all'}.pt")
+    if cache.is_file() and cache.stat().st_mtime > Path(args.held_out).stat().st_mtime:
+        states = torch.load(cache)
+    else:
+        states = sequence_states(model, held_out_sequences(Path(args.held_out), args.held_out_limit))
+        torch.save(states, cache)
     logger.info("held-out states of %d sequences in %.0f s", len(states), time.perf_counter() - start)
     rows = []
+    for folder in args.reference or []:
+        heads = load_heads(folder, model.get_output_embeddings().weight,
+                           embed_weight=model.get_input_embeddings().weight)
+        rows.append({"variant": f"reference {folder}", **score(heads.eval(), states, args.top_k)})
+        logger.info("%s top-1 %s expected tau %s", folder, [round(a, 3) for a in rows[-1]["top1"]],
+                    rows[-1]["expected_tau"])
     for size in args.sizes or [len(store)]:
         indices = list(range(min(size, len(store))))
         tokens = sum(sum(label != -100 for label in store.example(i)["labels"]) for i in indices)
