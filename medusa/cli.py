@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--stats", action="store_true", help="print tau and tokens/s")
+    _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="Hugging Face generate vs Medusa, greedy, same process")
+    p = sub.add_parser("bench", help="Hugging Face generate vs Medusa (greedy or sampling), same process")
     _model_args(p)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--out", help="write the JSON result here")
+    _sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval-heads", help="per-head top-1/top-5 accuracy on held-out self-distilled sequences")
@@ -99,6 +101,23 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _sampling_args(p) -> None:
+    """Decoding flags; unset ones come from the base's generation_config (then Hugging Face's defaults)."""
+    g = p.add_argument_group("decoding (default: the base's generation_config, as Hugging Face generate)")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
+    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
+    g.add_argument("--acceptance", default="rejection",
+                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+
+
+def _sampling_kwargs(args) -> dict:
+    return {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.seed, "acceptance": args.acceptance}
 
 
 def _load(args):
@@ -165,7 +184,7 @@ def cmd_generate(args) -> int:
     model = _load(args)
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
-    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats):
+    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling_kwargs(args)):
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
@@ -192,13 +211,18 @@ def cmd_bench(args) -> int:
         print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
 
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, progress=progress)
+                       use_chat_template=not args.no_chat_template, progress=progress,
+                       sampling=_sampling_kwargs(args))
     result["prompts_file"] = str(args.prompts)
     rows = [("prompts", f"{result['prompts']}"), ("tau (tokens / verify forward)", f"{result['tau']:.3f}"),
             ("HF generate tokens/s", f"{result['baseline_tokens_per_s']:.2f}"),
             ("Medusa tokens/s", f"{result['medusa_tokens_per_s']:.2f}"), ("speedup", f"{result['speedup']:.3f}x"),
-            ("identical prompts", f"{result['identical']:.3f}"),
+            ("identical prompts", _fmt(result["identical"])),
             ("per-head accept", " ".join(f"{a:.3f}" for a in result["per_head_accept"]))]
+    for method in ("hf", "medusa"):
+        if f"{method}_mean_logprob" in result:
+            rows.append((f"{method} mean log-prob/token", f"{result[f'{method}_mean_logprob']:.4f} "
+                         f"(+- {_fmt(result[f'{method}_mean_logprob_stderr'])})"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     for d in result["divergences"]:
@@ -207,6 +231,10 @@ def cmd_bench(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], int]]:
