@@ -1,4 +1,5 @@
-"""``medusa bench``: Hugging Face greedy ``generate`` against Medusa greedy decoding, in one process.
+"""``medusa bench``: Hugging Face ``generate`` against Medusa decoding, in one process: greedy, or sampling with the
+same settings.
 
 For each prompt both decoders run back to back (alternating which goes first), so machine noise hits both alike.
 Reported: tau (tokens per verify forward, prefill excluded), wall-clock tokens/s of each and their ratio, the fraction
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.logits_process import resolve_decoding
 from medusa.model import MedusaModel
 
 
@@ -65,6 +67,29 @@ def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_id
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=sorted(stop_token_ids) or None, pad_token_id=next(iter(stop_token_ids), 0))
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def hf_sample(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int], seed: int,
+              **settings) -> list[int]:
+    """Hugging Face ``generate`` sampling with ``settings`` (temperature, top_k, top_p), seeded through torch's
+    global generator as HF sampling is."""
+    ids = input_ids[None].to(model.device)
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+                         eos_token_id=sorted(stop_token_ids) or None, pad_token_id=next(iter(stop_token_ids), 0),
+                         **settings)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def sum_logprob(model, input_ids: torch.Tensor, continuation: list[int]) -> float:
+    """Sum of the base's log-probabilities (raw logits, temperature 1) of ``continuation`` after the prompt."""
+    if not continuation:
+        return 0.0
+    ids = torch.cat([input_ids, torch.tensor(continuation, dtype=torch.long)])[None].to(model.device)
+    logprobs = torch.log_softmax(model(ids).logits[0, len(input_ids) - 1 : -1].float(), dim=-1)  # (n, V)
+    return float(logprobs.gather(1, ids[0, len(input_ids):, None]).sum())
 
 
 @torch.inference_mode()
@@ -116,15 +141,25 @@ class BenchResult:
 
 
 def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warmup: int = 1,
-              use_chat_template: bool = True, progress=None) -> dict:
+              use_chat_template: bool = True, progress=None, sampling: dict | None = None) -> dict:
     """Run the comparison over ``prompts`` (see module docstring) and return the JSON-ready result dict.
 
     ``warmup`` prompts are first decoded by both methods untimed. ``progress`` is called with
-    ``(index, per_prompt_dict)`` after each prompt.
+    ``(index, per_prompt_dict)`` after each prompt. ``sampling``: decoding arguments of
+    :meth:`MedusaModel.generate` (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``acceptance``);
+    when they sample, both methods sample with the same settings (prompt i seeded ``seed + i``), ``identical`` is
+    not applicable, and the mean log-probability per token under the base of each method's outputs is reported
+    instead (equal within noise when Medusa's sampling is lossless).
     """
     tokenizer, base = model.tokenizer, model.base
     stop = model.stop_token_ids()
     encoded = [encode_prompt(tokenizer, p, use_chat_template) for p in prompts]
+    sampling = dict(sampling or {})
+    seed = sampling.pop("seed", None) or 0
+    config = resolve_decoding(base.generation_config, **sampling).generation_config
+    if config.do_sample:
+        hf_settings = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+        return _run_bench_sampling(model, encoded, max_new_tokens, warmup, progress, sampling, seed, hf_settings)
     for ids in encoded[:warmup]:
         hf_greedy(base, ids, 8, stop)
         model.generate(ids, max_new_tokens=8)
@@ -213,6 +248,50 @@ def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
         out["warning"] = (f"load average {loads[0]:.1f} on {cores} cores leaves about {max(free, 0):.1f} free for "
                           f"{threads} torch thread{plural}: timings are unreliable. Wait until the machine is "
                           f"idle{advice}.")
+    return out
+
+
+def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new_tokens: int, warmup: int, progress,
+                        sampling: dict, seed: int, hf_settings: dict) -> dict:
+    """:func:`run_bench` when sampling: tau, speedup and the base's mean log-probability of each method's tokens."""
+    base, stop = model.base, model.stop_token_ids()
+    for ids in encoded[:warmup]:
+        hf_sample(base, ids, 8, stop, seed, **hf_settings)
+        model.generate(ids, max_new_tokens=8, seed=seed, **sampling)
+    result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
+    logprob = {"hf": [], "medusa": []}  # per prompt: (sum, tokens)
+    for i, ids in enumerate(encoded):
+        runs = {}
+        for method in (("hf", "medusa") if i % 2 == 0 else ("medusa", "hf")):
+            start = time.perf_counter()
+            if method == "hf":
+                runs["hf"] = hf_sample(base, ids, max_new_tokens, stop, seed + i, **hf_settings)
+            else:
+                runs["medusa"], stats = model.generate(ids, max_new_tokens, stop_token_ids=stop, seed=seed + i,
+                                                       **sampling)
+            runs[method + "_s"] = time.perf_counter() - start
+        result.prompts += 1
+        result.baseline_tokens += len(runs["hf"])
+        result.baseline_s += runs["hf_s"]
+        result.medusa_tokens += len(runs["medusa"])
+        result.medusa_s += runs["medusa_s"]
+        result.decode_steps += stats.decode_steps
+        result.decode_tokens += stats.decode_tokens
+        for a in stats.accepted_per_step:
+            result.accepted_hist[a] += 1
+        for method in logprob:
+            logprob[method].append((sum_logprob(base, ids.to(base.device), runs[method]), len(runs[method])))
+        if progress is not None:
+            progress(i, {"prompt": i, "tokens": len(runs["medusa"]), "tau": stats.tau, "hf_s": runs["hf_s"],
+                         "medusa_s": runs["medusa_s"]})
+    out = result.to_dict(model.heads.config.num_heads)
+    out["identical"] = "not applicable (sampling)"
+    for method, per_prompt in logprob.items():
+        out[f"{method}_mean_logprob"] = sum(s for s, _ in per_prompt) / max(sum(n for _, n in per_prompt), 1)
+        means = torch.tensor([s / n for s, n in per_prompt if n], dtype=torch.float64)
+        out[f"{method}_mean_logprob_stderr"] = float(means.std() / len(means) ** 0.5) if len(means) > 1 else None
+    out["sampling"] = {**hf_settings, "seed": seed, "acceptance": sampling.get("acceptance", "rejection")}
+    out.update(environment(model, max_new_tokens))
     return out
 
 

@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true",
                    help="also print tau, tokens/s and a warning when the machine is busy, to stderr (the text "
                         "goes to stdout)")
+    _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = add_command("bench", "Hugging Face generate vs Medusa, greedy, same process")
+    p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
     _model_args(p)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<out>.png; needs --out and matplotlib")
     p.add_argument("--compare", metavar="JSON",
                    help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
+    _sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = add_command("eval-heads", "per-head top-1/top-5 accuracy on held-out self-distilled sequences")
@@ -142,6 +144,23 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
+
+
+def _sampling_args(p) -> None:
+    """Decoding flags; unset ones come from the base's generation_config (then Hugging Face's defaults)."""
+    g = p.add_argument_group("decoding (default: the base's generation_config, as Hugging Face generate)")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
+    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
+    g.add_argument("--acceptance", default="rejection",
+                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+
+
+def _sampling_kwargs(args) -> dict:
+    return {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.seed, "acceptance": args.acceptance}
 
 
 def _load(args):
@@ -255,7 +274,7 @@ def cmd_generate(args) -> int:
         _warn_if_busy(torch.get_num_threads())
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
-    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats):
+    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling_kwargs(args)):
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
@@ -292,7 +311,8 @@ def cmd_bench(args) -> int:
         print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
 
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, progress=progress)
+                       use_chat_template=not args.no_chat_template, progress=progress,
+                       sampling=_sampling_kwargs(args))
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
     print(bench_table(result, reference, args.compare))
@@ -317,11 +337,14 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
                 ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
                 ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
-                ("identical prompts", f"{r['identical']:.3f}"),
+                ("identical prompts", _fmt(r["identical"])),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
-                ("load average (1 min) / cores", _load_text(r.get("load")))]
+                ("load average (1 min) / cores", _load_text(r.get("load")))] + [
+                (f"{m} mean log-prob/token",
+                 f"{r[f'{m}_mean_logprob']:.4f} (+- {_fmt(r[f'{m}_mean_logprob_stderr'])})")
+                for m in ("hf", "medusa") if f"{m}_mean_logprob" in r]
     mine = rows(result)
     width = max(len(k) for k, _ in mine)
     if reference is None:
@@ -329,7 +352,7 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
     theirs = dict(rows(reference))
     column = max(len(v) for _, v in mine + [("", "this run")])
     lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
-    lines += [f"{k:<{width}}  {v:<{column}}  {theirs[k]}" for k, v in mine]
+    lines += [f"{k:<{width}}  {v:<{column}}  {theirs.get(k, '')}" for k, v in mine]
     return "\n".join(lines)
 
 
@@ -337,6 +360,10 @@ def _load_text(load: dict | None) -> str:
     if not load or load.get("load_1min") is None:
         return "not recorded"
     return f"{load['load_1min']:.1f} / {load['cores']}"
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], int]]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa import kv_cache
-from medusa.draft import draft_tree
-from medusa.tree import Tree, tree_buffers
+from medusa.draft import Draft, draft_tree
+from medusa.logits_process import Decoding, resolve_decoding
+from medusa.sampling import GreedyAcceptance, RejectionSampling, TypicalAcceptance
+from medusa.tree import Tree, TreeBuffers, tree_buffers
 from medusa.verify import greedy_accept, greedy_accept_along_path
 
 
@@ -72,8 +74,8 @@ def check_context(model, prompt_len: int, max_new_tokens: int, tree_depth: int) 
 @torch.inference_mode()
 def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
                  stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
-                 verify_logits: str = "all") -> Iterator[Step]:
-    """Greedy Medusa decoding, one :class:`Step` per base forward.
+                 verify_logits: str = "all", decoding: Decoding | None = None) -> Iterator[Step]:
+    """Medusa decoding, one :class:`Step` per base forward: greedy, or sampling (see :mod:`medusa.sampling`).
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
@@ -86,6 +88,8 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         verify_logits: ``"all"`` scores every tree node with the lm_head in one product (best on a GPU);
             ``"path"`` scores one node at a time along the accepted path (cheaper on a CPU, see
             :func:`medusa.verify.greedy_accept_along_path`). Both accept exactly the same tokens.
+        decoding: generation settings and acceptance rule (:func:`medusa.logits_process.resolve_decoding`);
+            ``None``: plain greedy, no logits processor.
 
     Raises:
         ValueError: the tree does not fit the heads, or the prompt does not fit the context.
@@ -98,29 +102,60 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     check_context(model, len(input_ids), max_new_tokens, tree.depth)
     device = input_ids.device
     buffers = tree_buffers(tree, device)
+    decoding = decoding if decoding is not None else resolve_decoding()
+    processors = decoding.processors(len(input_ids), max_new_tokens, stop, device)
+    rule = acceptance_rule(decoding, heads, buffers, model.config.get_text_config(decoder=True).vocab_size, device)
+    # Plain greedy keeps the vectorised all-node acceptance; anything else walks the tree with processed logits.
+    verify = _verify if isinstance(rule, GreedyAcceptance) and not processors else _verify_processed
     cache = kv_cache.new_cache()
     start = time.perf_counter()
     positions = torch.arange(len(input_ids), device=device)
     logits, hidden = kv_cache.forward(model, input_ids, positions, kv_cache.causal_mask(len(input_ids), device),
                                       cache, logits_for=slice(-1, None))
-    root, last_hidden = logits[-1].argmax(), hidden[-1]
+    root, last_hidden = rule.next_token(_processed(processors, input_ids, logits[-1])), hidden[-1]
+    sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
     stats.prefill_s = time.perf_counter() - start
     step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
     yield step
     while not stats.stopped_by:
         start = time.perf_counter()
         prefix_len = kv_cache.cache_length(cache)
-        tokens = draft_tree(heads, last_hidden, root, buffers).tokens  # (N,)
-        result, hidden = _verify(model, tokens, prefix_len + buffers.depth, buffers, cache, verify_logits)
+        draft = draft_tree(heads, last_hidden, root, buffers, rule.choose)
+        result, hidden = verify(model, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
+                                rule, processors, sequence)
         kv_cache.keep_positions(cache, prefix_len, result.path_nodes)
         root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
-        emitted = tokens[result.path_nodes[1:]].tolist() + [int(root)]
+        emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(root)]
+        sequence = torch.cat([sequence, torch.tensor(emitted, dtype=torch.long, device=device)])
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted, result.accepted, stats, max_new_tokens, stop)
 
 
-def _verify(model, tokens: torch.Tensor, positions: torch.Tensor, buffers, cache, verify_logits: str):
-    """One tree forward and greedy acceptance; returns ``(Acceptance, hidden (N, H))``."""
+def acceptance_rule(decoding: Decoding, heads, buffers: TreeBuffers, vocab_size: int, device):
+    """The acceptance rule for ``decoding`` (picked once per decode call), with its own seeded generator."""
+    if not decoding.do_sample:
+        return GreedyAcceptance(buffers)
+    generator = torch.Generator(device=device)
+    if decoding.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(decoding.seed)
+    if decoding.acceptance == "typical":
+        return TypicalAcceptance(buffers, decoding.typical_epsilon, decoding.typical_delta, generator)
+    head_to_base = heads.to_base_ids(torch.arange(heads.head_vocab_size, device=device))  # (Vh,)
+    return RejectionSampling(buffers, head_to_base, vocab_size, decoding.draft_warp(), generator)
+
+
+def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to one row ``(V,)`` of next-token logits after the tokens ``ids`` ``(L,)``."""
+    if not processors:
+        return logits
+    return processors(ids[None], logits[None].float().clone())[0]  # (V,)
+
+
+def _verify(model, draft: Draft, positions, buffers, cache, verify_logits: str, rule, processors, sequence):
+    """One tree forward and plain greedy acceptance (no processor); returns ``(Acceptance, hidden (N, H))``."""
+    tokens = draft.tokens
     if verify_logits == "all":
         logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
         return greedy_accept(tokens, logits, buffers), hidden
@@ -130,6 +165,25 @@ def _verify(model, tokens: torch.Tensor, positions: torch.Tensor, buffers, cache
         return kv_cache.lm_logits(model, hidden[node : node + 1])[0].argmax()
 
     return greedy_accept_along_path(tokens, next_token_at, buffers), hidden
+
+
+def _verify_processed(model, draft: Draft, positions, buffers: TreeBuffers, cache, verify_logits: str, rule,
+                      processors, sequence: torch.Tensor):
+    """One tree forward, then ``rule`` walks the tree asking for the base's processed logits node by node.
+
+    At node n the processors see ``sequence`` (prompt and emitted tokens, the root last) followed by the path below
+    the root down to n: the input ids ``generate`` would have at that point.
+    """
+    tokens = draft.tokens
+    rows = None if verify_logits == "all" else slice(0, 0)
+    logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=rows)
+
+    def logits_at(node: int) -> torch.Tensor:
+        raw = logits[node] if rows is None else kv_cache.lm_logits(model, hidden[node : node + 1])[0]  # (V,)
+        path = tokens[buffers.node_paths[node, 1 : int(buffers.depth[node]) + 1]]  # below the root, down to node
+        return _processed(processors, torch.cat([sequence, path]), raw)
+
+    return rule.accept(draft, logits_at), hidden
 
 
 def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int, stop: set[int],
@@ -152,11 +206,12 @@ def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int,
 
 
 def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                    stop_token_ids: set[int] | None = None, verify_logits: str = "all"
-                    ) -> tuple[list[int], GenerationStats]:
+                    stop_token_ids: set[int] | None = None, verify_logits: str = "all",
+                    decoding: Decoding | None = None) -> tuple[list[int], GenerationStats]:
     """Run :func:`medusa_steps` to the end; returns ``(new_token_ids, stats)``."""
     stats = GenerationStats()
     out: list[int] = []
-    for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats, verify_logits):
+    for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats, verify_logits,
+                             decoding):
         out.extend(step.tokens)
     return out, stats

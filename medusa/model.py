@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from medusa.checkpoint import check_heads_folder, load_heads
-from medusa.generate import GenerationStats, Step, medusa_generate, medusa_steps
+from medusa.generate import GenerationStats, Step, medusa_steps
 from medusa.heads import HydraHeads, MedusaHeads
+from medusa.logits_process import resolve_decoding
 from medusa.tree import Tree, load_tree
 
 logger = logging.getLogger(__name__)
@@ -105,19 +106,43 @@ class MedusaModel(nn.Module):
         return ids
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
-               stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Step]:
-        """Yield :class:`~medusa.generate.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``."""
+               stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
+               do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None, acceptance: str = "rejection",
+               typical_epsilon: float = 0.3, typical_delta: float = 0.09, **settings) -> Iterator[Step]:
+        """Yield :class:`~medusa.generate.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``.
+
+        Decoding settings as in :meth:`generate`.
+        """
         ids = _as_1d(input_ids).to(self.device)
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
+        decoding = resolve_decoding(self.base.generation_config, do_sample, temperature, top_k, top_p, seed,
+                                    acceptance, typical_epsilon, typical_delta, **settings)
         return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats,
-                            self.verify_logits)
+                            self.verify_logits, decoding)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
-                 stop_token_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
-        """Greedy Medusa decoding; returns ``(new_token_ids, stats)``; identical tokens to the base's greedy."""
-        ids = _as_1d(input_ids).to(self.device)
-        stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
-        return medusa_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, self.verify_logits)
+                 stop_token_ids: set[int] | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, acceptance: str = "rejection", typical_epsilon: float = 0.3,
+                 typical_delta: float = 0.09, **settings) -> tuple[list[int], GenerationStats]:
+        """Medusa decoding; returns ``(new_token_ids, stats)``.
+
+        Settings left ``None`` come from the base's ``generation_config`` (then Hugging Face's defaults, as
+        ``generate`` takes them); further generation-config fields (``repetition_penalty=...``) go in ``settings``.
+        Greedy (``do_sample`` false): exactly the base's greedy tokens under those settings. Sampling with
+        ``acceptance="rejection"``: lossless, distributed exactly as the base's samples (:mod:`medusa.sampling`);
+        ``"typical"``: Medusa's typical acceptance, faster and lossy (``typical_epsilon``, ``typical_delta``).
+        The same ``seed`` gives the same tokens.
+
+        Raises:
+            ValueError: bad settings, or one the base's generation config sets that Medusa cannot honour
+                (:func:`medusa.logits_process.resolve_decoding`).
+        """
+        stats = GenerationStats()
+        steps = self.stream(input_ids, max_new_tokens, tree, stop_token_ids, stats, do_sample, temperature, top_k,
+                            top_p, seed, acceptance, typical_epsilon, typical_delta, **settings)
+        return [t for step in steps for t in step.tokens], stats
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:
