@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 from medusa.calibrate import rank_accuracy_from_states, sequence_states
-from medusa.checkpoint import load_heads
+from medusa.checkpoint import load_heads, save_heads
 from medusa.heads import MedusaHeadsConfig, build_heads, head_lookup_table, lm_head_fingerprint, most_frequent_tokens
 from medusa.losses import head_ce_sums, head_soft_sums, head_target_counts
 from medusa.tree import expected_acceptance, grow_tree
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference", nargs="*", help="heads folders scored on the same held-out data, untrained")
+    parser.add_argument("--save-dir", help="also save each variant's heads under this folder")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -177,6 +178,9 @@ def main() -> None:
             logger.info("%s n=%d top-1 %s expected tau %s", variant["name"], len(indices),
                         [round(a, 3) for a in row["top1"]], row["expected_tau"])
             rows.append(row)
+            if args.save_dir:
+                save_heads(heads, Path(args.save_dir) / f"{variant['name'].replace(':', '-')}-n{len(indices)}",
+                           extra_config={"ablation": {k: v for k, v in row.items() if k != "accuracy"}})
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"settings": vars(args), "store": store.meta.get("base", {}),
                                                   "held_out_sequences": len(states), "rows": rows}, indent=2) + "\n")

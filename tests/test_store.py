@@ -207,3 +207,13 @@ def test_train_with_a_store_end_to_end(tmp_path):
     heads_dir = train(config, tokenizer=tiny_tokenizer())
     assert (heads_dir / "model.safetensors").is_file()
     assert json.loads((tmp_path / "store" / META_NAME).read_text())["complete"]
+
+
+def test_a_finished_store_is_reused_whatever_shard_size_built_it(built, model, examples, monkeypatch):
+    """The trainer (default shard size) reuses a store built with another one, without running the base again."""
+    import train.store as store_module
+
+    monkeypatch.setattr(store_module, "_write_shard", lambda *a, **k: pytest.fail("the base ran again"))
+    assert build_store(built, model, examples, 64, shard_tokens=1 << 20) == built
+    with pytest.raises(StoreError, match="other examples|examples_sha256"):
+        build_store(built, model, make_examples(seed=1), 64, shard_tokens=1 << 20)

@@ -139,8 +139,11 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
     meta = _new_meta(model, examples, lengths, max_seq_len, shard_tokens)
     if (path / META_NAME).is_file():
         stored = read_meta(path)
-        _check_same_build(path, stored, meta, model)
+        # A finished store is used whatever shard size built it; a partial one resumes only with the same plan.
+        _check_same_build(path, stored, meta, model, with_plan=not stored.get("complete"))
         _check_shard_sizes(path, stored["shards"])
+        if stored.get("complete"):
+            return path
         meta["shards"] = stored["shards"]
     path.mkdir(parents=True, exist_ok=True)
     for leftover in path.glob(f"{TMP_PREFIX}*"):  # an interrupted shard: written again below
@@ -171,10 +174,11 @@ def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int,
             "shards": []}
 
 
-def _check_same_build(path: Path, stored: dict, meta: dict, model) -> None:
-    """Raise :class:`StoreError` when a partly built store at ``path`` is not the one ``meta`` describes."""
-    problems = [f"{key}: stored {stored.get(key)!r} != now {meta[key]!r}"
-                for key in ("max_seq_len", "num_examples", "shard_tokens", "examples_sha256")
+def _check_same_build(path: Path, stored: dict, meta: dict, model, with_plan: bool = True) -> None:
+    """Raise :class:`StoreError` when the store at ``path`` is not the one ``meta`` describes (``with_plan``: the
+    shard plan too, which a partly built store must share to resume)."""
+    keys = ("max_seq_len", "num_examples", "examples_sha256") + (("shard_tokens",) if with_plan else ())
+    problems = [f"{key}: stored {stored.get(key)!r} != now {meta[key]!r}" for key in keys
                 if stored.get(key) != meta[key]]
     problems += _identity_problems(stored["base"], model)
     if problems:
