@@ -162,7 +162,7 @@ def _verify(model, draft: Draft, positions, buffers, cache, verify_logits: str, 
     _, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
 
     def next_token_at(node: int) -> torch.Tensor:
-        return kv_cache.lm_logits(model, hidden[node : node + 1])[0].argmax()
+        return kv_cache.lm_logits_rows(model, hidden[node : node + 1])[0].argmax()
 
     return greedy_accept_along_path(tokens, next_token_at, buffers), hidden
 
@@ -179,7 +179,7 @@ def _verify_processed(model, draft: Draft, positions, buffers: TreeBuffers, cach
     logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=rows)
 
     def logits_at(node: int) -> torch.Tensor:
-        raw = logits[node] if rows is None else kv_cache.lm_logits(model, hidden[node : node + 1])[0]  # (V,)
+        raw = logits[node] if rows is None else kv_cache.lm_logits_rows(model, hidden[node : node + 1])[0]  # (V,)
         path = tokens[buffers.node_paths[node, 1 : int(buffers.depth[node]) + 1]]  # below the root, down to node
         return _processed(processors, torch.cat([sequence, path]), raw)
 

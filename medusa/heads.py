@@ -185,11 +185,13 @@ class _HeadsBase(nn.Module):
         if token_map is not None:
             rows = rows[token_map.to(rows.device)]
         if config.share_lm_head:
-            # Frozen and not saved: it is the base's own lm_head (or its token_map rows), re-derived on load.
-            self.register_buffer("shared_weight", rows, persistent=False)
+            # Frozen and not saved: it is the base's own lm_head (or its token_map rows), re-derived on load. Kept
+            # transposed, (H, Vh) contiguous: a product with one or a few rows (drafting) reads it about 3-6x faster
+            # on a CPU than the (Vh, H) layout (0.5 vs 3.3 ms for 4,096 x 576 here).
+            self.register_buffer("shared_weight_t", rows.T.contiguous(), persistent=False)
             self.lm_heads = None
         else:
-            self.shared_weight = None
+            self.shared_weight_t = None
             self.lm_heads = nn.ModuleList(
                 nn.Linear(config.hidden_size, rows.shape[0], bias=False) for _ in range(config.num_heads)
             )
@@ -199,8 +201,14 @@ class _HeadsBase(nn.Module):
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy."""
         if self.lm_heads is None:
-            return feats @ self.shared_weight.to(feats.dtype).T  # (..., Vh)
+            return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
+
+    @property
+    def shared_weight(self) -> torch.Tensor | None:
+        """The shared projection ``(Vh, H)``: the base's lm_head rows of the head vocabulary (``None`` when each head
+        has its own)."""
+        return None if self.shared_weight_t is None else self.shared_weight_t.T
 
     @property
     def head_vocab_size(self) -> int:

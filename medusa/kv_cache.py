@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -141,6 +142,36 @@ def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Ten
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The base's own logits from last hidden states ``(..., H)`` -> ``(..., V)``, with its final soft-capping."""
     logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+# id(lm_head weight) -> (a weak reference to it, its version counter, a transposed (H, V) copy); see lm_logits_rows.
+_TRANSPOSED: dict[int, tuple] = {}
+
+
+def lm_logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
+    """:func:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)``, through a transposed copy of the lm_head.
+
+    On a CPU a product of one row with the ``(V, H)`` weight runs a matrix-vector kernel about 1.7x slower than with
+    the ``(H, V)`` layout (SmolLM2-135M: 11.5 vs 6.6 ms for 49,152 x 576). The copy is made once per weight (and
+    again if the weight is changed in place) and costs the lm_head's size in memory; the logits equal
+    :func:`lm_logits` up to float summation order.
+    """
+    head = model.get_output_embeddings()
+    weight = head.weight
+    cached = _TRANSPOSED.get(id(weight))
+    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+        key = id(weight)
+        # Dropped with the weight (a model freed); made again when the weight changes in place.
+        cached = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), weight._version,
+                  weight.detach().T.contiguous())  # (H, V)
+        _TRANSPOSED[key] = cached
+    logits = hidden @ cached[2]  # (M, V)
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

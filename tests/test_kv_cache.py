@@ -175,3 +175,13 @@ def test_unsupported_layer_types_are_refused():
     config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         kv_cache.attention_layout(config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
+def test_lm_logits_rows_match_lm_logits_and_follow_weight_changes(arch):
+    model = tiny_model(arch)
+    hidden = torch.randn(3, model.get_output_embeddings().weight.shape[1])
+    torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden), kv_cache.lm_logits(model, hidden))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2.0)  # an in-place change: the transposed copy is made again
+    torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden), kv_cache.lm_logits(model, hidden))
