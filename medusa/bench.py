@@ -140,6 +140,29 @@ class BenchResult:
         }
 
 
+def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -> dict:
+    """The speculative-decoding estimate of tau from a per-token acceptance rate (Leviathan et al. 2023, section 3.1;
+    Medusa report section 2.1): a chain of D drafts each accepted with probability alpha emits
+    ``(1 - alpha**(D+1)) / (1 - alpha)`` tokens per step; divided by the step's cost relative to one plain token it
+    predicts the speedup.
+
+    Args:
+        accepted_hist: ``[c_0, ..., c_D]``: steps that accepted 0..D drafts (D = the tree's depth).
+        step_cost: measured cost of one verify step relative to one plain decoding step, or ``None``.
+
+    Returns:
+        ``{"alpha", "predicted_tau", "predicted_speedup"}``; alpha is accepted drafts over drafts tried (a step that
+        accepted a < D drafts tried a + 1 of them, one that accepted all tried D).
+    """
+    depth = len(accepted_hist) - 1
+    accepted = sum(a * c for a, c in enumerate(accepted_hist))
+    tried = sum((a + 1 if a < depth else a) * c for a, c in enumerate(accepted_hist))
+    alpha = accepted / tried if tried else 0.0
+    tau = float(depth + 1) if alpha == 1 else (1 - alpha ** (depth + 1)) / (1 - alpha)
+    return {"alpha": alpha, "predicted_tau": tau,
+            "predicted_speedup": None if step_cost is None else tau / step_cost}
+
+
 def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warmup: int = 1,
               use_chat_template: bool = True, progress=None, sampling: dict | None = None) -> dict:
     """Run the comparison over ``prompts`` (see module docstring) and return the JSON-ready result dict.
@@ -199,7 +222,16 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
             progress(i, record)
     out = result.to_dict(model.heads.config.num_heads)
     out.update(environment(model, max_new_tokens))
+    out["prediction"] = predict(model, out)
     return out
+
+
+def predict(model: MedusaModel, result: dict) -> dict:
+    """:func:`chain_prediction` for a bench result, with the step cost measured here (a verify forward over the
+    tree's nodes after 256 cached tokens, relative to one token): the seed's analysis next to the measured figures."""
+    nodes = model.tree.num_nodes
+    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, verify_logits=model.verify_logits)
+    return {**chain_prediction(result["accepted_histogram"], curve[nodes]), "step_cost": curve[nodes]}
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -292,6 +324,7 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
         out[f"{method}_mean_logprob_stderr"] = float(means.std() / len(means) ** 0.5) if len(means) > 1 else None
     out["sampling"] = {**hf_settings, "seed": seed, "acceptance": sampling.get("acceptance", "rejection")}
     out.update(environment(model, max_new_tokens))
+    out["prediction"] = predict(model, out)
     return out
 
 

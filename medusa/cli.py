@@ -341,7 +341,8 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
-                ("load average (1 min) / cores", _load_text(r.get("load")))] + [
+                ("load average (1 min) / cores", _load_text(r.get("load"))),
+                ("predicted tau / speedup (chain)", _prediction_text(r.get("prediction")))] + [
                 (f"{m} mean log-prob/token",
                  f"{r[f'{m}_mean_logprob']:.4f} (+- {_fmt(r[f'{m}_mean_logprob_stderr'])})")
                 for m in ("hf", "medusa") if f"{m}_mean_logprob" in r]
@@ -354,6 +355,14 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
     lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
     lines += [f"{k:<{width}}  {v:<{column}}  {theirs.get(k, '')}" for k, v in mine]
     return "\n".join(lines)
+
+
+def _prediction_text(prediction: dict | None) -> str:
+    if not prediction:
+        return "not recorded"
+    speedup = prediction.get("predicted_speedup")
+    return (f"{prediction['predicted_tau']:.2f} / {'?' if speedup is None else f'{speedup:.2f}x'} (alpha "
+            f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
 
 
 def _load_text(load: dict | None) -> str:

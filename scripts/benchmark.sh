@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 BASE=${BASE:-models/smollm2-135m-instruct}
-HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-medusa}
+HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
 OUT=${OUT:-outputs/bench/smollm2-135m-cpu.json}
 [ -f data/held_out_prompts.jsonl ] || medusa held-out-prompts --n 20 --out data/held_out_prompts.jsonl
 medusa bench --base "$BASE" --heads "$HEADS" --prompts data/held_out_prompts.jsonl --limit 20 \

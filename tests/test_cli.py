@@ -195,3 +195,15 @@ def test_eval_heads_reports_accuracy(setup, tmp_path, capsys):
     assert len(result["top1"]) == 3
     assert all(0 <= a <= b <= 1 for a, b in zip(result["top1"], result["top5"], strict=True))
     assert "head 0 (token t+2)" in capsys.readouterr().out
+
+
+def test_chain_prediction_from_the_acceptance_histogram():
+    from medusa.bench import chain_prediction
+
+    assert chain_prediction([10, 0, 0])["predicted_tau"] == 1.0  # nothing accepted
+    assert chain_prediction([0, 0, 7])["predicted_tau"] == 3.0  # everything accepted, depth 2
+    # 2 steps accepting 0 (1 try each), 1 accepting 1 (2 tries), 1 accepting 2 (2 tries): alpha = 3 / 6.
+    pred = chain_prediction([2, 1, 1], step_cost=1.25)
+    assert pred["alpha"] == 0.5
+    assert pred["predicted_tau"] == pytest.approx(1 + 0.5 + 0.25)
+    assert pred["predicted_speedup"] == pytest.approx(1.75 / 1.25)

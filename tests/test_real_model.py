@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-medusa"
+SHIPPED = [REPO / "checkpoints" / "smollm2-135m-instruct-hydra", REPO / "checkpoints" / "smollm2-135m-instruct-medusa"]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,12 @@ def base_dir(tmp_path_factory):
     return prepare_model(tmp_path_factory.mktemp("real") / "smollm2")
 
 
-def test_shipped_heads_decode_exactly_like_hf_greedy(base_dir):
+@pytest.mark.parametrize("heads", SHIPPED, ids=lambda p: p.name)
+def test_shipped_heads_decode_exactly_like_hf_greedy(base_dir, heads):
     from medusa.bench import encode_prompt, hf_greedy
     from medusa.model import MedusaModel
 
-    model = MedusaModel.from_pretrained(base_dir, SHIPPED)
+    model = MedusaModel.from_pretrained(base_dir, heads)
     for prompt in ("What is the capital of France?", "Write a haiku about autumn."):
         ids = encode_prompt(model.tokenizer, {"prompt": prompt})
         reference = hf_greedy(model.base, ids, 48, model.stop_token_ids())
