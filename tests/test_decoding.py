@@ -8,7 +8,7 @@ from tiny import tiny_model
 
 from medusa import kv_cache
 from medusa.generate import medusa_generate
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, head_target_offset
+from medusa.heads import MedusaHeadsConfig, build_heads, head_target_offset
 from medusa.tree import Tree, grow_tree
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
@@ -58,24 +58,27 @@ class OracleHeads(torch.nn.Module):
         return ids
 
 
-def random_heads(model, num_heads=3, seed=1):
+def random_heads(model, num_heads=3, seed=1, head_type="medusa"):
     weight = model.get_output_embeddings().weight
-    heads = MedusaHeads(MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0],
-                                          num_heads=num_heads), weight)
+    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=num_heads,
+                               head_type=head_type)
+    heads = build_heads(config, weight.detach(), model.get_input_embeddings().weight.detach())
     torch.manual_seed(seed)
     for p in heads.parameters():
         p.data.normal_(0, 0.05)
     return heads
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("verify_logits", ["all", "path"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_random_heads_give_base_greedy_tokens(arch, verify_logits):
+def test_random_heads_give_base_greedy_tokens(arch, verify_logits, head_type):
     model = tiny_model(arch)
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0))
     reference = hf_greedy(model, ids, 40)
     for tree in (Tree.chain(3), WIDE_TREE):
-        out, stats = medusa_generate(model, random_heads(model), ids, tree, 40, verify_logits=verify_logits)
+        heads = random_heads(model, head_type=head_type)
+        out, stats = medusa_generate(model, heads, ids, tree, 40, verify_logits=verify_logits)
         assert out == reference, (arch, tree.name)
         assert stats.new_tokens == 40
 
