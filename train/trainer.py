@@ -50,9 +50,11 @@ from medusa.losses import head_ce_sums, head_lookup_table, head_soft_sums, head_
 from train.config import TrainConfig, resume_mismatch
 from train.data import (
     Conversation,
+    ReadReport,
     collate,
     default_tokenize_cache_dir,
     load_conversations,
+    normalize_record,
     split_held_out,
     target_token_counts,
     tokenize_conversations,
@@ -112,7 +114,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
     """
     run = setup(config, model, tokenizer)
     fit(run)
-    metrics = evaluate(run) if run.held_examples else {}
+    metrics = evaluate(run) if any_held_out(run) else {}
     out = Path(config.output_dir)
     if run.accelerator.is_main_process:
         heads = run.accelerator.unwrap_model(run.heads)
@@ -344,6 +346,28 @@ def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, 
     return train_convs, held_convs
 
 
+def any_held_out(run: Run) -> bool:
+    """Whether any process holds held-out examples: evaluation is a collective (its counts are reduced), so every
+    process must enter it or none, even one whose own slice is empty."""
+    flag = torch.tensor(len(run.held_examples), device=run.accelerator.device)
+    return bool(run.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def read_distilled(path: Path) -> list[Conversation]:
+    """The complete records of a distilled JSON-lines file, read line by line (not through the ``datasets`` cache:
+    the file grows between reads, and every process must read the same records)."""
+    report, conversations = ReadReport(), []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by an interrupted write: distilled again on the next run
+        conv = normalize_record(record, i, report)
+        if conv is not None:
+            conversations.append(conv)
+    return conversations
+
+
 def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tokenizer,
                        convs: list[Conversation], path: Path) -> list[Conversation]:
     """Distill the conversations of one split into ``path`` (resumable; each process answers a shard).
@@ -364,7 +388,7 @@ def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tok
         _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))
     accelerator.wait_for_everyone()
     wanted = {c.id for c in convs}
-    distilled = load_conversations(path)[0] if jsonl_ids(path) & wanted else []
+    distilled = read_distilled(path) if jsonl_ids(path) & wanted else []
     return have_ids + [c for c in distilled if c.id in wanted]
 
 
@@ -480,7 +504,7 @@ def fit(run: Run) -> list[float]:
             logger.info("step %d loss %.6f lr %.6g", run.step, losses[-1], run.scheduler.get_last_lr()[0])
             accelerator.log({"train/loss": losses[-1], "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
         periodic_eval = config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps
-        if periodic_eval and run.held_examples:
+        if periodic_eval and any_held_out(run):
             metrics = evaluate(run, max_batches=config.max_eval_batches)
             logger.info("step %d held-out %s", run.step, _format_metrics(metrics))
         if config.save_every and run.step % config.save_every == 0:
