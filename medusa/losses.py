@@ -115,35 +115,29 @@ def medusa_loss(
         got = None if teacher_logits is None else tuple(teacher_logits.shape)
         raise ValueError(f"loss {loss_type!r} needs the base's teacher logits of shape {(batch, seq, head_vocab)} "
                          f"(the base's lm_head over the head vocabulary), got {got}")
-    loss = head_logits.new_zeros(())
-    counters = ("top1", "top5", "count")
-    stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in counters}
-    stats["ce_sum"] = torch.zeros(num_heads, dtype=torch.float32, device=labels.device)
-    stats["ce_count"] = torch.zeros(num_heads, dtype=torch.long, device=labels.device)
-    for k in range(num_heads):
-        targets, supervised = head_targets(labels, k, head_lookup)  # (B, T') each
-        logits = head_logits[k, :, : targets.shape[1]].float()  # (B, T', Vh)
-        in_vocab = targets != IGNORE_INDEX  # (B, T')
-        ce_sum = F.cross_entropy(logits.reshape(-1, head_vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="sum")
-        ce_count = in_vocab.sum()
-        # sum / max(count, 1): exactly 0 with a zero gradient when nothing is supervised.
-        term = ce_sum / ce_count.clamp_min(1)
-        if loss_type != "hard":
-            offset = head_target_offset(k) - 1  # the base's logits at t + k + 1 predict token t + k + 2
-            teacher = teacher_logits[:, offset : offset + targets.shape[1]]  # (B, T', Vh)
-            soft = soft_cross_entropy(logits, teacher, temperature)  # (B, T')
-            soft_term = (soft * supervised).sum() / supervised.sum().clamp_min(1)
-            term = soft_term if loss_type == "teacher" else mix * term + (1 - mix) * soft_term
-        loss = loss + decay**k * term
-        with torch.no_grad():
-            top = logits.topk(min(TOP_K, head_vocab), dim=-1).indices  # (B, T', 5)
+    # The same per-head sums and counts the trainer normalises over a whole step, here over this batch alone.
+    ce_sums = head_ce_sums(head_logits, labels, head_lookup)  # (K,)
+    ce_counts = head_target_counts(labels, num_heads, head_lookup)  # (K,)
+    weights = torch.tensor([decay**k for k in range(num_heads)], device=ce_sums.device)  # (K,)
+    # sum / max(count, 1): exactly 0 with a zero gradient when nothing is supervised.
+    terms = ce_sums / ce_counts.clamp_min(1)  # (K,)
+    if loss_type != "hard":
+        soft = head_soft_sums(head_logits, teacher_logits, labels, temperature)  # (K,)
+        soft_terms = soft / head_target_counts(labels, num_heads).clamp_min(1)
+        terms = soft_terms if loss_type == "teacher" else mix * terms + (1 - mix) * soft_terms
+    loss = (weights * terms).sum()
+    stats = {name: torch.zeros(num_heads, dtype=torch.long, device=labels.device) for name in ("top1", "top5")}
+    stats["count"] = head_target_counts(labels, num_heads)
+    stats["ce_sum"] = ce_sums.detach().float()
+    stats["ce_count"] = ce_counts
+    with torch.no_grad():
+        for k in range(num_heads):
+            targets, _ = head_targets(labels, k, head_lookup)  # (B, T')
+            in_vocab = targets != IGNORE_INDEX  # (B, T')
+            top = head_logits[k, :, : targets.shape[1]].topk(min(TOP_K, head_vocab), dim=-1).indices  # (B, T', 5)
             hits = (top == targets.unsqueeze(-1)) & in_vocab.unsqueeze(-1)  # (B, T', 5)
             stats["top1"][k] = hits[..., 0].sum()
             stats["top5"][k] = hits.any(dim=-1).sum()
-            stats["count"][k] = supervised.sum()
-            stats["ce_sum"][k] = ce_sum.detach()
-            stats["ce_count"][k] = ce_count
     return loss, stats
 
 
