@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from itertools import islice
@@ -145,8 +146,16 @@ def test_micro_batches_resume_and_shard():
     assert sorted(rank0[0] + rank1[0]) == sorted(set(rank0[0] + rank1[0]))  # one global batch, no overlap
 
 
-def launch_two_processes(train_args: list[str], port: int) -> subprocess.CompletedProcess:
+def free_port() -> int:
+    """A TCP port free on this machine now, so two suites running at once never share a rendezvous port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_two_processes(train_args: list[str], port: int | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m train ARGS`` on 2 CPU processes (DDP over gloo); asserts it succeeded."""
+    port = free_port() if port is None else port
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", str(port), "-m", "train",
            *train_args]
@@ -171,7 +180,7 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
                                    "--max-steps", "2", "--batch-size", "2", "--grad-accum-steps", "2",
                                    "--max-seq-len", "48", "--num-heads", "2", "--head-vocab-size", "64",
                                    "--held-out-fraction", "0.25", "--mixed-precision", "no", "--eval-every", "0",
-                                   "--self-distill", "--distill-max-new-tokens", "4"], port=29517)
+                                   "--self-distill", "--distill-max-new-tokens", "4"])
     assert "training on 2 processes (DDP on CPU)" in result.stderr
     metrics = json.loads((out / "eval.json").read_text())
     assert metrics["steps"] == 2 and metrics["examples"] > 0
@@ -254,7 +263,7 @@ def test_two_processes_train_like_one_batch(base_dir, tmp_path):
                                    "--batch-size", "4", "--grad-accum-steps", "1", "--learning-rate", "1e-2",
                                    "--warmup-steps", "0", "--max-steps", "3", "--save-every", "0", "--eval-every",
                                    "0", "--log-every", "1", "--held-out-fraction", "0", "--max-grad-norm", "0",
-                                   "--mixed-precision", "no"], port=29518)
+                                   "--mixed-precision", "no"])
     logged = [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", result.stderr)]
     assert logged == pytest.approx(losses, rel=1e-5)
     two = heads_state(out / "heads")
