@@ -14,6 +14,7 @@ import torch
 
 from medusa import kv_cache
 from medusa.draft import Draft, draft_tree
+from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.logits_process import Decoding, resolve_decoding
 from medusa.sampling import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from medusa.tree import Tree, TreeBuffers, tree_buffers
@@ -74,7 +75,7 @@ def check_context(model, prompt_len: int, max_new_tokens: int, tree_depth: int) 
 @torch.inference_mode()
 def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
                  stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
-                 verify_logits: str = "all", decoding: Decoding | None = None) -> Iterator[Step]:
+                 verify_logits: str = "all", decoding: Decoding | None = None, engine=None) -> Iterator[Step]:
     """Medusa decoding, one :class:`Step` per base forward: greedy, or sampling (see :mod:`medusa.sampling`).
 
     Args:
@@ -90,6 +91,8 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
             :func:`medusa.verify.greedy_accept_along_path`). Both accept exactly the same tokens.
         decoding: generation settings and acceptance rule (:func:`medusa.logits_process.resolve_decoding`);
             ``None``: plain greedy, no logits processor.
+        engine: where the KV cache lives and how a forward runs (:func:`medusa.engine.make_engine`);
+            ``None``: the default engine for ``model``.
 
     Raises:
         ValueError: the tree does not fit the heads, or the prompt does not fit the context.
@@ -107,11 +110,12 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     rule = acceptance_rule(decoding, heads, buffers, model.config.get_text_config(decoder=True).vocab_size, device)
     # Plain greedy keeps the vectorised all-node acceptance; anything else walks the tree with processed logits.
     verify = _verify if isinstance(rule, GreedyAcceptance) and not processors else _verify_processed
-    cache = kv_cache.new_cache()
+    engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
+    cache = engine.new_cache(len(input_ids) + max_new_tokens + len(buffers.depth))
     start = time.perf_counter()
     positions = torch.arange(len(input_ids), device=device)
-    logits, hidden = kv_cache.forward(model, input_ids, positions, kv_cache.causal_mask(len(input_ids), device),
-                                      cache, logits_for=slice(-1, None))
+    logits, hidden = engine.forward(input_ids, positions, kv_cache.causal_mask(len(input_ids), device), cache,
+                                    logits_for=slice(-1, None))
     root, last_hidden = rule.next_token(_processed(processors, input_ids, logits[-1])), hidden[-1]
     sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
     stats.prefill_s = time.perf_counter() - start
@@ -119,11 +123,11 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     yield step
     while not stats.stopped_by:
         start = time.perf_counter()
-        prefix_len = kv_cache.cache_length(cache)
+        prefix_len = engine.cache_length(cache)
         draft = draft_tree(heads, last_hidden, root, buffers, rule.choose)
-        result, hidden = verify(model, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
+        result, hidden = verify(engine, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
                                 rule, processors, sequence)
-        kv_cache.keep_positions(cache, prefix_len, result.path_nodes)
+        engine.keep_positions(cache, prefix_len, result.path_nodes)
         root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
         emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(root)]
         sequence = torch.cat([sequence, torch.tensor(emitted, dtype=torch.long, device=device)])
@@ -153,21 +157,21 @@ def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Ten
     return processors(ids[None], logits[None].float().clone())[0]  # (V,)
 
 
-def _verify(model, draft: Draft, positions, buffers, cache, verify_logits: str, rule, processors, sequence):
+def _verify(engine, draft: Draft, positions, buffers, cache, verify_logits: str, rule, processors, sequence):
     """One tree forward and plain greedy acceptance (no processor); returns ``(Acceptance, hidden (N, H))``."""
     tokens = draft.tokens
     if verify_logits == "all":
-        logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
+        logits, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
         return greedy_accept(tokens, logits, buffers), hidden
-    _, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
+    _, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
 
     def next_token_at(node: int) -> torch.Tensor:
-        return kv_cache.lm_logits_rows(model, hidden[node : node + 1])[0].argmax()
+        return engine.lm_logits_rows(hidden[node : node + 1])[0].argmax()
 
     return greedy_accept_along_path(tokens, next_token_at, buffers), hidden
 
 
-def _verify_processed(model, draft: Draft, positions, buffers: TreeBuffers, cache, verify_logits: str, rule,
+def _verify_processed(engine, draft: Draft, positions, buffers: TreeBuffers, cache, verify_logits: str, rule,
                       processors, sequence: torch.Tensor):
     """One tree forward, then ``rule`` walks the tree asking for the base's processed logits node by node.
 
@@ -176,10 +180,10 @@ def _verify_processed(model, draft: Draft, positions, buffers: TreeBuffers, cach
     """
     tokens = draft.tokens
     rows = None if verify_logits == "all" else slice(0, 0)
-    logits, hidden = kv_cache.forward(model, tokens, positions, buffers.ancestor_mask, cache, logits_for=rows)
+    logits, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache, logits_for=rows)
 
     def logits_at(node: int) -> torch.Tensor:
-        raw = logits[node] if rows is None else kv_cache.lm_logits_rows(model, hidden[node : node + 1])[0]  # (V,)
+        raw = logits[node] if rows is None else engine.lm_logits_rows(hidden[node : node + 1])[0]  # (V,)
         path = tokens[buffers.node_paths[node, 1 : int(buffers.depth[node]) + 1]]  # below the root, down to node
         return _processed(processors, torch.cat([sequence, path]), raw)
 
@@ -207,11 +211,11 @@ def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int,
 
 def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
                     stop_token_ids: set[int] | None = None, verify_logits: str = "all",
-                    decoding: Decoding | None = None) -> tuple[list[int], GenerationStats]:
+                    decoding: Decoding | None = None, engine=None) -> tuple[list[int], GenerationStats]:
     """Run :func:`medusa_steps` to the end; returns ``(new_token_ids, stats)``."""
     stats = GenerationStats()
     out: list[int] = []
     for step in medusa_steps(model, heads, input_ids, tree, max_new_tokens, stop_token_ids, stats, verify_logits,
-                             decoding):
+                             decoding, engine):
         out.extend(step.tokens)
     return out, stats

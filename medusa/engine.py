@@ -1,0 +1,235 @@
+"""Decode engines: where the base's KV cache lives and how one forward over new tokens runs.
+
+The generation loop (:mod:`medusa.generate`) talks to an engine through five methods, the contract of
+:mod:`medusa.kv_cache`: ``new_cache(capacity)``, ``cache_length(cache)``, ``forward(ids, positions, tree_mask,
+cache, logits_for)``, ``keep_positions(cache, prefix_len, keep)`` and ``lm_logits_rows(hidden)``.
+
+- ``eager``: transformers' ``DynamicCache``, grown by concatenation and cut after each tree (:mod:`medusa.kv_cache`).
+- ``static``: a cache preallocated for prompt + budget + tree, written in place; the accepted path is moved down by
+  one gather per layer; masks written into buffers kept per step size (:mod:`medusa.static_cache`).
+- ``compiled``: ``static`` with fixed shapes (attention reads all slots of a capacity rounded up to
+  :data:`CAPACITY_BUCKET`, so one compilation serves many prompts) and the decoder stack under ``torch.compile``:
+  CPU inductor with weight freezing (constant-folded, prepacked weights), CUDA graphs (``reduce-overhead``) on a
+  GPU. Compilation happens in :meth:`CompiledEngine.warm_up` (or at the first step of each size) and its time is
+  reported; where compiling fails the engine warns with the reason and runs as ``static``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+
+from medusa import kv_cache, static_cache
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("eager", "static", "compiled")
+DEFAULT_ENGINE = "static"
+"""The engine used when none is named (the measured comparison is in README, "Decode engines")."""
+CAPACITY_BUCKET = 256
+"""The compiled engine's cache capacity is rounded up to a multiple of this (shapes, hence compilations, shared)."""
+
+
+class EagerEngine:
+    """transformers' ``DynamicCache`` through :mod:`medusa.kv_cache` (the reference engine)."""
+
+    name = "eager"
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self, capacity: int):
+        return kv_cache.new_cache()
+
+    def cache_length(self, cache) -> int:
+        return kv_cache.cache_length(cache)
+
+    def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+        return kv_cache.forward(self.model, input_ids, positions, tree_mask, cache, logits_for)
+
+    def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
+        kv_cache.keep_positions(cache, prefix_len, keep)
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kv_cache.lm_logits_rows(self.model, hidden)
+
+    def settings(self) -> dict:
+        """What the bench records about this engine."""
+        return {"engine": self.name}
+
+
+class StaticEngine(EagerEngine):
+    """A preallocated :class:`medusa.static_cache.SlotCache`; ``max_cache_len`` caps what one decode call may ask.
+
+    Raises (from :meth:`new_cache`):
+        medusa.static_cache.CacheFullError: a call needs more positions than ``max_cache_len``.
+    """
+
+    name = "static"
+    fixed_shape = False
+
+    def __init__(self, model, max_cache_len: int | None = None):
+        super().__init__(model)
+        self.max_cache_len = max_cache_len
+        self.mask = static_cache.StaticMask(model.config, model.get_output_embeddings().weight.dtype)
+        self.decoder = None  # the model's own decoder stack
+
+    def new_cache(self, capacity: int):
+        if self.max_cache_len is not None and capacity > self.max_cache_len:
+            raise static_cache.CacheFullError(
+                f"this decode call needs {capacity} cache positions (prompt + max_new_tokens + tree nodes) but the "
+                f"{self.name} engine preallocates at most {self.max_cache_len} (max_cache_len)")
+        return static_cache.new_cache(self.model, self._capacity(capacity), self.fixed_shape)
+
+    def _capacity(self, needed: int) -> int:
+        return needed
+
+    def cache_length(self, cache) -> int:
+        return cache.length
+
+    def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+        return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
+                                    logits_for)
+
+    def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
+        cache.keep(prefix_len, keep)
+
+    def settings(self) -> dict:
+        return {"engine": self.name, "max_cache_len": self.max_cache_len}
+
+
+class CompiledEngine(StaticEngine):
+    """:class:`StaticEngine` with fixed shapes and the decoder stack under ``torch.compile`` (see module docstring).
+
+    Args:
+        freezing: CPU inductor's weight freezing (weights become constants, linear weights prepacked).
+        mode: ``torch.compile`` mode; ``None``: ``"reduce-overhead"`` (CUDA graphs) on CUDA, default on CPU.
+    """
+
+    name = "compiled"
+    fixed_shape = True
+
+    def __init__(self, model, max_cache_len: int | None = None, freezing: bool = True, mode: str | None = None):
+        super().__init__(model, max_cache_len)
+        self.mode = mode if mode is not None else ("reduce-overhead" if model.device.type == "cuda" else None)
+        self.freezing = freezing and model.device.type == "cpu"
+        self.compile_s: dict[int, float] = {}  # step size -> seconds its first (compiling) call took
+        self.fallback_reason: str | None = None
+        reason = compile_unavailable(model.device)
+        if reason:
+            self._fall_back(reason)
+            return
+        options = {"freezing": True} if self.freezing else None
+        self.decoder = torch.compile(kv_cache.decoder_of(model), dynamic=False, mode=self.mode, options=options)
+
+    def _capacity(self, needed: int) -> int:
+        if self.decoder is None:  # fell back: no fixed shape to share
+            return needed
+        capacity = -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        return min(capacity, self.max_cache_len) if self.max_cache_len is not None else capacity
+
+    def new_cache(self, capacity: int):
+        cache = super().new_cache(capacity)
+        cache.fixed_shape = self.decoder is not None
+        return cache
+
+    def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+        n = len(input_ids)
+        if self.decoder is None or cache.length == 0:  # the prefill (any length) runs eagerly
+            return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
+                                        logits_for)
+        if n in self.compile_s:
+            return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
+                                        logits_for)
+        start = time.perf_counter()
+        try:
+            out = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
+                                       logits_for)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: warn with its reason and run eagerly
+            self._fall_back(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            cache.fixed_shape = False
+            return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
+                                        logits_for)
+        self.compile_s[n] = time.perf_counter() - start
+        logger.info("compiled the %d-token step in %.1f s", n, self.compile_s[n])
+        return out
+
+    def warm_up(self, step_sizes: list[int], prompt_len: int = 16, max_new_tokens: int = 16) -> dict[int, float]:
+        """Compile the steps of the given sizes now (a throwaway decode-shaped call each); returns seconds per size.
+
+        Steps compiled for one capacity bucket serve every later call in it.
+        """
+        device = self.model.device
+        cache = self.new_cache(prompt_len + max_new_tokens + max(step_sizes))
+        with torch.inference_mode():
+            ids = torch.zeros(prompt_len, dtype=torch.long, device=device)
+            self.forward(ids, torch.arange(prompt_len, device=device), kv_cache.causal_mask(prompt_len, device),
+                         cache, logits_for=slice(-1, None))
+            for n in step_sizes:
+                start = cache.length
+                self.forward(ids[:n], start + torch.arange(n, device=device), kv_cache.causal_mask(n, device), cache,
+                             logits_for=slice(0, 0))
+                self.keep_positions(cache, start, torch.zeros(0, dtype=torch.long, device=device))
+        return dict(self.compile_s)
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        self.decoder = None
+        warnings.warn(f"engine 'compiled' runs as 'static' (uncompiled): {reason}", RuntimeWarning, stacklevel=3)
+
+    def settings(self) -> dict:
+        return {"engine": self.name, "max_cache_len": self.max_cache_len, "compile_mode": self.mode,
+                "freezing": self.freezing, "compiled": self.decoder is not None,
+                "fallback_reason": self.fallback_reason, "compile_s": dict(self.compile_s),
+                "capacity_bucket": CAPACITY_BUCKET}
+
+
+def compile_unavailable(device) -> str | None:
+    """Why ``torch.compile`` cannot run here (no compile, dynamo unsupported, no C++ compiler), or ``None``."""
+    import shutil
+
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    try:
+        from torch import _dynamo
+
+        if not _dynamo.is_dynamo_supported():
+            return "torch.compile (dynamo) is not supported on this Python"
+    except ImportError as e:
+        return f"torch._dynamo cannot be imported: {e}"
+    if torch.device(device).type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "no C++ compiler (c++, g++ or clang++) on PATH for CPU inductor"
+    return None
+
+
+def make_engine(name: str, model, max_cache_len: int | None = None, **options):
+    """The engine ``name`` (one of :data:`ENGINES`) bound to ``model``.
+
+    Raises:
+        ValueError: an unknown engine name.
+    """
+    if name == "eager":
+        return EagerEngine(model)
+    if name == "static":
+        return StaticEngine(model, max_cache_len)
+    if name == "compiled":
+        return CompiledEngine(model, max_cache_len, **options)
+    raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+
+
+def check_dtype(dtype: torch.dtype, device) -> None:
+    """Raise ``ValueError`` when ``device`` cannot run a forward in ``dtype`` (not floating, or no kernels)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point dtype; use float32, bfloat16 or float16")
+    device = torch.device(device)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{device} does not support bfloat16; use float16 or float32")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None])
+        torch.nn.functional.linear(x, x).softmax(-1)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{device} cannot run {dtype}: {e}") from e

@@ -1,0 +1,205 @@
+"""A preallocated KV cache written in place: every touch-point of the static engine with transformers' cache API.
+
+The stock model calls ``cache.update(keys, values, layer_idx, ...)`` in each attention layer and attends over what
+it returns. :class:`SlotCache` answers that call by copying the new keys/values into fixed slots of buffers
+allocated once (``(1, H_kv, capacity, d)`` per layer) and returning a view of the slots the step may read. The mask
+(4D additive, see :mod:`medusa.kv_cache`) hides every slot a query may not see, including unused ones, so the view
+can have a fixed length (``fixed_shape``: one shape per step size, what a compiled or graph-captured step needs) or
+end at the last written slot (less attention work in eager mode).
+
+transformers' own ``StaticCache`` keeps a write pointer of its own and ignores ``cache_position``: after a rejected
+tree it would append behind the rejected slots. Here the write slots are set by the caller before each forward
+(:meth:`SlotCache.begin_step`), so a tree is written at ``length .. length+N-1`` and the accepted path is moved down
+by one gather per layer (:meth:`SlotCache.keep`).
+
+Like :func:`medusa.kv_cache.new_cache`, every position is kept in every layer, sliding-window ones included; the
+window is enforced by the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from medusa import kv_cache
+
+
+class CacheFullError(ValueError):
+    """A step would write past the preallocated slots."""
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's preallocated keys/values; written only through :meth:`SlotCache.update`."""
+
+    is_compileable = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocation is done by SlotCache
+        raise NotImplementedError
+
+    def update(self, key_states, value_states, *args, **kwargs):  # SlotCache.update does the writing
+        raise NotImplementedError
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise NotImplementedError("SlotCache is used with explicit 4D masks only")
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError
+
+    def get_max_length(self) -> int:
+        return -1 if self.keys is None else self.keys.shape[-2]
+
+
+class SlotCache(Cache):
+    """Keys and values of every layer in buffers of ``capacity`` slots, allocated at the first write (the prefill).
+
+    Slots ``0 .. length-1`` hold positions ``0 .. length-1`` in order (the prompt and the accepted tokens); a step
+    writes its N new tokens at slots ``length .. length+N-1`` and :meth:`keep` leaves only the accepted ones.
+
+    Args:
+        num_layers: the decoder's attention layers.
+        capacity: slots per layer: prompt + generation budget + one tree at least.
+        fixed_shape: attention reads all ``capacity`` slots every step (fixed shapes); else only up to the last
+            written slot.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, fixed_shape: bool = False):
+        super().__init__(layers=[_SlotLayer() for _ in range(num_layers)])
+        self.capacity = capacity
+        self.fixed_shape = fixed_shape
+        self.length = 0
+        self.visible = 0  # slots the current step's attention reads
+        self._slots = torch.arange(capacity)  # (capacity,) moved to the device at the first write
+        self._write: dict[int, torch.Tensor] = {}  # N -> (N,) long write slots of a step of N tokens
+
+    def begin_step(self, n: int) -> torch.Tensor:
+        """Point the next forward's writes at slots ``length .. length+n-1``; returns those ``(n,)`` slots.
+
+        Raises:
+            CacheFullError: the step does not fit the preallocated slots.
+        """
+        if self.length + n > self.capacity:
+            raise CacheFullError(
+                f"the KV cache holds {self.capacity} positions ({self.length} used) and cannot take {n} more: "
+                f"preallocate more (prompt + max_new_tokens + tree nodes), or shorten the prompt or the budget"
+            )
+        write = self._write.get(n)
+        if write is None:
+            write = self._write[n] = torch.empty(n, dtype=torch.long, device=self._slots.device)
+        torch.add(self._slots[:n], self.length, out=write)
+        self.visible = self.capacity if self.fixed_shape else self.length + n
+        return write
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``(1, H_kv, N, d)`` keys/values at the step's slots; return the ``(1, H_kv, visible, d)`` views."""
+        layer = self.layers[layer_idx]
+        if layer.keys is None:
+            shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            layer.keys = key_states.new_zeros(shape)
+            layer.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
+            layer.is_initialized = True
+        write = self._write[key_states.shape[-2]]
+        layer.keys.index_copy_(2, write, key_states)
+        layer.values.index_copy_(2, write, value_states)
+        return layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+    def keep(self, prefix_len: int, keep: torch.Tensor) -> None:
+        """Leave the first ``prefix_len`` slots and, after them, the new slots listed in ``keep`` ``(A,)`` in order.
+
+        One gather and one write per layer's keys and values; the prefix is never copied.
+        """
+        index = keep.to(self._slots.device) + prefix_len  # (A,)
+        end = prefix_len + len(keep)
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            layer.keys[:, :, prefix_len:end] = layer.keys.index_select(2, index)
+            layer.values[:, :, prefix_len:end] = layer.values.index_select(2, index)
+        self.length = end
+
+    def to_device(self, device) -> None:
+        self._slots = self._slots.to(device)
+        self._write.clear()
+
+
+class StaticMask:
+    """The 4D additive attention mask of a step, written into buffers kept per step size (see
+    :func:`medusa.kv_cache.build_attention_mask` for the form; here the key axis is the cache's slots).
+
+    Slot ``j < length`` holds position ``j``; the new tokens' slots hold their ``positions``. A new token sees the
+    prefix slots, the new slots ``tree_mask`` allows, nothing else; sliding-window layers also hide keys
+    ``sliding_window`` or more positions behind the query.
+    """
+
+    def __init__(self, config, dtype):
+        self.config = config
+        self.kinds, self.window = kv_cache.attention_layout(config)
+        self.per_layer_type = getattr(config.get_text_config(decoder=True), "layer_types", None) is not None
+        self.dtype = dtype
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # (kind, N) -> (1, 1, N, capacity)
+
+    def write(self, cache: SlotCache, positions: torch.Tensor, tree_mask: torch.Tensor):
+        """The mask for ``N`` new tokens at ``positions`` ``(N,)`` about to be written after ``cache.length`` slots.
+
+        Returns:
+            A ``(1, 1, N, cache.visible)`` view of a preallocated buffer, or a dict of them keyed by layer type.
+        """
+        n, length, visible = len(positions), cache.length, cache.visible
+        device = positions.device
+        slots = cache._slots[:visible]  # (S,)
+        key_pos = torch.where(slots < length, slots, -1)  # (S,) slots past the prefix: filled below or unused
+        key_pos[length : length + n] = positions
+        seen = slots[None, :] < length  # (1, S)
+        new = torch.zeros(n, visible, dtype=torch.bool, device=device)  # (N, S)
+        new[:, length : length + n] = tree_mask
+        allowed = seen | new  # (N, S)
+        masks = {}
+        for kind in self.kinds:
+            ok = allowed
+            if kind == kv_cache.SLIDING:
+                ok = allowed & (positions[:, None] - key_pos[None, :] < self.window)  # (N, S)
+            buffer = self._buffer(kind, n, cache.capacity, device)[..., :visible]
+            buffer.zero_().masked_fill_(~ok, torch.finfo(self.dtype).min)
+            masks[kind] = buffer
+        return masks if self.per_layer_type else next(iter(masks.values()))
+
+    def _buffer(self, kind: str, n: int, capacity: int, device) -> torch.Tensor:
+        buffer = self._buffers.get((kind, n))
+        if buffer is None or buffer.shape[-1] != capacity:
+            buffer = self._buffers[(kind, n)] = torch.zeros(1, 1, n, capacity, dtype=self.dtype, device=device)
+        return buffer
+
+
+def new_cache(model, capacity: int, fixed_shape: bool = False) -> SlotCache:
+    """An empty :class:`SlotCache` for ``model``'s decoder."""
+    config = model.config.get_text_config(decoder=True)
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    cache = SlotCache(layers, capacity, fixed_shape)
+    cache.to_device(model.device)
+    return cache
+
+
+def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: StaticMask, decoder=None,
+            logits_for: torch.Tensor | slice | None = None):
+    """:func:`medusa.kv_cache.forward` through a :class:`SlotCache`; ``decoder`` replaces the model's decoder stack
+    (a compiled one) when given. The new tokens are written after ``cache.length`` slots and counted in it;
+    :meth:`SlotCache.keep` then decides which stay.
+
+    Returns:
+        ``(logits, hidden)``: ``(M, V)`` logits for the selected positions and ``(N, H)`` last hidden states.
+    """
+    stack = kv_cache.decoder_of(model)
+    cache.begin_step(len(input_ids))
+    attention = mask.write(cache, positions, tree_mask)
+    kwargs = {kv_cache._cache_kwarg(type(stack)): cache}
+    out = (decoder or stack)(input_ids=input_ids[None], position_ids=positions[None], attention_mask=attention,
+                             use_cache=True, **kwargs)
+    cache.length += len(input_ids)
+    hidden = out.last_hidden_state[0]  # (N, H)
+    selected = hidden if logits_for is None else hidden[logits_for]
+    return kv_cache.lm_logits(model, selected), hidden

@@ -1,0 +1,172 @@
+"""Decode engines (eager, static, compiled) give the base's greedy tokens; the preallocated cache compacts exactly."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+import torch
+from test_decoding import WIDE_TREE, OracleHeads, hf_greedy, random_heads
+from tiny import tiny_model
+
+from medusa import engine as engines
+from medusa import kv_cache, static_cache
+from medusa.generate import medusa_generate
+from medusa.tree import Tree, tree_buffers
+
+ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
+# Node indices (root 0): (0)=1 (1)=2 (0,0)=3 (1,0)=4 (1,1)=5 (1,0,0)=6.
+TREE = Tree.from_paths([[0], [1], [0, 0], [1, 0], [1, 1], [1, 0, 0]])
+
+
+def ids_of(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["eager", "static"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engines_give_base_greedy_tokens(arch, name):
+    model = tiny_model(arch)
+    ids = ids_of(20)
+    reference = hf_greedy(model, ids, 40)
+    engine = engines.make_engine(name, model)
+    for tree in (Tree.chain(0), Tree.chain(3), WIDE_TREE):
+        for verify_logits in ("all", "path"):
+            out, stats = medusa_generate(model, random_heads(model), ids, tree, 40, verify_logits=verify_logits,
+                                         engine=engine)
+            assert out == reference, (arch, name, tree.name, verify_logits)
+    # Oracle heads accept several tokens through non-first branches: compaction of non-contiguous paths.
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, None], vocab=model.config.vocab_size)
+    out, stats = medusa_generate(model, heads, ids, WIDE_TREE, 40, engine=engine)
+    assert out == reference
+    assert stats.tau > 2.5
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_static_compaction_equals_a_cache_rebuilt_from_the_accepted_tokens(arch):
+    model = tiny_model(arch)
+    engine = engines.make_engine("static", model)
+    prefix_len = 12  # longer than the sliding window
+    prefix, nodes = ids_of(prefix_len), ids_of(TREE.num_nodes, seed=1)
+    buffers = tree_buffers(TREE)
+    cache = engine.new_cache(prefix_len + TREE.num_nodes + 4)
+    with torch.no_grad():
+        engine.forward(prefix, torch.arange(prefix_len), kv_cache.causal_mask(prefix_len, "cpu"), cache)
+        engine.forward(nodes, prefix_len + buffers.depth, buffers.ancestor_mask, cache)
+    assert engine.cache_length(cache) == prefix_len + TREE.num_nodes
+    keep = torch.tensor([0, 2, 4, 6])  # root, (1), (1,0), (1,0,0): not contiguous in the node order
+    engine.keep_positions(cache, prefix_len, keep)
+
+    accepted = torch.cat([prefix, nodes[keep]])
+    reference = kv_cache.new_cache()
+    with torch.no_grad():
+        full = model(accepted[None], use_cache=True, **{kv_cache._cache_kwarg(type(model)): reference}).logits[0]
+    assert engine.cache_length(cache) == len(accepted)
+    for layer, ref in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.keys[:, :, : len(accepted)], ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values[:, :, : len(accepted)], ref.values, atol=1e-5, rtol=1e-5)
+    # Decoding goes on from the compacted cache as from a fresh forward over the accepted tokens.
+    nxt = ids_of(1, seed=2)
+    with torch.no_grad():
+        logits, _ = engine.forward(nxt, torch.tensor([len(accepted)]), kv_cache.causal_mask(1, "cpu"), cache)
+        expected = model(torch.cat([accepted, nxt])[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-5, rtol=1e-5)
+    assert full.shape[0] == len(accepted)
+
+
+def test_static_cache_is_written_in_place_without_growing():
+    model = tiny_model("llama")
+    engine = engines.make_engine("static", model)
+    ids = ids_of(10)
+    cache = engine.new_cache(10 + 8 + TREE.num_nodes)
+    buffers = tree_buffers(TREE)
+    with torch.no_grad():
+        engine.forward(ids, torch.arange(10), kv_cache.causal_mask(10, "cpu"), cache)
+        storage = [layer.keys.data_ptr() for layer in cache.layers]
+        for _ in range(3):
+            start = engine.cache_length(cache)
+            engine.forward(ids_of(TREE.num_nodes), start + buffers.depth, buffers.ancestor_mask, cache)
+            engine.keep_positions(cache, start, torch.tensor([0, 1]))
+    assert [layer.keys.data_ptr() for layer in cache.layers] == storage
+    assert engine.cache_length(cache) == 16
+
+
+def test_a_step_past_the_preallocated_cache_is_a_clear_error():
+    model = tiny_model("llama")
+    engine = engines.make_engine("static", model)
+    cache = engine.new_cache(12)
+    with torch.no_grad():
+        engine.forward(ids_of(10), torch.arange(10), kv_cache.causal_mask(10, "cpu"), cache)
+        with pytest.raises(static_cache.CacheFullError, match="holds 12 positions"):
+            engine.forward(ids_of(4), 10 + torch.arange(4), kv_cache.causal_mask(4, "cpu"), cache)
+    assert engine.cache_length(cache) == 10  # nothing was written past the buffers
+
+
+def test_prompt_plus_budget_beyond_max_cache_len_is_a_clear_error():
+    model = tiny_model("llama")
+    engine = engines.make_engine("static", model, max_cache_len=32)
+    heads = random_heads(model)
+    with pytest.raises(ValueError, match="needs 44 cache positions .* at most 32"):
+        medusa_generate(model, heads, ids_of(20), Tree.chain(3), 20, engine=engine)
+
+
+def test_unknown_engine_and_bad_dtype_are_clear_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown engine 'turbo': choose one of eager, static, compiled"):
+        engines.make_engine("turbo", model)
+    with pytest.raises(ValueError, match="not a floating-point dtype"):
+        engines.check_dtype(torch.int8, "cpu")
+    engines.check_dtype(torch.bfloat16, "cpu")
+
+
+def test_compiled_engine_falls_back_with_a_warning_naming_why(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(engines, "compile_unavailable", lambda device: "no C++ compiler (test)")
+    with pytest.warns(RuntimeWarning, match=r"runs as 'static' \(uncompiled\): no C\+\+ compiler \(test\)"):
+        engine = engines.make_engine("compiled", model)
+    ids = ids_of(16)
+    out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 24, engine=engine)
+    assert out == hf_greedy(model, ids, 24)
+    assert engine.settings()["compiled"] is False
+
+
+def test_compiled_engine_falls_back_when_compiling_fails():
+    model = tiny_model("llama")
+    engine = engines.make_engine("compiled", model)
+
+    def broken(**kwargs):
+        raise RuntimeError("inductor exploded\nlong traceback")
+
+    engine.decoder = broken
+    ids = ids_of(16)
+    with pytest.warns(RuntimeWarning, match="RuntimeError: inductor exploded$"):
+        out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 24, engine=engine)
+    assert out == hf_greedy(model, ids, 24)
+
+
+@pytest.mark.skipif(engines.compile_unavailable("cpu") is not None, reason="torch.compile unavailable here")
+@pytest.mark.parametrize("arch", [
+    "llama",
+    pytest.param("gpt2", marks=pytest.mark.slow),
+    pytest.param("gemma3", marks=pytest.mark.slow),
+    pytest.param("mistral", marks=pytest.mark.slow),
+    pytest.param("qwen2", marks=pytest.mark.slow),
+])
+def test_compiled_engine_gives_base_greedy_tokens(arch):
+    model = tiny_model(arch)
+    engine = engines.make_engine("compiled", model)
+    ids = ids_of(20)
+    reference = hf_greedy(model, ids, 40)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would hide the compiled path
+        compile_s = engine.warm_up([1, WIDE_TREE.num_nodes])
+    assert set(compile_s) == {1, WIDE_TREE.num_nodes}
+    for tree in (Tree.chain(0), WIDE_TREE):
+        out, _ = medusa_generate(model, random_heads(model), ids, tree, 40, engine=engine)
+        assert out == reference, (arch, tree.name)
+    assert engine.settings()["compiled"] is True
+    if os.environ.get("MEDUSA_REPORT_COMPILE"):
+        print(f"compiled {arch} in {time.perf_counter() - start:.1f} s")
