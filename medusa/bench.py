@@ -19,8 +19,16 @@ from pathlib import Path
 
 import torch
 
+from medusa.generate import STEP_PARTS
 from medusa.logits_process import resolve_decoding
 from medusa.model import MedusaModel
+from medusa.tree import Tree
+
+PLAIN = Tree.chain(0)
+"""A tree of one node (the root): plain decoding, one token per forward, through the same engine."""
+TIE_ULPS = 2.0
+"""A divergence is a tie when the base's top-2 gap there is at most this many units of rounding of the dtype at
+the top logit's magnitude (``eps * |logit|``): bf16 rounds at about 2**-8 relative, fp32 at 2**-24."""
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -95,10 +103,32 @@ def sum_logprob(model, input_ids: torch.Tensor, continuation: list[int]) -> floa
 @torch.inference_mode()
 def top2_gap(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> float:
     """The base's top-2 logit gap when predicting ``continuation[position]`` after the prompt and the tokens before."""
+    return top2(model, input_ids, continuation, position)[1]
+
+
+@torch.inference_mode()
+def top2(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> tuple[float, float]:
+    """:func:`top2_gap` and the top logit: ``(top logit, top-1 minus top-2)``."""
     ids = torch.cat([input_ids, torch.tensor(continuation[:position], dtype=torch.long)])[None].to(model.device)
     logits = model(ids).logits[0, -1].float()
     top = logits.topk(2).values
-    return float(top[0] - top[1])
+    return float(top[0]), float(top[0] - top[1])
+
+
+def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
+    """The largest top-2 gap still counted as a numerical tie in ``dtype`` (see :data:`TIE_ULPS`)."""
+    return TIE_ULPS * torch.finfo(dtype).eps * max(abs(top_logit), 1.0)
+
+
+def divergence(model, input_ids: torch.Tensor, tokens: list[int], reference: list[int], prompt: int) -> dict:
+    """Where ``tokens`` first leaves ``reference``, the base's top-2 gap there and whether it is a tie in the base's
+    dtype (:func:`tie_tolerance`)."""
+    pairs = enumerate(zip(tokens, reference, strict=False))
+    pos = next((j for j, (a, b) in pairs if a != b), min(len(tokens), len(reference)))
+    top, gap = top2(model, input_ids, reference, pos)
+    tolerance = tie_tolerance(model.dtype, top)
+    return {"prompt": prompt, "position": pos, "base_top2_gap": gap, "tie_tolerance": tolerance,
+            "tie": gap <= tolerance}
 
 
 @dataclass
@@ -116,6 +146,13 @@ class BenchResult:
     accepted_hist: list[int] = field(default_factory=list)
     divergences: list[dict] = field(default_factory=list)
     per_prompt: list[dict] = field(default_factory=list)
+    medusa_decode_s: float = 0.0
+    step_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    plain_tokens: int = 0
+    plain_s: float = 0.0
+    plain_decode_s: float = 0.0
+    plain_decode_steps: int = 0
+    plain_identical_prompts: int = 0
 
     def to_dict(self, num_heads: int) -> dict:
         steps = max(self.decode_steps, 1)
@@ -123,14 +160,27 @@ class BenchResult:
         per_head = [sum(c for a, c in enumerate(self.accepted_hist) if a > k) / steps for k in range(num_heads)]
         base_tps = self.baseline_tokens / self.baseline_s if self.baseline_s else float("nan")
         medusa_tps = self.medusa_tokens / self.medusa_s if self.medusa_s else float("nan")
+        plain_tps = self.plain_tokens / self.plain_s if self.plain_s else float("nan")
+        step_ms = {part: 1e3 * s / steps for part, s in self.step_s.items()} | {
+            "total": 1e3 * self.medusa_decode_s / steps}
+        plain_step_ms = 1e3 * self.plain_decode_s / self.plain_decode_steps if self.plain_decode_steps else None
+        ties = sum(d.get("tie", False) for d in self.divergences)
         return {
             "tau": self.decode_tokens / steps,
             "speedup": medusa_tps / base_tps,
+            "speedup_vs_plain": medusa_tps / plain_tps if self.plain_s else None,
+            "step_ms": step_ms,
+            "plain_step_ms": plain_step_ms,
+            "step_cost_vs_plain": step_ms["total"] / plain_step_ms if plain_step_ms else None,
             "identical": self.identical_prompts / max(self.prompts, 1),
+            "plain_identical": self.plain_identical_prompts / max(self.prompts, 1) if self.plain_s else None,
+            "ties": ties,
+            "true_divergences": len(self.divergences) - ties,
             "divergences": self.divergences,
             "per_head_accept": per_head,
             "baseline_tokens_per_s": base_tps,
             "medusa_tokens_per_s": medusa_tps,
+            "plain_tokens_per_s": plain_tps if self.plain_s else None,
             "prompts": self.prompts,
             "baseline_tokens": self.baseline_tokens,
             "medusa_tokens": self.medusa_tokens,
@@ -183,47 +233,75 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
     if config.do_sample:
         hf_settings = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
         return _run_bench_sampling(model, encoded, max_new_tokens, warmup, progress, sampling, seed, hf_settings)
+    compile_s = warm_up_engine(model, encoded, max_new_tokens)
     for ids in encoded[:warmup]:
         hf_greedy(base, ids, 8, stop)
         model.generate(ids, max_new_tokens=8)
+        model.generate(ids, max_new_tokens=8, tree=PLAIN)
     result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
+    orders = (("hf", "medusa", "plain"), ("medusa", "plain", "hf"), ("plain", "hf", "medusa"))
     for i, ids in enumerate(encoded):
         runs = {}
-        for method in (("hf", "medusa") if i % 2 == 0 else ("medusa", "hf")):
+        for method in orders[i % 3]:  # rotated, so machine noise hits every method alike
             start = time.perf_counter()
             if method == "hf":
                 runs["hf"] = (hf_greedy(base, ids, max_new_tokens, stop), None)
             else:
-                runs["medusa"] = model.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+                tree = PLAIN if method == "plain" else None
+                runs[method] = model.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, tree=tree)
             runs[method + "_s"] = time.perf_counter() - start
-        reference, (tokens, stats) = runs["hf"][0], runs["medusa"]
-        result.prompts += 1
-        result.baseline_tokens += len(reference)
-        result.baseline_s += runs["hf_s"]
-        result.medusa_tokens += len(tokens)
-        result.medusa_s += runs["medusa_s"]
-        result.decode_steps += stats.decode_steps
-        result.decode_tokens += stats.decode_tokens
-        for a in stats.accepted_per_step:
-            result.accepted_hist[a] += 1
+        reference, (tokens, stats), (plain, plain_stats) = runs["hf"][0], runs["medusa"], runs["plain"]
+        _add_prompt(result, runs, reference, tokens, stats, plain, plain_stats)
         record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"],
-                  "medusa_s": runs["medusa_s"], "hf_tokens_per_s": len(reference) / runs["hf_s"],
-                  "medusa_tokens_per_s": len(tokens) / runs["medusa_s"]}
-        if tokens == reference:
-            result.identical_prompts += 1
-        else:
-            pairs = enumerate(zip(tokens, reference, strict=False))
-            pos = next((j for j, (a, b) in pairs if a != b), min(len(tokens), len(reference)))
-            gap = top2_gap(base, ids.to(base.device), reference, pos)
-            result.divergences.append({"prompt": i, "position": pos, "base_top2_gap": gap})
-            record["diverged_at"] = pos
+                  "medusa_s": runs["medusa_s"], "plain_s": runs["plain_s"],
+                  "hf_tokens_per_s": len(reference) / runs["hf_s"],
+                  "medusa_tokens_per_s": len(tokens) / runs["medusa_s"],
+                  "plain_tokens_per_s": len(plain) / runs["plain_s"]}
+        if tokens != reference:
+            result.divergences.append(divergence(base, ids.to(base.device), tokens, reference, i))
+            record["diverged_at"] = result.divergences[-1]["position"]
         result.per_prompt.append(record)
         if progress is not None:
             progress(i, record)
     out = result.to_dict(model.heads.config.num_heads)
     out.update(environment(model, max_new_tokens))
+    out["engine"]["compile_s"] = compile_s
     out["prediction"] = predict(model, out)
     return out
+
+
+def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain, plain_stats) -> None:
+    """Account one prompt's three runs (HF, Medusa, plain through the same engine) in ``result``."""
+    result.prompts += 1
+    result.baseline_tokens += len(reference)
+    result.baseline_s += runs["hf_s"]
+    result.medusa_tokens += len(tokens)
+    result.medusa_s += runs["medusa_s"]
+    result.decode_steps += stats.decode_steps
+    result.decode_tokens += stats.decode_tokens
+    result.medusa_decode_s += stats.decode_s
+    for part, seconds in stats.step_s.items():
+        result.step_s[part] += seconds
+    for a in stats.accepted_per_step:
+        result.accepted_hist[a] += 1
+    result.plain_tokens += len(plain)
+    result.plain_s += runs["plain_s"]
+    result.plain_decode_s += plain_stats.decode_s
+    result.plain_decode_steps += plain_stats.decode_steps
+    result.identical_prompts += tokens == reference
+    result.plain_identical_prompts += plain == reference
+
+
+def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_tokens: int) -> dict:
+    """Compile the engine's steps (plain and tree) for every cache size the prompts need, before any timing;
+    returns the compile seconds (empty for an engine that does not compile)."""
+    warm_up = getattr(model.engine, "warm_up", None)
+    if warm_up is None:
+        return {}
+    nodes = model.tree.num_nodes
+    for needed in sorted({len(ids) + max_new_tokens + nodes for ids in encoded}):
+        warm_up([1, nodes], needed)
+    return dict(model.engine.compile_s)
 
 
 def predict(model: MedusaModel, result: dict) -> dict:
@@ -337,6 +415,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "tree": model.tree.name,
         "tree_nodes": model.tree.num_nodes,
         "verify_logits": model.verify_logits,
+        "engine": model.engine.settings(),
         "head_type": model.heads.config.head_type,
         "num_heads": model.heads.config.num_heads,
         "head_vocab_size": model.heads.head_vocab_size,

@@ -144,6 +144,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
+    p.add_argument("--engine", default=None,
+                   help="KV cache and step: eager (DynamicCache), static (preallocated, in place) or compiled "
+                        "(static + torch.compile; falls back to static with a warning where it cannot compile); "
+                        "default: medusa.engine.DEFAULT_ENGINE")
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="static/compiled: the most cache positions one call may preallocate (prompt + "
+                        "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
 
 
 def _sampling_args(p) -> None:
@@ -170,9 +177,15 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from medusa.engine import DEFAULT_ENGINE, check_dtype
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
-    return MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device)
+    check_dtype(dtype, device)
+    model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device)
+    engine = getattr(args, "engine", None) or DEFAULT_ENGINE
+    model.use_engine(engine, **({"max_cache_len": args.max_cache_len} if engine != "eager" else {}))
+    return model
 
 
 def cmd_prepare(args) -> int:
@@ -317,7 +330,9 @@ def cmd_bench(args) -> int:
     result["load"] = load
     print(bench_table(result, reference, args.compare))
     for d in result["divergences"]:
-        print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g}")
+        kind = "tie" if d.get("tie") else "true divergence"
+        print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g} "
+              f"({kind})")
     if load["warning"]:
         print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
     if args.out:
@@ -337,7 +352,13 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
                 ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
                 ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
+                ("plain tokens/s (same engine)", _fmt(r.get("plain_tokens_per_s"))),
+                ("speedup vs plain (same engine)", _fmt(r.get("speedup_vs_plain"))),
+                ("step ms: draft/forward/accept/cache", _step_text(r.get("step_ms"))),
+                ("step cost / plain step", _fmt(r.get("step_cost_vs_plain"))),
+                ("engine, dtype", f"{_engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
                 ("identical prompts", _fmt(r["identical"])),
+                ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
@@ -363,6 +384,21 @@ def _prediction_text(prediction: dict | None) -> str:
     speedup = prediction.get("predicted_speedup")
     return (f"{prediction['predicted_tau']:.2f} / {'?' if speedup is None else f'{speedup:.2f}x'} (alpha "
             f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
+
+
+def _step_text(step_ms: dict | None) -> str:
+    if not step_ms:
+        return "not recorded"
+    parts = " / ".join(f"{step_ms[k]:.1f}" for k in ("draft", "verify_forward", "accept", "cache"))
+    return f"{parts} (total {step_ms['total']:.1f})"
+
+
+def _engine_text(engine: dict | None) -> str:
+    if not engine:
+        return "not recorded"
+    if engine.get("engine") == "compiled" and not engine.get("compiled"):
+        return f"compiled -> static ({engine.get('fallback_reason')})"
+    return engine["engine"]
 
 
 def _load_text(load: dict | None) -> str:

@@ -40,6 +40,10 @@ class EagerEngine:
 
     def __init__(self, model):
         self.model = model
+        self.last_forward_s = 0.0
+        """Seconds the last :meth:`forward` took (the mask, the decoder and the lm_head rows asked for)."""
+        self.sync_timing = False
+        """Wait for the device at the end of each forward so :attr:`last_forward_s` is its true cost (CUDA)."""
 
     def new_cache(self, capacity: int):
         return kv_cache.new_cache()
@@ -48,6 +52,15 @@ class EagerEngine:
         return kv_cache.cache_length(cache)
 
     def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+        """One forward over ``(N,)`` new tokens (:func:`medusa.kv_cache.forward`): ``(logits (M, V), hidden (N, H))``."""
+        start = time.perf_counter()
+        out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
+        if self.sync_timing and self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.last_forward_s = time.perf_counter() - start
+        return out
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
         return kv_cache.forward(self.model, input_ids, positions, tree_mask, cache, logits_for)
 
     def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
@@ -90,7 +103,7 @@ class StaticEngine(EagerEngine):
     def cache_length(self, cache) -> int:
         return cache.length
 
-    def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
         return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
                                     logits_for)
 
@@ -116,7 +129,7 @@ class CompiledEngine(StaticEngine):
         super().__init__(model, max_cache_len)
         self.mode = mode if mode is not None else ("reduce-overhead" if model.device.type == "cuda" else None)
         self.freezing = freezing and model.device.type == "cpu"
-        self.compile_s: dict[int, float] = {}  # step size -> seconds its first (compiling) call took
+        self.compile_s: dict[str, float] = {}  # "N@capacity" -> seconds its first (compiling) call took
         self.fallback_reason: str | None = None
         reason = compile_unavailable(model.device)
         if reason:
@@ -126,22 +139,23 @@ class CompiledEngine(StaticEngine):
         self.decoder = torch.compile(kv_cache.decoder_of(model), dynamic=False, mode=self.mode, options=options)
 
     def _capacity(self, needed: int) -> int:
-        if self.decoder is None:  # fell back: no fixed shape to share
-            return needed
-        capacity = -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET
-        return min(capacity, self.max_cache_len) if self.max_cache_len is not None else capacity
+        """``max_cache_len`` when set (one shape for every call), else ``needed`` rounded up to the bucket."""
+        if self.max_cache_len is not None:
+            return self.max_cache_len
+        return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
     def new_cache(self, capacity: int):
         cache = super().new_cache(capacity)
         cache.fixed_shape = self.decoder is not None
         return cache
 
-    def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
         n = len(input_ids)
         if self.decoder is None or cache.length == 0:  # the prefill (any length) runs eagerly
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
                                         logits_for)
-        if n in self.compile_s:
+        key = f"{n}@{cache.capacity}"  # one compilation per step size and capacity
+        if key in self.compile_s:
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
                                         logits_for)
         start = time.perf_counter()
@@ -153,17 +167,18 @@ class CompiledEngine(StaticEngine):
             cache.fixed_shape = False
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
                                         logits_for)
-        self.compile_s[n] = time.perf_counter() - start
-        logger.info("compiled the %d-token step in %.1f s", n, self.compile_s[n])
+        self.compile_s[key] = time.perf_counter() - start
+        logger.info("compiled the %d-token step (cache of %d) in %.1f s", n, cache.capacity, self.compile_s[key])
         return out
 
-    def warm_up(self, step_sizes: list[int], prompt_len: int = 16, max_new_tokens: int = 16) -> dict[int, float]:
-        """Compile the steps of the given sizes now (a throwaway decode-shaped call each); returns seconds per size.
-
-        Steps compiled for one capacity bucket serve every later call in it.
+    def warm_up(self, step_sizes: list[int], needed: int = 32) -> dict[str, float]:
+        """Compile the steps of the given sizes now, for the cache a call needing ``needed`` positions gets (a
+        throwaway call each); returns the compile seconds by ``"N@capacity"``. Every later call with that capacity
+        reuses them: give ``max_cache_len`` to make it one capacity for all.
         """
         device = self.model.device
-        cache = self.new_cache(prompt_len + max_new_tokens + max(step_sizes))
+        prompt_len = 16
+        cache = self.new_cache(max(needed, prompt_len + max(step_sizes)))
         with torch.inference_mode():
             ids = torch.zeros(prompt_len, dtype=torch.long, device=device)
             self.forward(ids, torch.arange(prompt_len, device=device), kv_cache.causal_mask(prompt_len, device),

@@ -21,6 +21,11 @@ from medusa.tree import Tree, TreeBuffers, tree_buffers
 from medusa.verify import greedy_accept, greedy_accept_along_path
 
 
+STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
+"""A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
+(lm_head rows along the path included) and the cache compaction."""
+
+
 @dataclass
 class Step:
     """Tokens emitted by one base forward."""
@@ -44,6 +49,8 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    step_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    """Decode time summed over steps, by part of the step (:data:`STEP_PARTS`)."""
     stopped_by: str = ""
 
     @property
@@ -125,9 +132,12 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         start = time.perf_counter()
         prefix_len = engine.cache_length(cache)
         draft = draft_tree(heads, last_hidden, root, buffers, rule.choose)
+        drafted = time.perf_counter()
         result, hidden = verify(engine, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
                                 rule, processors, sequence)
+        verified = time.perf_counter()
         engine.keep_positions(cache, prefix_len, result.path_nodes)
+        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
         root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
         emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(root)]
         sequence = torch.cat([sequence, torch.tensor(emitted, dtype=torch.long, device=device)])
@@ -188,6 +198,15 @@ def _verify_processed(engine, draft: Draft, positions, buffers: TreeBuffers, cac
         return _processed(processors, torch.cat([sequence, path]), raw)
 
     return rule.accept(draft, logits_at), hidden
+
+
+def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float) -> None:
+    """Add one step's parts to ``stats.step_s``: ``marks`` are the clock at its start, after the draft, after the
+    verification and after the compaction; ``forward_s`` is the engine's forward inside the verification."""
+    start, drafted, verified, compacted = marks
+    parts = (drafted - start, forward_s, verified - drafted - forward_s, compacted - verified)
+    for name, seconds in zip(STEP_PARTS, parts, strict=True):
+        stats.step_s[name] += seconds
 
 
 def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int, stop: set[int],

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from medusa.checkpoint import check_heads_folder, load_heads
+from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.generate import GenerationStats, Step, medusa_steps
 from medusa.heads import HydraHeads, MedusaHeads
 from medusa.logits_process import resolve_decoding
@@ -62,6 +63,11 @@ class MedusaModel(nn.Module):
         # over all tree nodes is cheaper on an accelerator; both accept the same tokens (medusa.generate).
         self.verify_logits = "path" if base.device.type == "cpu" else "all"
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+        self.engine = make_engine(DEFAULT_ENGINE, base)
+
+    def use_engine(self, name: str, **options) -> None:
+        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it)."""
+        self.engine = make_engine(name, self.base, **options)
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
@@ -119,7 +125,7 @@ class MedusaModel(nn.Module):
         decoding = resolve_decoding(self.base.generation_config, do_sample, temperature, top_k, top_p, seed,
                                     acceptance, typical_epsilon, typical_delta, **settings)
         return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats,
-                            self.verify_logits, decoding)
+                            self.verify_logits, decoding, self.engine)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
                  stop_token_ids: set[int] | None = None, do_sample: bool | None = None,

@@ -197,8 +197,9 @@ def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: Stat
     cache.begin_step(len(input_ids))
     attention = mask.write(cache, positions, tree_mask)
     kwargs = {kv_cache._cache_kwarg(type(stack)): cache}
-    out = (decoder or stack)(input_ids=input_ids[None], position_ids=positions[None], attention_mask=attention,
-                             use_cache=True, **kwargs)
+    run = stack if decoder is None else decoder
+    out = run(input_ids=input_ids[None], position_ids=positions[None], attention_mask=attention, use_cache=True,
+              **kwargs)
     cache.length += len(input_ids)
     hidden = out.last_hidden_state[0]  # (N, H)
     selected = hidden if logits_for is None else hidden[logits_for]
