@@ -52,7 +52,8 @@ class EagerEngine:
         return kv_cache.cache_length(cache)
 
     def forward(self, input_ids, positions, tree_mask, cache, logits_for=None):
-        """One forward over ``(N,)`` new tokens (:func:`medusa.kv_cache.forward`): ``(logits (M, V), hidden (N, H))``."""
+        """One forward over ``(N,)`` new tokens (:func:`medusa.kv_cache.forward`): ``(logits (M, V), hidden (N, H))``;
+        times itself (:attr:`last_forward_s`)."""
         start = time.perf_counter()
         out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
         if self.sync_timing and self.model.device.type == "cuda":

@@ -20,7 +20,6 @@ from medusa.sampling import GreedyAcceptance, RejectionSampling, TypicalAcceptan
 from medusa.tree import Tree, TreeBuffers, tree_buffers
 from medusa.verify import greedy_accept, greedy_accept_along_path
 
-
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
 (lm_head rows along the path included) and the cache compaction."""

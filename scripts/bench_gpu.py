@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from medusa import kv_cache
+from medusa.bench import machine_load
 from medusa.engine import ENGINES, check_dtype, make_engine
 from medusa.generate import medusa_generate
 from medusa.heads import MedusaHeadsConfig, build_heads
@@ -60,25 +61,30 @@ def median_ms(times: list[float]) -> float:
 
 
 @torch.inference_mode()
-def step_costs(engine, sizes: list[int], prefix: int, repeats: int) -> dict[str, float]:
-    """Median ms of one forward over n new tokens after ``prefix`` cached ones, for each n (interleaved)."""
-    model, device = engine.model, engine.model.device
+def step_costs(engines: dict, sizes: list[int], prefix: int, repeats: int) -> dict[str, dict]:
+    """Median and least ms of one forward over n new tokens after ``prefix`` cached ones, for each engine and n;
+    rounds interleave every (engine, n), so machine noise hits all alike."""
+    first = next(iter(engines.values()))
+    model, device = first.model, first.model.device
     vocab = model.config.vocab_size
-    cache = engine.new_cache(prefix + max(sizes))
-    engine.forward(torch.randint(0, vocab, (prefix,), device=device), torch.arange(prefix, device=device),
-                   kv_cache.causal_mask(prefix, device), cache, logits_for=slice(-1, None))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    caches = {}
+    for name, engine in engines.items():
+        caches[name] = engine.new_cache(prefix + max(sizes))
+        engine.forward(torch.randint(0, vocab, (prefix,), device=device), torch.arange(prefix, device=device),
+                       kv_cache.causal_mask(prefix, device), caches[name], logits_for=slice(-1, None))
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in engines for n in sizes}
     for _ in range(repeats + 1):  # the first round warms up
-        for n in sizes:
+        for name, n in times:
             ids = torch.randint(0, vocab, (n,), device=device)
             sync(device)
             start = time.perf_counter()
-            engine.forward(ids, prefix + torch.arange(n, device=device), kv_cache.causal_mask(n, device), cache,
-                           logits_for=slice(-1, None))
+            engines[name].forward(ids, prefix + torch.arange(n, device=device), kv_cache.causal_mask(n, device),
+                                  caches[name], logits_for=slice(-1, None))
             sync(device)
-            times[n].append(time.perf_counter() - start)
-            engine.keep_positions(cache, prefix, torch.zeros(0, dtype=torch.long, device=device))
-    return {str(n): median_ms(t[1:]) for n, t in times.items()}
+            times[name, n].append(time.perf_counter() - start)
+            engines[name].keep_positions(caches[name], prefix, torch.zeros(0, dtype=torch.long, device=device))
+    return {name: {str(n): median_ms(times[name, n][1:]) for n in sizes} for name in engines} | {
+        f"{name}_min": {str(n): 1e3 * min(times[name, n][1:]) for n in sizes} for name in engines}
 
 
 @torch.inference_mode()
@@ -154,8 +160,11 @@ def main(argv=None) -> dict:
     p.add_argument("--prefix", type=int, default=256, help="cached tokens before each timed step")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per decoding run")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     check_dtype(dtype, args.device)
     model = build_model(args, dtype, args.device)
@@ -163,22 +172,25 @@ def main(argv=None) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (args.prefix,), device=model.device)
     trees = {n: tree_of(n) for n in args.trees}
     result = {"device": str(model.device), "dtype": args.dtype, "model": args.base or args.shape,
-              "torch": torch.__version__, "machine": platform.machine(),
+              "torch": torch.__version__, "machine": platform.machine(), "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
               "prefix": args.prefix, "new_tokens": args.new_tokens, **floor_ms(model),
               "hf_generate_ms_per_token": hf_generate_ms(model, prompt, args.new_tokens),
               "step_ms": {}, "plain": {}, "medusa": {}, "engines": {}}
     needed = args.prefix + args.new_tokens + max([*args.sizes, *[n + 1 for n in args.trees]])
+    engines = {}
     for name in args.engines:
-        engine = make_engine(name, model, **({} if name == "eager" else {"max_cache_len": needed}))
-        engine.sync_timing = True
-        if hasattr(engine, "warm_up"):
-            engine.warm_up(sorted({*args.sizes, *[n + 1 for n in args.trees]}), needed)
-        result["step_ms"][name] = step_costs(engine, args.sizes, args.prefix, args.repeats)
+        engines[name] = make_engine(name, model, **({} if name == "eager" else {"max_cache_len": needed}))
+        engines[name].sync_timing = True
+        if hasattr(engines[name], "warm_up"):
+            engines[name].warm_up(sorted({*args.sizes, *[n + 1 for n in args.trees]}), needed)
+    result["step_ms"] = step_costs(engines, args.sizes, args.prefix, args.repeats)
+    for name, engine in engines.items():
         result["plain"][name] = decode(engine, heads, prompt, Tree.chain(0), args.new_tokens)
         result["medusa"][name] = {str(n): decode(engine, heads, prompt, tree, args.new_tokens)
                                   for n, tree in trees.items()}
         result["engines"][name] = engine.settings()
+    result["load"] = machine_load(torch.get_num_threads())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
