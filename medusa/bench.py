@@ -308,7 +308,8 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost measured here (a verify forward over the
     tree's nodes after 256 cached tokens, relative to one token): the seed's analysis next to the measured figures."""
     nodes = model.tree.num_nodes
-    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, verify_logits=model.verify_logits)
+    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, verify_logits=model.verify_logits,
+                              engine=model.engine)
     return {**chain_prediction(result["accepted_histogram"], curve[nodes]), "step_cost": curve[nodes]}
 
 
@@ -429,24 +430,27 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
 
 
 def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5,
-                      verify_logits: str = "all") -> dict:
+                      verify_logits: str = "all", engine=None) -> dict:
     """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
 
     ``verify_logits`` as in :func:`medusa.generate.medusa_steps`: ``"all"`` applies the lm_head to all n tokens,
     ``"path"`` to one (the walk along the accepted path scores about tau rows, one at a time).
 
     The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
-    is timed ``repeats`` times (median), interleaved across sizes to spread machine noise.
+    is timed ``repeats`` times (median), interleaved across sizes to spread machine noise. ``engine``: the decode
+    engine measured (:mod:`medusa.engine`; ``None``: the default one), so the curve is the one decoding will see.
     """
     from medusa import kv_cache
+    from medusa.engine import DEFAULT_ENGINE, make_engine
 
+    engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
     device = model.device
     prompt = torch.randint(0, model.config.vocab_size, (prefix_len,), device=device)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
-        cache = kv_cache.new_cache()
-        kv_cache.forward(model, prompt, torch.arange(prefix_len, device=device),
-                         kv_cache.causal_mask(prefix_len, device), cache, logits_for=slice(-1, None))
+        cache = engine.new_cache(prefix_len + max(sizes))
+        engine.forward(prompt, torch.arange(prefix_len, device=device), kv_cache.causal_mask(prefix_len, device),
+                       cache, logits_for=slice(-1, None))
         for _ in range(repeats + 1):
             for n in sizes:
                 ids = torch.randint(0, model.config.vocab_size, (n,), device=device)
@@ -454,10 +458,10 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
                 _sync(device)
                 start = time.perf_counter()
                 rows = None if verify_logits == "all" else slice(-1, None)
-                kv_cache.forward(model, ids, positions, kv_cache.causal_mask(n, device), cache, logits_for=rows)
+                engine.forward(ids, positions, kv_cache.causal_mask(n, device), cache, logits_for=rows)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)
-                kv_cache.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
+                engine.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
     medians = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
     return {n: medians[n] / medians[sizes[0]] for n in sizes} | {"one_token_s": medians[sizes[0]]}
 

@@ -450,7 +450,8 @@ def cmd_build_tree(args) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
-    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits)
+    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits,
+                              engine=model.engine)
     level_cost = _level_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
     tree, table = choose_tree(accuracy, curve, args.max_nodes, level_cost, name=name)
@@ -460,7 +461,8 @@ def cmd_build_tree(args) -> int:
             f"{best['predicted_speedup']:.2f}x over plain decoding")
     save_tree(tree, args.out, note=note)
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
-              "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths)}
+              "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths),
+              "dtype": str(model.base.dtype), "engine": model.engine.settings()}
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if not args.no_plot:
