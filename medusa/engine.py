@@ -181,8 +181,9 @@ class CompiledEngine(StaticEngine):
         prompt_len = 16
         cache = self.new_cache(max(needed, prompt_len + max(step_sizes)))
         with torch.inference_mode():
-            ids = torch.zeros(prompt_len, dtype=torch.long, device=device)
-            self.forward(ids, torch.arange(prompt_len, device=device), kv_cache.causal_mask(prompt_len, device),
+            ids = torch.zeros(max(prompt_len, *step_sizes), dtype=torch.long, device=device)
+            self.forward(ids[:prompt_len], torch.arange(prompt_len, device=device),
+                         kv_cache.causal_mask(prompt_len, device),
                          cache, logits_for=slice(-1, None))
             for n in step_sizes:
                 start = cache.length
