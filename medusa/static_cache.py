@@ -48,6 +48,9 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1 if self.keys is None else self.keys.shape[-2]
 
+    def get_max_cache_shape(self) -> int:  # the same, under its older name (abstract in some 5.x releases)
+        return self.get_max_length()
+
 
 class SlotCache(Cache):
     """Keys and values of every layer in buffers of ``capacity`` slots, allocated at the first write (the prefill).
