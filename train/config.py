@@ -44,6 +44,11 @@ class TrainConfig:
     """K: number of Medusa heads; head k predicts the token k + 2 positions ahead."""
     num_layers: int = 1
     """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks."""
+    prefix_layers: int = 0
+    """1: Hydra heads get their own sliding-window attention layer over the base's hidden states (Hydra++'s extra
+    decoder layer, :mod:`medusa.prefix_layer`), so they can look back at the context; 0: none."""
+    prefix_window: int = 64
+    """Positions that attention layer looks back over, in training and decoding alike."""
     share_lm_head: bool = True
     """Project with the base's frozen lm_head (True) or train a per-head copy (False)."""
     head_vocab_size: int | None = 8192
@@ -132,6 +137,12 @@ class TrainConfig:
         _check_choice("loss", self.loss, LOSS_CHOICES)
         if self.head_type == "hydra" and self.num_layers < 1:
             raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
+        if self.prefix_layers not in (0, 1):
+            raise ValueError(f"prefix_layers must be 0 or 1, got {self.prefix_layers}")
+        if self.prefix_layers and self.head_type != "hydra":
+            raise ValueError("prefix_layers needs head_type hydra (its attention reads the next tokens' embeddings)")
+        if self.prefix_window < 1:
+            raise ValueError(f"prefix_window must be >= 1, got {self.prefix_window}")
         if not self.teacher_temperature > 0:
             raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}")
         if not 0 <= self.loss_mix <= 1:

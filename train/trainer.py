@@ -310,6 +310,7 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
         lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
+        prefix_layers=config.prefix_layers, prefix_window=config.prefix_window,
     )
     return heads_module.build_heads(heads_config, lm_head, embed, token_map)
 
