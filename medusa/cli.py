@@ -505,13 +505,13 @@ def cmd_export(args) -> int:
     from medusa.interop import export_vllm
 
     config = check_heads_folder(args.heads)
+    if config.share_lm_head and args.base is None:
+        raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
     lm_head = _base_lm_head(args.base)
     if lm_head is None:  # heads with their own projections: a stand-in of the right shape, not saved or exported
         import torch
 
         lm_head = torch.zeros(config.vocab_size, config.hidden_size)
-        if config.share_lm_head:
-            raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
     heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
     out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
     print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")

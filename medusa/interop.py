@@ -115,10 +115,12 @@ def check_exportable(heads: nn.Module) -> None:
             no place for, or modules other than ResBlocks and bias-free projections.
     """
     config = heads.config
+    if config.head_type == "hydra":
+        raise FormatError("head_type 'hydra' cannot be exported to vLLM: its Medusa model feeds each head the hidden "
+                          "state only, while Hydra heads also read the embeddings of the draft tokens before them")
     if config.head_type != "medusa" or type(heads) is not MedusaHeads:
         raise FormatError(f"head_type {config.head_type!r} ({type(heads).__name__}) cannot be exported to vLLM: its "
-                          "Medusa model feeds each head the hidden state only, while Hydra heads also read the "
-                          "embeddings of the draft tokens before them")
+                          "Medusa model holds only L ResBlocks and a vocab projection per head")
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name not in EXPRESSIBLE_FIELDS and not _is_default(f, value):
@@ -490,7 +492,7 @@ def _vllm_projections(config: dict, weights: dict, num_heads: int, token_map, pa
     else:
         missing = [f"lm_heads.{k}.weight" for k in range(num_heads) if f"lm_heads.{k}.weight" not in weights]
         extra = sorted(n for n in weights if n.startswith("lm_head") and not re.fullmatch(r"lm_heads\.\d+\.weight", n))
-        if missing or extra or any(f"lm_heads.{k}.weight" in weights for k in range(num_heads, num_heads + 64)):
+        if missing or extra:
             raise FormatError(f"{path}: needs lm_heads.0..{num_heads - 1}.weight; missing {missing}, unexpected "
                               f"{extra}")
         rows = [weights[f"lm_heads.{k}.weight"] for k in range(num_heads)]
@@ -521,6 +523,7 @@ def _save_imported(state: dict, num_heads: int, num_layers: int, token_map: torc
                                base_model_name_or_path=base, lm_head_fingerprint=fingerprint or {})
     if token_map is not None:
         state["token_map"] = token_map
+    state = _unshared(state)
     lm_head = lm_head_weight.detach().cpu() if share else torch.empty(vocab, hidden, device="meta")
     try:
         with torch.device("meta"):
@@ -530,6 +533,18 @@ def _save_imported(state: dict, num_heads: int, num_layers: int, token_map: torc
         raise FormatError(f"{path}: the weights do not form {num_heads} heads of {num_layers} ResBlocks over hidden "
                           f"size {hidden}: {str(e).splitlines()[0]}") from e
     return _write_folder(out_dir, lambda tmp: save_heads(heads, tmp / "heads"), inner="heads")
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a copy of every tensor whose storage an earlier one already uses. FasterDecoding/Medusa built
+    each head's ResBlocks as ``[ResBlock(h)] * L`` (one module applied L times), so a ``.pt`` of it can hold one
+    tensor under L names: L equal, separate blocks compute the same and can be saved."""
+    seen, out = set(), {}
+    for name, value in state.items():
+        pointer = value.untyped_storage().data_ptr()
+        out[name] = value.clone() if pointer in seen else value
+        seen.add(pointer)
+    return out
 
 
 def _write_folder(out_dir: str | Path, write, inner: str | None = None) -> Path:

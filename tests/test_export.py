@@ -131,7 +131,7 @@ def test_export_refuses_hydra_heads(tmp_path):
     weight = base_weight()
     config = MedusaHeadsConfig(hidden_size=H, vocab_size=V, num_heads=2, num_layers=1, head_type="hydra")
     heads = HydraHeads(config, weight, weight)
-    with pytest.raises(FormatError, match="head_type 'hydra'.*Hydra heads also read the embeddings"):
+    with pytest.raises(FormatError, match="head_type 'hydra' cannot be exported.*Hydra heads also read"):
         export_vllm(heads, tmp_path / "vllm", weight)
     assert not (tmp_path / "vllm").exists()
 
@@ -206,6 +206,23 @@ def test_medusa_v1_import_computes_the_original_heads(tmp_path, pt):
     hidden = torch.randn(5, H)
     with torch.no_grad():
         logits = heads(hidden)  # (K, 5, V)
+    for k in range(K):
+        torch.testing.assert_close(logits[k], v1_reference_logits(state, k, L, hidden))
+
+
+def test_medusa_v1_pt_with_one_resblock_under_every_layer_name(tmp_path):
+    """FasterDecoding/Medusa's ``[ResBlock(h)] * L`` shares one module L times: its .pt holds one tensor under L
+    names. The import gives L equal, separate blocks that compute the same."""
+    src = medusa_v1_folder(tmp_path / "v1", pt=True, dtype=torch.float32)
+    state = torch.load(src / "medusa_lm_head.pt")
+    for k in range(K):
+        for p in ("weight", "bias"):
+            state[f"{k}.1.linear.{p}"] = state[f"{k}.0.linear.{p}"]  # the same tensor object
+    torch.save(state, src / "medusa_lm_head.pt")
+    heads = load_heads(import_medusa_v1(src, tmp_path / "ours"), base_weight(), check_fingerprint=False)
+    hidden = torch.randn(5, H)
+    with torch.no_grad():
+        logits = heads(hidden)
     for k in range(K):
         torch.testing.assert_close(logits[k], v1_reference_logits(state, k, L, hidden))
 
@@ -357,3 +374,30 @@ def test_cli_export_and_import(tmp_path, capsys):
     assert cli.main(["export", "--format", "vllm", "--heads", str(shared), "--out", str(tmp_path / "x")]) == 2
     assert "pass --base" in capsys.readouterr().err
     assert json.loads((heads_dir / HEADS_CONFIG_NAME).read_text())["model_type"] == "medusa_heads"
+
+
+def test_cli_round_trip_of_shared_heads_through_a_base_folder(tmp_path):
+    """Shared heads need --base to export (its lm_head rows become vLLM's original_lm_head) and, imported back with
+    the same --base, share its lm_head again and give bit-identical outputs."""
+    from tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    base = save_tiny(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    weight = model.get_output_embeddings().weight.detach()  # (V, H)
+    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=2, num_layers=1,
+                               head_vocab_size=8, lm_head_fingerprint=lm_head_fingerprint(weight))
+    heads = MedusaHeads(config, weight, torch.arange(0, 16, 2))
+    with torch.no_grad():
+        heads.blocks[1][0].linear.weight.normal_()
+    heads_dir = save_heads(heads, tmp_path / "heads")
+    vllm_dir, back = tmp_path / "vllm", tmp_path / "back"
+    assert cli.main(["export", "--format", "vllm", "--heads", str(heads_dir), "--out", str(vllm_dir),
+                     "--base", str(base)]) == 0
+    assert json.loads((vllm_dir / VLLM_CONFIG_NAME).read_text())["original_lm_head"] is True
+    assert cli.main(["import", "--from", "vllm", str(vllm_dir), "--out", str(back), "--base", str(base)]) == 0
+    loaded = load_heads(back, weight)
+    assert loaded.config.share_lm_head and loaded.config.head_vocab_size == 8
+    hidden = torch.randn(3, weight.shape[1])
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden), heads(hidden))
