@@ -1,5 +1,5 @@
 """The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot."""
+plot, export, import."""
 
 from __future__ import annotations
 
@@ -134,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench JSON, <tree>.report.json, or a training output_dir (its eval_history.jsonl)")
     p.add_argument("--out", help="PNG to write (one input only; default: next to the input, .png)")
     p.set_defaults(func=cmd_plot)
+
+    p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model)")
+    p.add_argument("--format", required=True, choices=["vllm"], help="target layout")
+    p.add_argument("--heads", required=True, help="our heads folder")
+    p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head")
+    p.set_defaults(func=cmd_export)
+
+    p = add_command("import", "convert heads from another project's layout into ours")
+    p.add_argument("src", help="folder to convert")
+    p.add_argument("--from", dest="source", required=True, choices=["medusa-v1", "vllm"],
+                   help="medusa-v1: FasterDecoding/Medusa (medusa_lm_head.safetensors or .pt); vllm: vLLM's Medusa")
+    p.add_argument("--out", required=True, help="our heads folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: checked against the heads and stored as their fingerprint; "
+                   "a vLLM original_lm_head equal to its rows is imported as sharing it")
+    p.set_defaults(func=cmd_import)
     return parser
 
 
@@ -469,6 +485,48 @@ def cmd_plot(args) -> int:
             else:
                 raise ValueError(f"{path} is neither a bench result nor a build-tree report")
         print(f"plot: {out}")
+    return 0
+
+
+def _base_lm_head(base: str | None):
+    """The base's lm_head weight ``(V, H)`` in its stored dtype, or ``None`` without ``--base``."""
+    if base is None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{base}: {type(model).__name__} exposes no lm_head")
+    return model.get_output_embeddings().weight.detach()
+
+
+def cmd_export(args) -> int:
+    from medusa.checkpoint import check_heads_folder, load_heads
+    from medusa.interop import export_vllm
+
+    config = check_heads_folder(args.heads)
+    if config.share_lm_head and args.base is None:
+        raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
+    lm_head = _base_lm_head(args.base)
+    if lm_head is None:  # heads with their own projections: a stand-in of the right shape, not saved or exported
+        import torch
+
+        lm_head = torch.zeros(config.vocab_size, config.hidden_size)
+    heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
+    out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
+    print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from medusa.checkpoint import read_heads_config
+    from medusa.interop import import_medusa_v1, import_vllm
+
+    convert = {"medusa-v1": import_medusa_v1, "vllm": import_vllm}[args.source]
+    out = convert(args.src, args.out, _base_lm_head(args.base))
+    config = read_heads_config(out)
+    projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
+    print(f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {out}")
     return 0
 
 

@@ -293,7 +293,11 @@ def eos_ids(model, tokenizer) -> list[int]:
 def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
                 always: list[int]) -> MedusaHeads | HydraHeads:
     """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
-    of the most frequent training targets."""
+    of the most frequent training targets. Sharded or partitioned weights are gathered once (:func:`full_weight`)."""
+    from train.sharded import full_weight
+
+    lm_head = full_weight(lm_head, "lm_head")  # (V, H)
+    embed = full_weight(embed, "input embeddings") if config.head_type == "hydra" else embed  # (V, H)
     vocab, hidden = lm_head.shape
     head_vocab = config.head_vocab_size if config.head_vocab_size and config.head_vocab_size < vocab else None
     token_map = None
