@@ -1,0 +1,205 @@
+"""Batched greedy Medusa decoding: several prompts of different lengths, one base forward per step for all of them.
+
+Each step drafts a tree for every row, verifies all ``B x N`` tree tokens in one forward of the stock model (per-row
+positions and a 4D additive mask), and lets each row accept its own path. The rows' caches then differ in length;
+they share one cache with holes (:mod:`medusa.kv_cache`, "batched decoding"): row b's slot s holds its position s up
+to its own length, the slots beyond are hidden by the mask and overwritten as the row advances, and no row's prefix
+is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards.
+
+Greedy only: each row's tokens are exactly the base's greedy tokens, as when the prompt is decoded alone
+(:func:`medusa.generate.medusa_steps`). A tree of one node (``Tree.chain(0)``) is plain batched greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa import kv_cache
+from medusa.draft import draft_tree
+from medusa.generate import GenerationStats, Step, _emit, check_context
+from medusa.tree import Tree, TreeBuffers, tree_buffers
+
+
+@dataclass
+class BatchStats:
+    """What a batched generation did, over all rows; times in seconds."""
+
+    rows: list[GenerationStats] = field(default_factory=list)
+    """Per prompt, in the order given (``prefill_s``/``decode_s`` there are the batch's shared wall-clock times)."""
+    forwards: int = 0
+    """Batched verify forwards after the prefill."""
+    row_forwards: int = 0
+    """Rows summed over the verify forwards (finished rows no longer count)."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(s.new_tokens for s in self.rows)
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total else float("nan")
+
+
+def check_prompts(prompts: list[torch.Tensor]) -> None:
+    """Raise ``ValueError`` for an empty batch, or naming the prompts that are empty or not ``(T,)`` ids."""
+    if not prompts:
+        raise ValueError("the batch holds no prompt")
+    for i, ids in enumerate(prompts):
+        if ids.ndim != 1:
+            raise ValueError(f"prompt {i} of the batch must be (T,) token ids, got shape {tuple(ids.shape)}")
+    empty = [i for i, ids in enumerate(prompts) if len(ids) == 0]
+    if empty:
+        raise ValueError(f"prompt{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the batch "
+                         f"{'are' if len(empty) > 1 else 'is'} empty (of {len(prompts)} prompts)")
+
+
+def check_heads_batchable(heads) -> None:
+    """Raise ``NotImplementedError`` for heads that keep per-sequence state (prefix attention layers)."""
+    if heads is not None and getattr(heads.config, "prefix_layers", 0):
+        raise NotImplementedError(f"batched decoding does not support heads with prefix layers (prefix_layers="
+                                  f"{heads.config.prefix_layers}): decode those prompts one at a time")
+
+
+@torch.inference_mode()
+def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
+                stop_token_ids: set[int] | None = None, stats: BatchStats | None = None
+                ) -> Iterator[list[tuple[int, Step]]]:
+    """Batched greedy Medusa decoding; yields, per base forward, ``(prompt index, Step)`` for each row still running.
+
+    Args:
+        model: the base ``*ForCausalLM`` (eval mode).
+        heads: the heads (any with ``draft_logits``), or ``None`` with a tree of one node (plain decoding).
+        prompts: ``B`` prompts, each ``(T_b,)`` long ids, any lengths.
+        tree: candidate tree (depth <= K).
+        max_new_tokens: generation budget of each row.
+        stop_token_ids: a row stops after emitting one of these (included in its output).
+        stats: filled in as decoding proceeds, when given.
+
+    Raises:
+        ValueError: an empty batch or prompt (named), a prompt that does not fit the context, or a tree that does not
+            fit the heads.
+        NotImplementedError: heads with per-sequence state (:func:`check_heads_batchable`).
+    """
+    stats = stats if stats is not None else BatchStats()
+    stop = stop_token_ids or set()
+    check_prompts(prompts)
+    if heads is None and tree.depth > 0:
+        raise ValueError(f"tree {tree.name!r} has depth {tree.depth}: drafting needs heads")
+    if heads is not None:
+        tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+    check_heads_batchable(heads)
+    for ids in prompts:
+        check_context(model, len(ids), max_new_tokens, tree.depth)
+    device = prompts[0].device
+    buffers = tree_buffers(tree, device)
+    stats.rows = [GenerationStats() for _ in prompts]
+    cache = kv_cache.new_cache()
+    start = time.perf_counter()
+    roots, last_hidden, valid_len = _prefill(model, prompts, cache)
+    stats.prefill_s = time.perf_counter() - start
+    rows = list(range(len(prompts)))  # prompt index of each cache row
+    emitted = [[int(r)] for r in roots]
+    while True:
+        out = [(i, _emit(tokens, len(tokens) - 1, stats.rows[i], max_new_tokens, stop, is_prefill=not stats.forwards))
+               for i, tokens in zip(rows, emitted, strict=True)]
+        yield out
+        running = [j for j, i in enumerate(rows) if not stats.rows[i].stopped_by]
+        if not running:
+            break
+        if len(running) < len(rows):
+            keep = torch.tensor(running, dtype=torch.long, device=device)
+            valid_len, roots, last_hidden = valid_len[keep], roots[keep], last_hidden[keep]
+            kv_cache.select_rows(cache, keep, int(valid_len.max()))
+            rows = [rows[j] for j in running]
+        start = time.perf_counter()
+        roots, last_hidden, valid_len, emitted = _step(model, heads, buffers, cache, roots, last_hidden, valid_len)
+        elapsed = time.perf_counter() - start
+        stats.decode_s += elapsed
+        stats.forwards += 1
+        stats.row_forwards += len(rows)
+        for i in rows:
+            stats.rows[i].decode_s += elapsed
+    for s in stats.rows:
+        s.prefill_s = stats.prefill_s
+
+
+def _prefill(model, prompts: list[torch.Tensor], cache):
+    """Right-padded forward over every prompt; returns ``(roots (B,), last hidden (B, H), valid_len (B,))``."""
+    device = prompts[0].device
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (B,)
+    longest = int(lengths.max())
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)  # (B, T)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    slots = torch.arange(longest, device=device)
+    # Padding tokens sit at their row's last real position: each sees that row's real tokens only (never an empty
+    # row of the mask, whatever the sliding window); their keys are holes nobody sees.
+    positions = torch.minimum(slots[None, :], lengths[:, None] - 1)  # (B, T)
+    visible = kv_cache.causal_mask(longest, device)[None] & (slots[None, None, :] < lengths[:, None, None])  # (B,T,T)
+    hidden = kv_cache.forward_rows(model, ids, positions, torch.zeros_like(lengths), visible, cache)  # (B, T, H)
+    last = hidden[torch.arange(len(prompts), device=device), lengths - 1]  # (B, H)
+    roots = kv_cache.lm_logits(model, last).argmax(dim=-1)  # (B,)
+    return roots, last, lengths
+
+
+def _step(model, heads, buffers: TreeBuffers, cache, roots: torch.Tensor, last_hidden: torch.Tensor,
+          valid_len: torch.Tensor):
+    """Draft, verify and accept one tree per row.
+
+    Returns:
+        ``(roots (B,), last hidden (B, H), valid_len (B,), emitted)``; ``emitted[b]``: row b's accepted draft tokens
+        then its bonus token (the new root).
+    """
+    batch = len(roots)
+    tokens = torch.stack([draft_tree(heads, last_hidden[b], roots[b], buffers).tokens for b in range(batch)])  # (B,N)
+    positions = valid_len[:, None] + buffers.depth[None, :]  # (B, N)
+    prefix_len = kv_cache.cache_length(cache)
+    hidden = kv_cache.forward_rows(model, tokens, positions, valid_len, buffers.ancestor_mask, cache)  # (B, N, H)
+    predicted = kv_cache.lm_logits(model, hidden).argmax(dim=-1)  # (B, N)
+    paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+    keep = [paths[b, : int(accepted[b]) + 1] for b in range(batch)]
+    valid_len = kv_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
+    last_nodes = paths.gather(1, accepted[:, None])[:, 0]  # (B,)
+    row_index = torch.arange(batch, device=roots.device)
+    roots = predicted[row_index, last_nodes]  # (B,)
+    emitted = [tokens[b, k[1:]].tolist() + [int(roots[b])] for b, k in enumerate(keep)]
+    return roots, hidden[row_index, last_nodes], valid_len, emitted
+
+
+def greedy_accept_rows(tokens: torch.Tensor, predicted: torch.Tensor, buffers: TreeBuffers):
+    """:func:`medusa.verify.greedy_accept` for every row at once.
+
+    Args:
+        tokens: ``(B, N)`` long node tokens per row.
+        predicted: ``(B, N)`` long, the base's greedy next token after each node.
+
+    Returns:
+        ``(paths (B, D+1), accepted (B,))``: per row the root-to-leaf node indices of the chosen path (the first
+        longest, as in ``greedy_accept``; -1 past the leaf) and how many of its drafts are accepted.
+    """
+    retrieve = buffers.retrieve_index  # (P, D+1)
+    valid = retrieve[:, 1:] >= 0  # (P, D)
+    child_tokens = tokens[:, retrieve[:, 1:].clamp_min(0)]  # (B, P, D)
+    parent_preds = predicted[:, retrieve[:, :-1].clamp_min(0)]  # (B, P, D)
+    match = valid[None] & (child_tokens == parent_preds)  # (B, P, D)
+    lengths = match.long().cumprod(dim=2).sum(dim=2)  # (B, P)
+    accepted, best = lengths.max(dim=1)  # (B,), (B,)
+    return retrieve[best], accepted
+
+
+def batch_generate(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
+                   stop_token_ids: set[int] | None = None) -> tuple[list[list[int]], BatchStats]:
+    """Run :func:`batch_steps` to the end; returns ``(new token ids per prompt, stats)``."""
+    stats = BatchStats()
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in batch_steps(model, heads, prompts, tree, max_new_tokens, stop_token_ids, stats):
+        for i, s in step:
+            out[i].extend(s.tokens)
+    return out, stats

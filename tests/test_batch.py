@@ -1,0 +1,127 @@
+"""Batched greedy decoding gives each prompt exactly the tokens it gets when decoded alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import ARCHS, WIDE_TREE, OracleHeads, hf_greedy, random_heads
+from tiny import tiny_model
+
+from medusa import kv_cache
+from medusa.batch import batch_generate, greedy_accept_rows
+from medusa.generate import medusa_generate
+from medusa.tree import Tree, tree_buffers
+
+LENGTHS = [5, 17, 1, 11, 23]
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=gen) for n in lengths]
+
+
+class BatchOracle(torch.nn.Module):
+    """One :class:`OracleHeads` per sequence; each call is answered by the oracle whose reference hidden states hold
+    the nearest one, so every row can be given its own head ranks (and accept its own number of drafts)."""
+
+    def __init__(self, oracles):
+        super().__init__()
+        self.oracles = oracles
+        self.config, self.head_vocab_size = oracles[0].config, oracles[0].head_vocab_size
+
+    def draft_logits(self, k, hidden, path_tokens):
+        nearest = min(self.oracles, key=lambda o: float((o.ref_hidden - hidden).norm(dim=-1).min()))
+        return nearest.draft_logits(k, hidden, path_tokens)
+
+    def to_base_ids(self, ids):
+        return ids
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_equals_one_at_a_time(arch, head_type):
+    model = tiny_model(arch)
+    heads = random_heads(model, head_type=head_type)
+    prompts = prompts_of(LENGTHS)
+    alone = [medusa_generate(model, heads, p, WIDE_TREE, 24)[0] for p in prompts]
+    # One row meets a stop token early, the others at other times or never: rows leave the batch one by one.
+    stop = {alone[1][2], alone[3][9]}
+    alone_stopped = [medusa_generate(model, heads, p, WIDE_TREE, 24, stop_token_ids=stop)[0] for p in prompts]
+    for expected, stops in ((alone, None), (alone_stopped, stop)):
+        out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 24, stop_token_ids=stops)
+        assert out == expected, arch
+        assert [s.new_tokens for s in stats.rows] == [len(e) for e in expected]
+    assert len({len(e) for e in alone_stopped}) > 1
+    assert stats.row_forwards < stats.forwards * len(prompts)  # finished rows stopped costing work
+    assert alone[0] == hf_greedy(model, prompts[0], 24)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_accept_different_paths_and_stay_exact(arch):
+    """Oracle heads make each row accept its own number of drafts (0 to 3) through non-first branches, so the
+    cache rows become ragged every step."""
+    model = tiny_model(arch)
+    prompts = prompts_of([12, 4, 20, 9], seed=2)
+    references = [hf_greedy(model, p, 40) for p in prompts]
+    ranks = [[0, 1, None], [None, None, None], [0, None, None], [0, 0, 0]]
+    oracles = [OracleHeads(model, p.tolist() + r, rk, model.config.vocab_size)
+               for p, r, rk in zip(prompts, references, ranks, strict=True)]
+    out, stats = batch_generate(model, BatchOracle(oracles), prompts, WIDE_TREE, 40)
+    assert out == references
+    taus = [s.tau for s in stats.rows]
+    assert taus[3] > taus[0] > taus[2] > taus[1], taus
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_batched_decoding_is_greedy(arch):
+    model = tiny_model(arch)
+    prompts = prompts_of([7, 19, 2], seed=4)
+    out, stats = batch_generate(model, None, prompts, Tree.chain(0), 16)
+    assert out == [hf_greedy(model, p, 16) for p in prompts]
+    assert stats.forwards == 15 and all(s.tau == 1 for s in stats.rows)
+
+
+def test_greedy_accept_rows_matches_the_single_row_rule():
+    from medusa.verify import greedy_accept
+
+    buffers = tree_buffers(WIDE_TREE)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        tokens = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
+        predicted = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
+        paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+        for b in range(4):
+            logits = torch.nn.functional.one_hot(predicted[b], 3).float()
+            single = greedy_accept(tokens[b], logits, buffers)
+            assert int(accepted[b]) == single.accepted
+            assert paths[b, : single.accepted + 1].tolist() == single.path_nodes.tolist()
+
+
+def test_keep_row_paths_moves_only_the_kept_slots():
+    cache = kv_cache.new_cache()
+    model = tiny_model("llama")
+    valid = torch.tensor([3, 5])
+    ids = torch.randint(3, 300, (2, 5), generator=torch.Generator().manual_seed(0))
+    positions = torch.minimum(torch.arange(5)[None], valid[:, None] - 1)
+    visible = kv_cache.causal_mask(5, "cpu")[None] & (torch.arange(5)[None, None] < valid[:, None, None])
+    with torch.no_grad():
+        kv_cache.forward_rows(model, ids, positions, torch.zeros(2, dtype=torch.long), visible, cache)
+        tree = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(1))
+        kv_cache.forward_rows(model, tree, valid[:, None] + torch.arange(4)[None], valid,
+                              kv_cache.causal_mask(4, "cpu"), cache)
+    before = cache.layers[0].keys.clone()  # (2, Hkv, 9, D)
+    new_len = kv_cache.keep_row_paths(cache, 5, valid, [torch.tensor([0, 2, 3]), torch.tensor([1])])
+    after = cache.layers[0].keys
+    assert new_len.tolist() == [6, 6] and after.shape[2] == 6
+    assert torch.equal(after[0, :, :3], before[0, :, :3]) and torch.equal(after[1, :, :5], before[1, :, :5])
+    assert torch.equal(after[0, :, 3:6], before[0, :, [5, 7, 8]])
+    assert torch.equal(after[1, :, 5], before[1, :, 6])
+
+
+def test_empty_prompt_in_a_batch_is_named():
+    model = tiny_model("llama")
+    prompts = prompts_of([4, 0, 6, 0])
+    with pytest.raises(ValueError, match="prompts 1, 3 of the batch are empty"):
+        batch_generate(model, random_heads(model), prompts, WIDE_TREE, 4)
+    with pytest.raises(ValueError, match="holds no prompt"):
+        batch_generate(model, random_heads(model), [], WIDE_TREE, 4)
