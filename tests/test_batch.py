@@ -125,3 +125,92 @@ def test_empty_prompt_in_a_batch_is_named():
         batch_generate(model, random_heads(model), prompts, WIDE_TREE, 4)
     with pytest.raises(ValueError, match="holds no prompt"):
         batch_generate(model, random_heads(model), [], WIDE_TREE, 4)
+
+
+@pytest.fixture(scope="module")
+def cli_setup(tmp_path_factory):
+    import json
+
+    from tiny import save_tiny
+
+    from medusa.checkpoint import save_heads
+
+    root = tmp_path_factory.mktemp("batch-cli")
+    base = save_tiny(root / "base", "llama")
+    save_heads(random_heads(tiny_model("llama")), root / "heads")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello world"}, {"messages": [{"role": "user", "content": "the quick brown fox jumps"}]},
+        {"prompt": "how are you today? Medusa heads predict tokens ahead"}]) + "\n")
+    return root, base, prompts
+
+
+def test_cli_generate_batched_equals_one_at_a_time(cli_setup, capsys):
+    from medusa.bench import encode_prompt, read_prompts
+    from medusa.cli import main
+    from medusa.model import MedusaModel
+
+    root, base, prompts = cli_setup
+    args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--stats"]
+    assert main(args + ["--batch-size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "--batch-size 8 is larger than the 3 prompts given: using 3" in captured.err
+    model = MedusaModel.from_pretrained(base, root / "heads")
+    expected = []
+    for i, record in enumerate(read_prompts(prompts)):
+        tokens, _ = model.generate(encode_prompt(model.tokenizer, record), max_new_tokens=12)
+        expected += [f"--- prompt {i} ---", model.tokenizer.decode(tokens, skip_special_tokens=True)]
+    assert captured.out == "\n".join(expected) + "\n"
+    assert main(args + ["--batch-size", "2"]) == 0
+    assert capsys.readouterr().out == "\n".join(expected) + "\n"
+
+
+def test_cli_batched_bad_inputs(cli_setup, tmp_path, capsys):
+    from medusa.cli import main
+
+    root, base, prompts = cli_setup
+    with_empty = tmp_path / "with-empty.jsonl"
+    with_empty.write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
+    common = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--max-new-tokens", "4"]
+    assert main(common + ["--prompts", str(with_empty), "--no-chat-template"]) == 2
+    assert "prompt 1 of the batch is empty" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--do-sample"]) == 2
+    assert "batched decoding is greedy only" in capsys.readouterr().err
+
+
+def test_settings_batched_decoding_cannot_honour_are_refused():
+    from medusa.model import MedusaModel
+
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), WIDE_TREE)
+    prompts = prompts_of([3, 5])
+    with pytest.raises(NotImplementedError, match="greedy only"):
+        medusa.generate_batch(prompts, 4, do_sample=True)
+    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
+        medusa.generate_batch(prompts, 4, repetition_penalty=1.3)
+    medusa.heads.config.prefix_layers = 1  # heads with per-sequence state
+    with pytest.raises(NotImplementedError, match="prefix layers"):
+        medusa.generate_batch(prompts, 4)
+
+
+def test_cli_batched_bench(cli_setup, tmp_path, capsys):
+    import json
+
+    from medusa.cli import main
+
+    root, base, prompts = cli_setup
+    out = tmp_path / "batch.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "--batch-size", "1", "2", "16", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "batch size 16 is larger than the 3 prompts given: used 3" in captured.err
+    result = json.loads(out.read_text())
+    assert result["batch_sizes"] == [1, 2, 3] and result["prompts"] == 3
+    for size in ("1", "2", "3"):
+        for method in ("plain", "medusa", "hf"):
+            record = result["results"][size][method]
+            assert record["identical"] == 3, (size, method)
+            assert record["tokens_per_s"] > 0
+        assert result["results"][size]["medusa"]["tau"] >= 1
+    assert "tokens/s" in captured.out
