@@ -69,7 +69,7 @@ def check_heads_batchable(heads) -> None:
 
 @torch.inference_mode()
 def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
-                stop_token_ids: set[int] | None = None, stats: BatchStats | None = None
+                stop_token_ids: set[int] | None = None, stats: BatchStats | None = None, verify_logits: str = "all"
                 ) -> Iterator[list[tuple[int, Step]]]:
     """Batched greedy Medusa decoding; yields, per base forward, ``(prompt index, Step)`` for each row still running.
 
@@ -81,6 +81,9 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         max_new_tokens: generation budget of each row.
         stop_token_ids: a row stops after emitting one of these (included in its output).
         stats: filled in as decoding proceeds, when given.
+        verify_logits: ``"all"`` scores every node of every row with the lm_head in one product (best on a GPU);
+            ``"path"`` only the nodes along each row's accepted path, one product per tree level over the rows still
+            matching (cheaper on a CPU). Both accept exactly the same tokens.
 
     Raises:
         ValueError: an empty batch or prompt (named), a prompt that does not fit the context, or a tree that does not
@@ -89,6 +92,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     """
     stats = stats if stats is not None else BatchStats()
     stop = stop_token_ids or set()
+    if verify_logits not in ("all", "path"):
+        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
     check_prompts(prompts)
     if heads is None and tree.depth > 0:
         raise ValueError(f"tree {tree.name!r} has depth {tree.depth}: drafting needs heads")
@@ -100,9 +105,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     device = prompts[0].device
     buffers = tree_buffers(tree, device)
     stats.rows = [GenerationStats() for _ in prompts]
-    cache = kv_cache.new_cache()
     start = time.perf_counter()
-    roots, last_hidden, valid_len = _prefill(model, prompts, cache)
+    cache, roots, last_hidden, valid_len = _prefill(model, prompts)
     stats.prefill_s = time.perf_counter() - start
     rows = list(range(len(prompts)))  # prompt index of each cache row
     emitted = [[int(r)] for r in roots]
@@ -119,7 +123,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
             kv_cache.select_rows(cache, keep, int(valid_len.max()))
             rows = [rows[j] for j in running]
         start = time.perf_counter()
-        roots, last_hidden, valid_len, emitted = _step(model, heads, buffers, cache, roots, last_hidden, valid_len)
+        roots, last_hidden, valid_len, emitted = _step(model, heads, buffers, cache, roots, last_hidden, valid_len,
+                                                       verify_logits)
         elapsed = time.perf_counter() - start
         stats.decode_s += elapsed
         stats.forwards += 1
@@ -130,27 +135,27 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         s.prefill_s = stats.prefill_s
 
 
-def _prefill(model, prompts: list[torch.Tensor], cache):
-    """Right-padded forward over every prompt; returns ``(roots (B,), last hidden (B, H), valid_len (B,))``."""
-    device = prompts[0].device
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (B,)
-    longest = int(lengths.max())
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)  # (B, T)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = p
-    slots = torch.arange(longest, device=device)
-    # Padding tokens sit at their row's last real position: each sees that row's real tokens only (never an empty
-    # row of the mask, whatever the sliding window); their keys are holes nobody sees.
-    positions = torch.minimum(slots[None, :], lengths[:, None] - 1)  # (B, T)
-    visible = kv_cache.causal_mask(longest, device)[None] & (slots[None, None, :] < lengths[:, None, None])  # (B,T,T)
-    hidden = kv_cache.forward_rows(model, ids, positions, torch.zeros_like(lengths), visible, cache)  # (B, T, H)
-    last = hidden[torch.arange(len(prompts), device=device), lengths - 1]  # (B, H)
-    roots = kv_cache.lm_logits(model, last).argmax(dim=-1)  # (B,)
-    return roots, last, lengths
+def _prefill(model, prompts: list[torch.Tensor]):
+    """Each prompt's own forward (as when decoded alone: no padding computed), then one batched cache.
+
+    Returns:
+        ``(cache, roots (B,), last hidden (B, H), valid_len (B,))``.
+    """
+    caches, roots, last = [], [], []
+    for ids in prompts:
+        cache = kv_cache.new_cache()
+        positions = torch.arange(len(ids), device=ids.device)
+        logits, hidden = kv_cache.forward(model, ids, positions, kv_cache.causal_mask(len(ids), ids.device), cache,
+                                          logits_for=slice(-1, None))
+        caches.append(cache)
+        roots.append(logits[-1].argmax())
+        last.append(hidden[-1])
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=prompts[0].device)  # (B,)
+    return kv_cache.stack_rows(caches), torch.stack(roots), torch.stack(last), lengths
 
 
 def _step(model, heads, buffers: TreeBuffers, cache, roots: torch.Tensor, last_hidden: torch.Tensor,
-          valid_len: torch.Tensor):
+          valid_len: torch.Tensor, verify_logits: str):
     """Draft, verify and accept one tree per row.
 
     Returns:
@@ -162,13 +167,21 @@ def _step(model, heads, buffers: TreeBuffers, cache, roots: torch.Tensor, last_h
     positions = valid_len[:, None] + buffers.depth[None, :]  # (B, N)
     prefix_len = kv_cache.cache_length(cache)
     hidden = kv_cache.forward_rows(model, tokens, positions, valid_len, buffers.ancestor_mask, cache)  # (B, N, H)
-    predicted = kv_cache.lm_logits(model, hidden).argmax(dim=-1)  # (B, N)
-    paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+    if verify_logits == "all":
+        predicted = kv_cache.lm_logits(model, hidden).argmax(dim=-1)  # (B, N)
+        paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+        roots = predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0]  # (B,)
+    else:
+        def next_token_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+            picked = hidden[rows, nodes]  # (R, H)
+            logits = kv_cache.lm_logits_rows(model, picked) if len(rows) == 1 else kv_cache.lm_logits(model, picked)
+            return logits.argmax(dim=-1)  # (R,)
+
+        paths, accepted, roots = greedy_accept_rows_along_path(tokens, next_token_at, buffers)
     keep = [paths[b, : int(accepted[b]) + 1] for b in range(batch)]
     valid_len = kv_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
     last_nodes = paths.gather(1, accepted[:, None])[:, 0]  # (B,)
     row_index = torch.arange(batch, device=roots.device)
-    roots = predicted[row_index, last_nodes]  # (B,)
     emitted = [tokens[b, k[1:]].tolist() + [int(roots[b])] for b, k in enumerate(keep)]
     return roots, hidden[row_index, last_nodes], valid_len, emitted
 
@@ -194,12 +207,56 @@ def greedy_accept_rows(tokens: torch.Tensor, predicted: torch.Tensor, buffers: T
     return retrieve[best], accepted
 
 
+def greedy_accept_rows_along_path(tokens: torch.Tensor, next_token_at, buffers: TreeBuffers):
+    """:func:`greedy_accept_rows` asking for the base's prediction only along each row's accepted path.
+
+    One call per tree level, for the rows whose path still matches (:func:`medusa.verify.greedy_accept_along_path`
+    row by row: siblings are distinct tokens, so at most one child matches).
+
+    Args:
+        tokens: ``(B, N)`` long node tokens per row.
+        next_token_at: ``(rows (R,), nodes (R,)) -> (R,)`` long, the base's greedy next token after those nodes.
+
+    Returns:
+        ``(paths (B, D+1), accepted (B,), next_tokens (B,))``: paths as in :func:`greedy_accept_rows`, and each row's
+        bonus token (the base's prediction after its last accepted node).
+    """
+    batch, device = tokens.shape[0], tokens.device
+    children = _children_table(buffers, device)  # (N, C)
+    paths = torch.full((batch, buffers.retrieve_index.shape[1]), -1, dtype=torch.long, device=device)  # (B, D+1)
+    paths[:, 0] = 0
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.empty(batch, dtype=torch.long, device=device)
+    rows, nodes = torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    while len(rows):
+        predicted = next_token_at(rows, nodes)  # (R,)
+        kids = children[nodes]  # (R, C)
+        match = (kids >= 0) & (tokens[rows[:, None], kids.clamp_min(0)] == predicted[:, None])  # (R, C)
+        found = match.any(dim=1)  # (R,)
+        next_tokens[rows[~found]] = predicted[~found]
+        child = kids.gather(1, match.long().argmax(dim=1, keepdim=True))[:, 0]  # (R,)
+        rows, nodes = rows[found], child[found]
+        accepted[rows] += 1
+        paths[rows, accepted[rows]] = nodes
+    return paths, accepted, next_tokens
+
+
+def _children_table(buffers: TreeBuffers, device) -> torch.Tensor:
+    """``(N, C)`` long: each node's children (``buffers.children``), padded with -1."""
+    width = max(1, max((len(c) for c in buffers.children), default=0))  # one -1 column at least: argmax needs one
+    table = torch.full((len(buffers.children), width), -1, dtype=torch.long)
+    for node, kids in enumerate(buffers.children):
+        table[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+    return table.to(device)
+
+
 def batch_generate(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
-                   stop_token_ids: set[int] | None = None) -> tuple[list[list[int]], BatchStats]:
+                   stop_token_ids: set[int] | None = None, verify_logits: str = "all"
+                   ) -> tuple[list[list[int]], BatchStats]:
     """Run :func:`batch_steps` to the end; returns ``(new token ids per prompt, stats)``."""
     stats = BatchStats()
     out: list[list[int]] = [[] for _ in prompts]
-    for step in batch_steps(model, heads, prompts, tree, max_new_tokens, stop_token_ids, stats):
+    for step in batch_steps(model, heads, prompts, tree, max_new_tokens, stop_token_ids, stats, verify_logits):
         for i, s in step:
             out[i].extend(s.tokens)
     return out, stats

@@ -298,6 +298,21 @@ def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[t
     return new_len
 
 
+def stack_rows(caches: list) -> DynamicCache:
+    """One batched cache from single-sequence caches of different lengths (the batched layout above: each row's
+    positions from slot 0, zero-filled holes after the shorter rows). Reuses the first cache's layer objects."""
+    stacked = caches[0]
+    length = max(cache_length(c) for c in caches)
+    for i, layer in enumerate(stacked.layers):
+        rows = [c.layers[i] for c in caches]
+        if not all(getattr(r, "is_initialized", True) and r.keys is not None and r.keys.numel() > 0 for r in rows):
+            continue
+        pad = [(0, 0, 0, length - r.keys.shape[-2]) for r in rows]
+        layer.keys = torch.cat([torch.nn.functional.pad(r.keys, p) for r, p in zip(rows, pad, strict=True)])
+        layer.values = torch.cat([torch.nn.functional.pad(r.values, p) for r, p in zip(rows, pad, strict=True)])
+    return stacked
+
+
 def select_rows(cache, rows: torch.Tensor, length: int) -> None:
     """Keep only the batch rows ``rows`` ``(B',)`` (in that order) and the first ``length`` slots of the cache.
 

@@ -167,7 +167,8 @@ class MedusaModel(nn.Module):
             raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
                                       f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
-        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop)
+        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop,
+                              self.verify_logits)
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from test_decoding import ARCHS, WIDE_TREE, OracleHeads, hf_greedy, random_heads
 from tiny import tiny_model
 
 from medusa import kv_cache
-from medusa.batch import batch_generate, greedy_accept_rows
+from medusa.batch import batch_generate, greedy_accept_rows, greedy_accept_rows_along_path
 from medusa.generate import medusa_generate
 from medusa.tree import Tree, tree_buffers
 
@@ -38,8 +38,9 @@ class BatchOracle(torch.nn.Module):
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_equals_one_at_a_time(arch, head_type):
+def test_batch_equals_one_at_a_time(arch, verify_logits, head_type):
     model = tiny_model(arch)
     heads = random_heads(model, head_type=head_type)
     prompts = prompts_of(LENGTHS)
@@ -48,7 +49,7 @@ def test_batch_equals_one_at_a_time(arch, head_type):
     stop = {alone[1][2], alone[3][9]}
     alone_stopped = [medusa_generate(model, heads, p, WIDE_TREE, 24, stop_token_ids=stop)[0] for p in prompts]
     for expected, stops in ((alone, None), (alone_stopped, stop)):
-        out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 24, stop_token_ids=stops)
+        out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 24, stops, verify_logits)
         assert out == expected, arch
         assert [s.new_tokens for s in stats.rows] == [len(e) for e in expected]
     assert len({len(e) for e in alone_stopped}) > 1
@@ -56,8 +57,9 @@ def test_batch_equals_one_at_a_time(arch, head_type):
     assert alone[0] == hf_greedy(model, prompts[0], 24)
 
 
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rows_accept_different_paths_and_stay_exact(arch):
+def test_rows_accept_different_paths_and_stay_exact(arch, verify_logits):
     """Oracle heads make each row accept its own number of drafts (0 to 3) through non-first branches, so the
     cache rows become ragged every step."""
     model = tiny_model(arch)
@@ -66,7 +68,7 @@ def test_rows_accept_different_paths_and_stay_exact(arch):
     ranks = [[0, 1, None], [None, None, None], [0, None, None], [0, 0, 0]]
     oracles = [OracleHeads(model, p.tolist() + r, rk, model.config.vocab_size)
                for p, r, rk in zip(prompts, references, ranks, strict=True)]
-    out, stats = batch_generate(model, BatchOracle(oracles), prompts, WIDE_TREE, 40)
+    out, stats = batch_generate(model, BatchOracle(oracles), prompts, WIDE_TREE, 40, verify_logits=verify_logits)
     assert out == references
     taus = [s.tau for s in stats.rows]
     assert taus[3] > taus[0] > taus[2] > taus[1], taus
@@ -76,20 +78,33 @@ def test_rows_accept_different_paths_and_stay_exact(arch):
 def test_plain_batched_decoding_is_greedy(arch):
     model = tiny_model(arch)
     prompts = prompts_of([7, 19, 2], seed=4)
-    out, stats = batch_generate(model, None, prompts, Tree.chain(0), 16)
-    assert out == [hf_greedy(model, p, 16) for p in prompts]
-    assert stats.forwards == 15 and all(s.tau == 1 for s in stats.rows)
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    for verify_logits in ("all", "path"):
+        out, stats = batch_generate(model, None, prompts, Tree.chain(0), 16, verify_logits=verify_logits)
+        assert out == expected
+        assert stats.forwards == 15 and all(s.tau == 1 for s in stats.rows)
 
 
 def test_greedy_accept_rows_matches_the_single_row_rule():
     from medusa.verify import greedy_accept
 
     buffers = tree_buffers(WIDE_TREE)
+    index = {(): 0} | {p: i for i, p in enumerate(WIDE_TREE.paths, 1)}
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
+        # Siblings hold distinct tokens (one head's top-k), as drafting guarantees.
+        offsets = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)  # per (row, parent)
         tokens = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
+        for i, path in enumerate(WIDE_TREE.paths, 1):
+            parent = index[path[:-1]]
+            tokens[:, i] = (path[-1] + offsets[:, parent]) % 3
         predicted = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
         paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+        walked, walked_accepted, bonus = greedy_accept_rows_along_path(
+            tokens, lambda rows, nodes: predicted[rows, nodes], buffers)  # noqa: B023
+        assert torch.equal(walked, paths.masked_fill(torch.arange(paths.shape[1]) > accepted[:, None], -1))
+        assert torch.equal(walked_accepted, accepted)
+        assert torch.equal(bonus, predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0])
         for b in range(4):
             logits = torch.nn.functional.one_hot(predicted[b], 3).float()
             single = greedy_accept(tokens[b], logits, buffers)
