@@ -108,6 +108,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     start = time.perf_counter()
     cache, roots, last_hidden, valid_len = _prefill(model, prompts)
     stats.prefill_s = time.perf_counter() - start
+    for row in stats.rows:
+        row.prefill_s = stats.prefill_s
     rows = list(range(len(prompts)))  # prompt index of each cache row
     emitted = [[int(r)] for r in roots]
     while True:
@@ -131,8 +133,6 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         stats.row_forwards += len(rows)
         for i in rows:
             stats.rows[i].decode_s += elapsed
-    for s in stats.rows:
-        s.prefill_s = stats.prefill_s
 
 
 def _prefill(model, prompts: list[torch.Tensor]):
