@@ -4,7 +4,8 @@ Each step drafts a tree for every row, verifies all ``B x N`` tree tokens in one
 positions and a 4D additive mask), and lets each row accept its own path. The rows' caches then differ in length;
 they share one cache with holes (:mod:`medusa.kv_cache`, "batched decoding"): row b's slot s holds its position s up
 to its own length, the slots beyond are hidden by the mask and overwritten as the row advances, and no row's prefix
-is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards.
+is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards. Heads that
+keep per-sequence state (an attention layer of their own) keep one state per row.
 
 Greedy only: each row's tokens are exactly the base's greedy tokens, as when the prompt is decoded alone
 (:func:`medusa.generate.medusa_steps`). A tree of one node (``Tree.chain(0)``) is plain batched greedy decoding.
@@ -60,13 +61,6 @@ def check_prompts(prompts: list[torch.Tensor]) -> None:
                          f"{'are' if len(empty) > 1 else 'is'} empty (of {len(prompts)} prompts)")
 
 
-def check_heads_batchable(heads) -> None:
-    """Raise ``NotImplementedError`` for heads that keep per-sequence state (prefix attention layers)."""
-    if heads is not None and getattr(heads.config, "prefix_layers", 0):
-        raise NotImplementedError(f"batched decoding does not support heads with prefix layers (prefix_layers="
-                                  f"{heads.config.prefix_layers}): decode those prompts one at a time")
-
-
 @torch.inference_mode()
 def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
                 stop_token_ids: set[int] | None = None, stats: BatchStats | None = None, verify_logits: str = "all"
@@ -88,7 +82,6 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     Raises:
         ValueError: an empty batch or prompt (named), a prompt that does not fit the context, or a tree that does not
             fit the heads.
-        NotImplementedError: heads with per-sequence state (:func:`check_heads_batchable`).
     """
     stats = stats if stats is not None else BatchStats()
     stop = stop_token_ids or set()
@@ -99,14 +92,15 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         raise ValueError(f"tree {tree.name!r} has depth {tree.depth}: drafting needs heads")
     if heads is not None:
         tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
-    check_heads_batchable(heads)
     for ids in prompts:
         check_context(model, len(ids), max_new_tokens, tree.depth)
     device = prompts[0].device
     buffers = tree_buffers(tree, device)
     stats.rows = [GenerationStats() for _ in prompts]
     start = time.perf_counter()
-    cache, roots, last_hidden, valid_len = _prefill(model, prompts)
+    # The heads' own per-sequence state (their attention layer's cache), one per row, if they keep one.
+    contexts = [heads.new_context() for _ in prompts] if heads is not None else [None] * len(prompts)
+    cache, roots, last_hidden, valid_len = _prefill(model, heads, prompts, contexts)
     stats.prefill_s = time.perf_counter() - start
     for row in stats.rows:
         row.prefill_s = stats.prefill_s
@@ -123,10 +117,10 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
             keep = torch.tensor(running, dtype=torch.long, device=device)
             valid_len, roots, last_hidden = valid_len[keep], roots[keep], last_hidden[keep]
             kv_cache.select_rows(cache, keep, int(valid_len.max()))
-            rows = [rows[j] for j in running]
+            rows, contexts = [rows[j] for j in running], [contexts[j] for j in running]
         start = time.perf_counter()
-        roots, last_hidden, valid_len, emitted = _step(model, heads, buffers, cache, roots, last_hidden, valid_len,
-                                                       verify_logits)
+        roots, last_hidden, valid_len, emitted = _step(model, heads, contexts, buffers, cache, roots, last_hidden,
+                                                       valid_len, verify_logits)
         elapsed = time.perf_counter() - start
         stats.decode_s += elapsed
         stats.forwards += 1
@@ -135,32 +129,39 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
             stats.rows[i].decode_s += elapsed
 
 
-def _prefill(model, prompts: list[torch.Tensor]):
+def _prefill(model, heads, prompts: list[torch.Tensor], contexts: list):
     """Each prompt's own forward (as when decoded alone: no padding computed), then one batched cache.
 
     Returns:
-        ``(cache, roots (B,), last hidden (B, H), valid_len (B,))``.
+        ``(cache, roots (B,), drafting inputs (B, H), valid_len (B,))``.
     """
     caches, roots, last = [], [], []
-    for ids in prompts:
+    for ids, context in zip(prompts, contexts, strict=True):
         cache = kv_cache.new_cache()
         positions = torch.arange(len(ids), device=ids.device)
         logits, hidden = kv_cache.forward(model, ids, positions, kv_cache.causal_mask(len(ids), ids.device), cache,
                                           logits_for=slice(-1, None))
+        root = logits[-1].argmax()
         caches.append(cache)
-        roots.append(logits[-1].argmax())
-        last.append(hidden[-1])
+        roots.append(root)
+        last.append(_drafting_input(heads, context, hidden, torch.cat([ids[1:], root[None]])))
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=prompts[0].device)  # (B,)
     return kv_cache.stack_rows(caches), torch.stack(roots), torch.stack(last), lengths
 
 
-def _step(model, heads, buffers: TreeBuffers, cache, roots: torch.Tensor, last_hidden: torch.Tensor,
+def _drafting_input(heads, context, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """What the heads draft from ``(H,)``, after the base accepted positions with hidden states ``(n, H)`` followed
+    by ``next_tokens`` ``(n,)`` (``heads.extend_context``; the last hidden state when there are no heads)."""
+    return hidden[-1] if heads is None else heads.extend_context(context, hidden, next_tokens)
+
+
+def _step(model, heads, contexts: list, buffers: TreeBuffers, cache, roots: torch.Tensor, last_hidden: torch.Tensor,
           valid_len: torch.Tensor, verify_logits: str):
     """Draft, verify and accept one tree per row.
 
     Returns:
-        ``(roots (B,), last hidden (B, H), valid_len (B,), emitted)``; ``emitted[b]``: row b's accepted draft tokens
-        then its bonus token (the new root).
+        ``(roots (B,), drafting inputs (B, H), valid_len (B,), emitted)``; ``emitted[b]``: row b's accepted draft
+        tokens then its bonus token (the new root).
     """
     batch = len(roots)
     tokens = torch.stack([draft_tree(heads, last_hidden[b], roots[b], buffers).tokens for b in range(batch)])  # (B,N)
@@ -180,10 +181,10 @@ def _step(model, heads, buffers: TreeBuffers, cache, roots: torch.Tensor, last_h
         paths, accepted, roots = greedy_accept_rows_along_path(tokens, next_token_at, buffers)
     keep = [paths[b, : int(accepted[b]) + 1] for b in range(batch)]
     valid_len = kv_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
-    last_nodes = paths.gather(1, accepted[:, None])[:, 0]  # (B,)
-    row_index = torch.arange(batch, device=roots.device)
-    emitted = [tokens[b, k[1:]].tolist() + [int(roots[b])] for b, k in enumerate(keep)]
-    return roots, hidden[row_index, last_nodes], valid_len, emitted
+    emitted = [torch.cat([tokens[b, k[1:]], roots[b, None]]) for b, k in enumerate(keep)]  # (A_b,) each
+    last_hidden = torch.stack([_drafting_input(heads, contexts[b], hidden[b, k], emitted[b])
+                               for b, k in enumerate(keep)])  # (B, H)
+    return roots, last_hidden, valid_len, [e.tolist() for e in emitted]
 
 
 def greedy_accept_rows(tokens: torch.Tensor, predicted: torch.Tensor, buffers: TreeBuffers):

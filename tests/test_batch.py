@@ -36,6 +36,12 @@ class BatchOracle(torch.nn.Module):
     def to_base_ids(self, ids):
         return ids
 
+    def new_context(self):
+        return None
+
+    def extend_context(self, context, hidden, next_tokens):
+        return hidden[-1]
+
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("verify_logits", ["all", "path"])
@@ -72,6 +78,26 @@ def test_rows_accept_different_paths_and_stay_exact(arch, verify_logits):
     assert out == references
     taus = [s.tau for s in stats.rows]
     assert taus[3] > taus[0] > taus[2] > taus[1], taus
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_heads_with_their_own_attention_layer_keep_one_state_per_row(arch):
+    """Hydra heads with a prefix attention layer (per-sequence state): trained on row 0's continuation, they accept
+    several drafts there; each row drafts exactly as alone (same accepted counts step by step), so no row reads
+    another's state."""
+    from test_hydra import make_hydra, train_on_greedy
+
+    model = tiny_model(arch)
+    prompts = prompts_of([12, 5, 9], seed=4)
+    weight, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    heads = make_hydra(3, 2, weight.detach(), embed.detach(), seed=1, scale=0.05, prefix_window=4)
+    train_on_greedy(model, heads, prompts[0])
+    heads.eval()
+    alone = [medusa_generate(model, heads, p, WIDE_TREE, 32) for p in prompts]
+    out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 32, verify_logits="path")
+    assert out == [tokens for tokens, _ in alone]
+    assert [s.accepted_per_step for s in stats.rows] == [s.accepted_per_step for _, s in alone]
+    assert stats.rows[0].tau > 1.5
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -204,9 +230,6 @@ def test_settings_batched_decoding_cannot_honour_are_refused():
         medusa.generate_batch(prompts, 4, do_sample=True)
     with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
         medusa.generate_batch(prompts, 4, repetition_penalty=1.3)
-    medusa.heads.config.prefix_layers = 1  # heads with per-sequence state
-    with pytest.raises(NotImplementedError, match="prefix layers"):
-        medusa.generate_batch(prompts, 4)
 
 
 def test_cli_batched_bench(cli_setup, tmp_path, capsys):
