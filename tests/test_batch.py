@@ -218,6 +218,10 @@ def test_cli_batched_bad_inputs(cli_setup, tmp_path, capsys):
     assert "prompt 1 of the batch is empty" in capsys.readouterr().err
     assert main(common + ["--prompts", str(prompts), "--do-sample"]) == 2
     assert "batched decoding is greedy only" in capsys.readouterr().err
+    assert main(common + ["--prompt", "hello", "--batch-size", "2"]) == 2
+    assert "--batch-size needs --prompts" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--stream"]) == 2
+    assert "not with --prompts" in capsys.readouterr().err
 
 
 def test_settings_batched_decoding_cannot_honour_are_refused():
