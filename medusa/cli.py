@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
+    group.add_argument("--prompts", help="several prompts: JSON lines with 'prompt' or 'messages' (as for bench), "
+                                         "decoded in batches (greedy only)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="with --prompts: prompts per batched forward (default: all of them)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
@@ -100,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
+    p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                   help="batched bench instead: tokens/s of plain, Medusa and HF generate (left padding) decoding "
+                        "at each batch size B (e.g. 1 4 16), greedy")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--plot", action="store_true",
@@ -284,6 +291,10 @@ def cmd_generate(args) -> int:
     from medusa.bench import encode_prompt
     from medusa.generate import GenerationStats
 
+    if args.prompts:
+        return _generate_batched(args)
+    if args.batch_size is not None:
+        raise ValueError("--batch-size needs --prompts")
     record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
     if args.stats:
@@ -305,6 +316,41 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_batched(args) -> int:
+    """``medusa generate --prompts FILE``: batched greedy decoding, each answer under a ``--- prompt i ---`` line."""
+    import torch
+
+    from medusa.bench import encode_prompt, read_prompts
+
+    if args.stream:
+        raise ValueError("--stream prints one sequence as it is accepted: not with --prompts")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    records = read_prompts(args.prompts)
+    size = args.batch_size or len(records)
+    if size > len(records):
+        print(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}",
+              file=sys.stderr)
+        size = len(records)
+    model = _load(args)
+    if args.stats:
+        _warn_if_busy(torch.get_num_threads())
+    ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
+    sampling = _sampling_kwargs(args)
+    settings = {k: v for k, v in sampling.items() if k != "acceptance" and v is not None}
+    for first in range(0, len(ids), size):
+        outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
+        for i, tokens in enumerate(outputs, first):
+            print(f"--- prompt {i} ---")
+            print(model.tokenizer.decode(tokens, skip_special_tokens=True))
+        if args.stats:
+            taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
+            print(f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
+                  f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
+                  f"{model.tree.name} ({model.tree.num_nodes} nodes)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -320,6 +366,8 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts)[: args.limit]
     model = _load(args)
     load = _warn_if_busy(torch.get_num_threads())
+    if args.batch_size:
+        return _bench_batched(args, model, prompts, load)
 
     def progress(i, record):
         line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
@@ -344,6 +392,44 @@ def cmd_bench(args) -> int:
 
         print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
     return 0
+
+
+def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
+    """``medusa bench --batch-size B...``: :func:`medusa.bench.run_batch_bench`, a table, and the JSON."""
+    from medusa.bench import run_batch_bench
+
+    if min(args.batch_size) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
+    if any(v is not None for k, v in _sampling_kwargs(args).items() if k != "acceptance"):
+        raise ValueError("the batched bench is greedy only: drop the sampling flags")
+
+    def progress(size, method, record):
+        print(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s", file=sys.stderr)
+
+    result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
+                             use_chat_template=not args.no_chat_template, progress=progress)
+    result["prompts_file"] = str(args.prompts)
+    result["load"] = load
+    for note in result["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(batch_bench_table(result))
+    if load["warning"]:
+        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def batch_bench_table(result: dict) -> str:
+    """The batched bench as text: tokens/s per method and batch size, identical prompts, Medusa tau."""
+    lines = [f"{'batch':>5}  {'method':6}  {'tokens/s':>9}  {'identical':>9}  {'tau':>5}"]
+    for size, by_method in result["results"].items():
+        for method, r in by_method.items():
+            tau = f"{r['tau']:.2f}" if "tau" in r else ""
+            lines.append(f"{size:>5}  {method:6}  {r['tokens_per_s']:9.2f}  {r['identical']:>4}/{result['prompts']:<4}"
+                         f"  {tau:>5}")
+    return "\n".join(lines)
 
 
 def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa.batch import BatchStats, batch_generate
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.generate import GenerationStats, Step, medusa_steps
 from medusa.heads import HydraHeads, MedusaHeads
@@ -144,11 +145,37 @@ class MedusaModel(nn.Module):
                             top_p, seed, acceptance, typical_epsilon, typical_delta, **settings)
         return [t for step in steps for t in step.tokens], stats
 
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128, tree: Tree | None = None,
+                       stop_token_ids: set[int] | None = None, **settings) -> tuple[list[list[int]], BatchStats]:
+        """Batched greedy Medusa decoding of several prompts ``(T_b,)`` of any lengths (:mod:`medusa.batch`);
+        returns ``(new_token_ids per prompt, stats)``. Each prompt gets exactly the tokens :meth:`generate` gives
+        it alone. ``tree=Tree.chain(0)`` is plain batched greedy decoding.
+
+        Raises:
+            ValueError: an empty prompt (named), or a prompt that does not fit the context.
+            NotImplementedError: sampling, or a generation setting that needs a logits processor (repetition
+                penalty...), from the arguments or the base's ``generation_config``: batched decoding is greedy only.
+        """
+        decoding = resolve_decoding(self.base.generation_config, **settings)
+        stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
+        if decoding.do_sample:
+            raise NotImplementedError("batched decoding is greedy only: pass do_sample=False, or decode the prompts "
+                                      "one at a time with generate() to sample")
+        processors = decoding.processors(1, max_new_tokens, stop, self.device)
+        if processors:
+            names = ", ".join(type(p).__name__ for p in processors)
+            raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
+                                      f"{names}: decode the prompts one at a time with generate()")
+        ids = [_as_1d(p).to(self.device) for p in prompts]
+        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop,
+                              self.verify_logits)
+
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.ndim == 2:
         if input_ids.shape[0] != 1:
-            raise ValueError(f"Medusa decoding runs one sequence at a time; got batch size {input_ids.shape[0]}")
+            raise ValueError(f"generate() decodes one sequence; got batch size {input_ids.shape[0]} (several prompts: "
+                             "generate_batch())")
         return input_ids[0]
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be (T,) or (1, T), got shape {tuple(input_ids.shape)}")
