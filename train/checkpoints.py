@@ -18,6 +18,7 @@ import torch
 from medusa.checkpoint import save_heads
 from medusa.heads import read_json
 from train.config import TrainConfig, resume_mismatch
+from train.medusa2 import ADAPTER_DIR, save_adapter
 
 if TYPE_CHECKING:
     from train.setup import Run
@@ -102,6 +103,8 @@ def save_checkpoint(run: Run) -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step})
+        if run.lora_params is not None:
+            save_adapter(run.model, tmp / ADAPTER_DIR)
         torch.save(run.optimizer.state_dict(), tmp / OPTIMIZER_NAME)
         state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
                  "num_processes": accelerator.num_processes, "config": run.config.to_dict()}

@@ -17,6 +17,15 @@ from medusa.losses import head_target_counts
 from train.checkpoints import latest_checkpoint, save_checkpoint
 from train.data import collate, to_device
 from train.evaluation import any_held_out, evaluate, format_metrics
+from train.medusa2 import (
+    adapted_hidden_states,
+    frozen_hidden_states,
+    heads_loss_weight,
+    in_stage2,
+    kl_positions,
+    kl_sum,
+    set_lora_dropout,
+)
 from train.objective import mixed_step_loss
 from train.setup import Run
 from train.store import base_hidden_states
@@ -89,10 +98,15 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     The loss is normalised by the targets of the whole step, counted over all micro-batches and processes before the
     first forward (:func:`step_loss`), so it equals the loss of one batch holding the whole step: splitting a step
     into micro-batches or processes changes neither the loss nor the gradient. The shares of all processes sum to the
-    step loss (a detached scalar).
+    step loss (a detached scalar). In Medusa-2's stage 2 the heads' loss is weighted by
+    :func:`train.medusa2.heads_loss_weight` and ``kl_weight x KL(frozen || adapted)``, averaged over the step's
+    next-token positions, is added; the heads' gradient reaches the LoRA through the adapted hidden states.
     """
     config, accelerator = run.config, run.accelerator
     run.heads.train()
+    joint = in_stage2(config, run.step)
+    if joint:
+        set_lora_dropout(run.model, True)
     num_heads = accelerator.unwrap_model(run.heads).config.num_heads
     micro = [next(batches) for _ in range(config.grad_accum_steps)]
     collated = [to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
@@ -106,25 +120,44 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     if run.teacher_weight is not None:
         supervised = sum(head_target_counts(b["labels"], num_heads) for b in windows)  # (K,)
         global_supervised = accelerator.reduce(supervised, reduction="sum")
+    kl_count = sum(kl_positions(b["labels"]).sum() for b in windows) if joint else None  # next-token positions
+    heads_weight = heads_loss_weight(config, run.step)
     total = torch.zeros((), device=accelerator.device)
     for m, (indices, full, batch) in enumerate(zip(micro, collated, windows, strict=True)):
-        hidden = batch_hidden_states(run, indices, full).float()  # (B, T, H); the heads' weights are fp32
+        hidden, frozen = step_hidden_states(run, indices, full, joint)  # (B, T, H) each; frozen None unless joint
         if starts[m] is not None:
             hidden = crop_window({"hidden": hidden}, starts[m], config.train_window)["hidden"]  # (B, W, H)
+            frozen = frozen if frozen is None else crop_window({"h": frozen}, starts[m], config.train_window)["h"]
         last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
             logits = run.heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
-            loss = mixed_step_loss(run, logits, hidden, batch, global_counts, global_supervised)
+            loss = heads_weight * mixed_step_loss(run, logits, hidden, batch, global_counts, global_supervised)
+            if joint:
+                kl = kl_sum(run.model, hidden, frozen, batch["labels"])
+                loss = loss + config.kl_weight * kl / kl_count.clamp_min(1)
             # DDP averages gradients over processes; the loss is already a share of the sum over all of them.
             accelerator.backward(loss * accelerator.num_processes)
         total += loss.detach()
     if config.max_grad_norm > 0:
-        accelerator.clip_grad_norm_(run.heads.parameters(), config.max_grad_norm)
+        accelerator.clip_grad_norm_(list(run.heads.parameters()) + (run.lora_params or []), config.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if joint:
+        set_lora_dropout(run.model, False)
     return total
+
+
+def step_hidden_states(run: Run, indices: list[int], batch: dict, joint: bool):
+    """``(hidden, frozen)``: the hidden states ``(B, T, H)`` the heads read (fp32) and, in Medusa-2's joint stage,
+    the original base's (the KL teacher's; ``None`` otherwise). Jointly, ``hidden`` is the adapted base's, with
+    gradient into the LoRA; otherwise it comes from :func:`batch_hidden_states` without gradient."""
+    if not joint:
+        return batch_hidden_states(run, indices, batch).float(), None  # the heads' weights are fp32
+    hidden = adapted_hidden_states(run.model, batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
+    frozen = frozen_hidden_states(run.model, batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
+    return hidden, frozen
 
 
 def window_starts(batch: dict, indices: list[int], window: int, seed: int, step: int) -> list[int]:

@@ -35,6 +35,7 @@ from train.conversations import (
     warn_heads_without_targets,
 )
 from train.data import default_tokenize_cache_dir, target_token_counts, tokenize_conversations
+from train.medusa2 import ADAPTER_DIR, apply_lora, load_adapter_state, lora_parameters
 from train.store import HiddenStateStore, ensure_store
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Run:
     """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
     store: HiddenStateStore | None = None
     """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
+    lora_params: list[torch.nn.Parameter] | None = None
+    """Medusa-2: the base's LoRA parameters (``run.model`` is then a peft model)."""
 
 
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
@@ -83,17 +86,15 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
                          "project with it and the teacher loss needs it")
     store = ensure_store(config.hidden_state_store, model, train_examples, config.max_seq_len, config.batch_size,
                          accelerator) if config.hidden_state_store else None
-    lm_head = model.get_output_embeddings().weight  # (V, H)
-    embed = model.get_input_embeddings().weight  # (V, H)
-    if checkpoint:
-        heads = load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
-    else:
-        heads = build_heads(config, lm_head, embed, train_examples, eos_ids(model, tokenizer))
+    model = adapt_base(config, accelerator, model, checkpoint)
+    lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
+    heads = initial_heads(config, checkpoint, model, tokenizer, train_examples)
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
+        lm_head = model.get_output_embeddings().weight  # (V, H)
         teacher_weight = lm_head.detach() if heads.token_map is None else lm_head.detach()[heads.token_map]
-    optimizer = make_optimizer(heads, config)
+    optimizer = make_optimizer(heads, config, lora_params)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
     if checkpoint:
@@ -105,14 +106,61 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     lookup = head_lookup_table(unwrapped.token_map, unwrapped.config.vocab_size)
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     if config.tracker != "none":
-        tracker_config = {k: ("none" if v is None else v) for k, v in config.to_dict().items()}
+        # Trackers take scalars and strings only: None as "none", lists comma-joined.
+        tracker_config = {k: "none" if v is None else ",".join(v) if isinstance(v, list) else v
+                          for k, v in config.to_dict().items()}
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
     if checkpoint:
         restore_rng_state(checkpoint, accelerator.process_index)
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
                pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None,
-               store=store)
+               store=store, lora_params=lora_params)
+
+
+def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint: Path | None):
+    """Medusa-2: the frozen base wrapped in its LoRA (the checkpoint's weights when resuming); Medusa-1: ``model``.
+
+    Raises:
+        ValueError: Medusa-2 in a multi-process launch (not supported yet), bad LoRA target modules, or a
+            checkpoint whose LoRA has another rank or other targets.
+    """
+    if config.training_mode != "medusa2":
+        return model
+    if accelerator.num_processes > 1:
+        raise ValueError("training_mode medusa2 runs in one process for now (DDP does not wrap the LoRA yet); "
+                         "launch one process")
+    model = apply_lora(model, config)
+    if checkpoint:
+        load_adapter_state(model, checkpoint / ADAPTER_DIR, config)
+    return model
+
+
+def initial_heads(config: TrainConfig, checkpoint: Path | None, model, tokenizer, examples: list[dict]):
+    """The heads training starts from: the checkpoint's, else ``config.init_heads``, else fresh ones."""
+    lm_head = model.get_output_embeddings().weight  # (V, H)
+    embed = model.get_input_embeddings().weight  # (V, H)
+    if checkpoint:
+        return load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
+    if config.init_heads:
+        heads = load_heads(config.init_heads, lm_head, embed_weight=embed)
+        check_init_heads(config, heads.config)
+        logger.info("heads initialised from %s", config.init_heads)
+        return heads
+    return build_heads(config, lm_head, embed, examples, eos_ids(model, tokenizer))
+
+
+def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> None:
+    """Refuse ``init_heads`` whose head type, count, layers or lm_head sharing differ from the run's config.
+
+    Raises:
+        ValueError: naming every differing field with both values.
+    """
+    fields = ("head_type", "num_heads", "num_layers", "share_lm_head")
+    problems = [f"{f}: heads {getattr(heads_config, f)!r} != config {getattr(config, f)!r}" for f in fields
+                if getattr(heads_config, f) != getattr(config, f)]
+    if problems:
+        raise ValueError(f"init_heads {config.init_heads} do not fit the config: " + "; ".join(problems))
 
 
 def make_accelerator(config: TrainConfig) -> Accelerator:
@@ -223,11 +271,14 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
     return heads_module.build_heads(heads_config, lm_head, embed, token_map)
 
 
-def make_optimizer(heads: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the heads' trainable parameters only; weight decay on matrices, not on biases."""
+def make_optimizer(heads: torch.nn.Module, config: TrainConfig,
+                   lora_params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:
+    """AdamW over the heads' trainable parameters only; weight decay on matrices, not on biases. Medusa-2 adds the
+    base's LoRA parameters as a group of their own at ``lora_learning_rate`` (no weight decay)."""
     params = [p for p in heads.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": list(lora_params or []), "weight_decay": 0.0, "lr": config.lora_learning_rate},
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate)

@@ -1,7 +1,9 @@
 """Medusa head training with Accelerate: K heads trained on the base's last hidden states.
 
-Medusa (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head included) is frozen and runs under
-``torch.no_grad``; only the heads train, on the loss of :mod:`medusa.losses`. Reading order:
+Medusa-1 (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head included) is frozen and runs under
+``torch.no_grad``; only the heads train, on the loss of :mod:`medusa.losses`. Medusa-2 (section 2.2.2,
+``training_mode: medusa2``, :mod:`train.medusa2`) adds a LoRA on the base, trained jointly with a KL to the frozen
+base; it is written to ``output_dir/adapter`` next to the heads. Reading order:
 
 ``train`` (here) -> :func:`train.setup.setup` (accelerator, base, data, heads, optimizer, resume) ->
 :func:`train.loop.fit` (the loop: ``train_step``, :func:`train.evaluation.evaluate`,
@@ -9,7 +11,8 @@ Medusa (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head
 
 The pieces live by concern: :mod:`train.setup` (run setup), :mod:`train.conversations` (data and self-distillation
 orchestration), :mod:`train.loop` (the step loop), :mod:`train.objective` (the loss), :mod:`train.evaluation`
-(held-out metrics) and :mod:`train.checkpoints` (atomic checkpoints and resumption). Their public names are
+(held-out metrics), :mod:`train.checkpoints` (atomic checkpoints and resumption) and :mod:`train.medusa2`
+(the LoRA, its stages and its KL). Their public names are
 importable from here too.
 
 Only the heads go through ``accelerator.prepare`` (DDP wraps them alone); the base sits on ``accelerator.device``
@@ -52,6 +55,7 @@ from train.conversations import (  # noqa: F401
 from train.evaluation import any_held_out, evaluate, format_metrics
 from train.history import write_curves
 from train.loop import batch_hidden_states, crop_window, fit, micro_batches, train_step, window_starts  # noqa: F401
+from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.objective import head_loss, mixed_step_loss, step_loss, teacher_logits  # noqa: F401
 from train.setup import (  # noqa: F401
     Run,
@@ -94,6 +98,9 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         heads = run.accelerator.unwrap_model(run.heads)
         extra = {"config": config.to_dict(), "steps": run.step, "held_out": metrics}
         save_heads(heads, out / HEADS_DIR, extra_config=extra)
+        if run.lora_params is not None:  # Medusa-2: the heads were trained over the adapted base
+            save_adapter(run.model, out / ADAPTER_DIR)
+            logger.info("LoRA adapter written to %s (decode with --adapter, or `medusa merge` it)", out / ADAPTER_DIR)
         (out / EVAL_NAME).write_text(json.dumps({"steps": run.step, **metrics}, indent=2) + "\n")
         write_curves(out)
         logger.info("heads written to %s; held-out %s", out / HEADS_DIR, format_metrics(metrics))
