@@ -5,7 +5,8 @@ heads both runs started from as a reference row. Every row is scored on the same
 (the original base's greedy text), with the base each set of heads decodes with: the original for Medusa-1, the
 merged adapted base for Medusa-2. Reported: per-head top-1/top-5 (for Hydra heads conditional on the true tokens
 before the target), the expected tau of the greedy-grown tree at several node budgets (as ``scripts/head_ablation.py``
-and ``medusa build-tree``), and the drift of the decoding base from the original (:mod:`medusa.drift`).
+and ``medusa build-tree``), and the drift of the decoding base from the original (:mod:`medusa.drift`; none for
+the original itself).
 
     python scripts/medusa2_compare.py --base models/smollm2-135m-instruct \\
         --held-out data/distill/distilled_held_out.jsonl --limit 48 \\
@@ -48,7 +49,7 @@ def score(name: str, model, heads_dir: Path, original, sequences, top_k: int) ->
     row = {"name": name, "heads": str(heads_dir), "top1": [round(a, 4) for a in accuracy[:, 0].tolist()],
            "top5": [round(a, 4) for a in accuracy[:, :5].sum(1).tolist()],
            "expected_tau": {str(n): round(t, 4) for n, t in taus.items()},
-           "drift": drift(original, model, sequences)}
+           "drift": None if model is original else drift(original, model, sequences)}
     training = json.loads((heads_dir / "config.json").read_text()).get("training", {})
     row["steps"] = training.get("steps")
     return row
@@ -79,8 +80,7 @@ def main() -> None:
             model = merge_adapter(load_base(args.base)[0], run / "adapter").eval()
         rows.append(score(run.name, model, run / "heads", original, sequences, args.top_k))
         logger.info("%s scored in %.0f s: %s", run, time.perf_counter() - started, rows[-1])
-    result = {"base": args.base, "held_out": str(args.held_out), "sequences": len(sequences),
-              "tokens": rows[0]["drift"]["tokens"], "rows": rows}
+    result = {"base": args.base, "held_out": str(args.held_out), "sequences": len(sequences), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -71,6 +71,9 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     accelerator = make_accelerator(config)
     logger.info("training on %s, device %s, mixed precision %s", describe_processes(accelerator), accelerator.device,
                 "off" if accelerator.mixed_precision == "no" else accelerator.mixed_precision)
+    if config.training_mode == "medusa2" and accelerator.num_processes > 1:
+        raise ValueError("training_mode medusa2 runs in one process for now (DDP does not wrap the LoRA yet); "
+                         "launch one process")
     set_seed(config.seed)
     if accelerator.is_main_process:
         remove_unfinished_checkpoints(config.output_dir)
@@ -122,14 +125,10 @@ def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint:
     """Medusa-2: the frozen base wrapped in its LoRA (the checkpoint's weights when resuming); Medusa-1: ``model``.
 
     Raises:
-        ValueError: Medusa-2 in a multi-process launch (not supported yet), bad LoRA target modules, or a
-            checkpoint whose LoRA has another rank or other targets.
+        ValueError: bad LoRA target modules, or a checkpoint whose LoRA has another rank or other targets.
     """
     if config.training_mode != "medusa2":
         return model
-    if accelerator.num_processes > 1:
-        raise ValueError("training_mode medusa2 runs in one process for now (DDP does not wrap the LoRA yet); "
-                         "launch one process")
     model = apply_lora(model, config)
     if checkpoint:
         load_adapter_state(model, checkpoint / ADAPTER_DIR, config)
