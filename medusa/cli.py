@@ -1,5 +1,5 @@
 """The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot, export, import."""
+plot, export, import, merge, drift."""
 
 from __future__ import annotations
 
@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<out>.png; needs --out and matplotlib")
     p.add_argument("--compare", metavar="JSON",
                    help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
+    p.add_argument("--drift-data", metavar="JSONL",
+                   help="held-out self-distilled answers: also report the adapted model's drift from the original "
+                        "(greedy top-1 agreement, mean NLL); needs --adapter or --original")
+    p.add_argument("--original", help="the original base for --drift-data (default: --base when --adapter is given)")
     _sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -157,12 +161,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="base model folder: checked against the heads and stored as their fingerprint; "
                    "a vLLM original_lm_head equal to its rows is imported as sharing it")
     p.set_defaults(func=cmd_import)
+
+    p = add_command("merge", "fold a Medusa-2 LoRA adapter into the base: a full model folder (with tokenizer)")
+    p.add_argument("--base", required=True, help="base model folder the adapter was trained on")
+    p.add_argument("--adapter", required=True, help="peft adapter folder (a Medusa-2 run's output_dir/adapter)")
+    p.add_argument("--out", required=True, help="merged model folder to write (must not exist or be empty)")
+    p.set_defaults(func=cmd_merge)
+
+    p = add_command("drift", "an adapted model's drift from the original on held-out self-distilled answers")
+    p.add_argument("--base", required=True, help="the original base model folder")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--adapter", help="peft adapter folder, merged into --base")
+    group.add_argument("--adapted", help="a merged model folder (medusa merge)")
+    p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
+    p.add_argument("--out", help="write the JSON result here")
+    p.set_defaults(func=cmd_drift)
     return parser
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="base model folder (or hub id)")
     p.add_argument("--heads", required=True, help="Medusa heads folder")
+    p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
@@ -195,7 +216,8 @@ def _load(args):
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
-    return MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device)
+    return MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
+                                       adapter=args.adapter)
 
 
 def cmd_prepare(args) -> int:
@@ -379,6 +401,9 @@ def cmd_bench(args) -> int:
                        sampling=_sampling_kwargs(args))
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
+    if args.drift_data:
+        result["drift"] = _bench_drift(args, model.base)
+        print(f"drift from {result['drift']['original']}: {_drift_text(result['drift'])}")
     print(bench_table(result, reference, args.compare))
     for d in result["divergences"]:
         print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g}")
@@ -488,6 +513,50 @@ def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], 
     if not sequences:
         raise ValueError(f"{path} holds no sequence")
     return sequences
+
+
+def _bench_drift(args, adapted) -> dict:
+    """Drift of the decoded (adapted) model from ``--original``, or from ``--base`` when ``--adapter`` merged one."""
+    from medusa.drift import drift
+    from medusa.model import load_base
+
+    original = args.original or (args.base if args.adapter else None)
+    if original is None:
+        raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+    base, _ = load_base(original, adapted.dtype, adapted.device)
+    return {"original": str(original), "data": args.drift_data,
+            **drift(base, adapted, _distilled_sequences(args.drift_data, args.limit))}
+
+
+def _drift_text(result: dict) -> str:
+    return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
+            f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")
+
+
+def cmd_merge(args) -> int:
+    from medusa.adapter import write_merged
+
+    print(f"merged model written to {write_merged(args.base, args.adapter, args.out)}")
+    return 0
+
+
+def cmd_drift(args) -> int:
+    from medusa.adapter import merge_adapter
+    from medusa.drift import drift
+    from medusa.model import load_base
+
+    sequences = _distilled_sequences(args.data, args.limit)
+    original, _ = load_base(args.base)
+    if args.adapter:
+        adapted = merge_adapter(load_base(args.base)[0], args.adapter).eval()
+    else:
+        adapted, _ = load_base(args.adapted)
+    result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
+              **drift(original, adapted, sequences)}
+    print(_drift_text(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def cmd_eval_heads(args) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa.adapter import check_adapter_folder, merge_adapter
 from medusa.batch import BatchStats, batch_generate
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.generate import GenerationStats, Step, medusa_steps
@@ -67,8 +68,11 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attn_implementation: str | None = None) -> MedusaModel:
+                        attn_implementation: str | None = None, adapter: str | Path | None = None) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
+
+        ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are
+        verified against the adapted model the heads were trained with (:mod:`medusa.adapter`).
 
         ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,
         else the top-1 chain (logged).
@@ -88,7 +92,11 @@ class MedusaModel(nn.Module):
             tree = load_tree(tree)
         if tree is not None:
             tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
+        if adapter is not None:
+            check_adapter_folder(adapter)
         model, tokenizer = load_base(base, dtype, device, attn_implementation)
+        if adapter is not None:
+            model = merge_adapter(model, adapter).eval()
         loaded = load_heads(heads, model.get_output_embeddings().weight,
                             embed_weight=model.get_input_embeddings().weight)
         return cls(model, loaded, tree, tokenizer)
