@@ -469,3 +469,94 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids: set[int],
+                    pad_token_id: int) -> list[list[int]]:
+    """Hugging Face ``generate``, greedy, on several prompts at once (left padding); new ids per prompt, each cut
+    after its first stop token (``generate`` pads finished rows)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):], mask[b, longest - len(p):] = p, 1
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=sorted(stop_token_ids) or None, pad_token_id=pad_token_id)
+    rows = []
+    for row in out[:, longest:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_token_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+BATCH_METHODS = ("plain", "medusa", "hf")
+
+
+def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, batch_sizes=(1, 4, 16),
+                    use_chat_template: bool = True, methods=BATCH_METHODS, progress=None) -> dict:
+    """Tokens/s of batched decoding at each batch size: plain greedy (a tree of one node), Medusa (``model.tree``)
+    and Hugging Face ``generate`` with left padding, all greedy, in one process.
+
+    At batch size B the prompts are decoded in consecutive groups of B (the last group may be smaller), so every
+    batch size decodes the same prompts; a batch size above the number of prompts uses them all (noted in
+    ``notes``). Methods alternate their order across batch sizes. Each method's tokens are compared, prompt by
+    prompt, with plain decoding at the smallest batch size (``identical``: prompts whose tokens are the same).
+
+    Returns:
+        ``{"batch_sizes", "results": {B: {method: {tokens, seconds, tokens_per_s, identical, ...}}}, "notes", ...}``.
+    """
+    from medusa.batch import BatchStats
+    from medusa.tree import Tree
+
+    stop = model.stop_token_ids()
+    pad = next(iter(sorted(stop)), 0)
+    encoded = [encode_prompt(model.tokenizer, p, use_chat_template).to(model.device) for p in prompts]
+    notes = []
+    sizes = []
+    for size in batch_sizes:
+        if size > len(encoded):
+            notes.append(f"batch size {size} is larger than the {len(encoded)} prompts given: used {len(encoded)}")
+        sizes.append(min(size, len(encoded)))
+    plain = Tree.chain(0)
+    for method in methods:  # warm-up, untimed
+        _decode_batch(model, method, encoded[:2], 4, stop, pad, plain, BatchStats())
+    results, reference = {}, None
+    for n, size in enumerate(sizes):
+        results[size] = {}
+        for method in (methods if n % 2 == 0 else tuple(reversed(methods))):
+            stats, outputs = BatchStats(), []
+            start = time.perf_counter()
+            for first in range(0, len(encoded), size):
+                group = encoded[first : first + size]
+                outputs += _decode_batch(model, method, group, max_new_tokens, stop, pad, plain, stats)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o) for o in outputs)
+            record = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
+            if method != "hf":
+                steps = sum(s.decode_steps for s in stats.rows)
+                record["tau"] = sum(s.decode_tokens for s in stats.rows) / max(steps, 1)
+                record["batched_forwards"] = stats.forwards
+            results[size][method] = record
+            if progress is not None:
+                progress(size, method, record)
+        if reference is None:
+            reference = results[size].get("plain", next(iter(results[size].values())))["outputs"]
+    for by_method in results.values():
+        for record in by_method.values():
+            record["identical"] = sum(a == b for a, b in zip(record.pop("outputs"), reference, strict=True))
+    return {"batch_sizes": sizes, "requested_batch_sizes": list(batch_sizes), "prompts": len(encoded),
+            "results": {str(k): v for k, v in results.items()}, "notes": notes, **environment(model, max_new_tokens)}
+
+
+def _decode_batch(model: MedusaModel, method: str, group: list[torch.Tensor], max_new_tokens: int, stop: set[int],
+                  pad: int, plain, stats) -> list[list[int]]:
+    """One group of prompts decoded by ``method`` (see :func:`run_batch_bench`); Medusa/plain stats added to
+    ``stats``."""
+    if method == "hf":
+        return hf_greedy_batch(model.base, group, max_new_tokens, stop, pad)
+    outputs, run = model.generate_batch(group, max_new_tokens, tree=plain if method == "plain" else None,
+                                        stop_token_ids=stop)
+    stats.rows += run.rows
+    stats.forwards += run.forwards
+    return outputs

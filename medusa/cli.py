@@ -1,5 +1,5 @@
 """The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot."""
+plot, export, import, merge, drift."""
 
 from __future__ import annotations
 
@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
+    group.add_argument("--prompts", help="several prompts: JSON lines with 'prompt' or 'messages' (as for bench), "
+                                         "decoded in batches (greedy only)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="with --prompts: prompts per batched forward (default: all of them)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
@@ -100,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
+    p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                   help="batched bench instead: tokens/s of plain, Medusa and HF generate (left padding) decoding "
+                        "at each batch size B (e.g. 1 4 16), greedy")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--plot", action="store_true",
@@ -107,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<out>.png; needs --out and matplotlib")
     p.add_argument("--compare", metavar="JSON",
                    help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
+    p.add_argument("--drift-data", metavar="JSONL",
+                   help="held-out self-distilled answers: also report the adapted model's drift from the original "
+                        "(greedy top-1 agreement, mean NLL); needs --adapter or --original")
+    p.add_argument("--original", help="the original base for --drift-data (default: --base when --adapter is given)")
     _sampling_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -134,12 +145,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench JSON, <tree>.report.json, or a training output_dir (its eval_history.jsonl)")
     p.add_argument("--out", help="PNG to write (one input only; default: next to the input, .png)")
     p.set_defaults(func=cmd_plot)
+
+    p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model)")
+    p.add_argument("--format", required=True, choices=["vllm"], help="target layout")
+    p.add_argument("--heads", required=True, help="our heads folder")
+    p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head")
+    p.set_defaults(func=cmd_export)
+
+    p = add_command("import", "convert heads from another project's layout into ours")
+    p.add_argument("src", help="folder to convert")
+    p.add_argument("--from", dest="source", required=True, choices=["medusa-v1", "vllm"],
+                   help="medusa-v1: FasterDecoding/Medusa (medusa_lm_head.safetensors or .pt); vllm: vLLM's Medusa")
+    p.add_argument("--out", required=True, help="our heads folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: checked against the heads and stored as their fingerprint; "
+                   "a vLLM original_lm_head equal to its rows is imported as sharing it")
+    p.set_defaults(func=cmd_import)
+
+    p = add_command("merge", "fold a Medusa-2 LoRA adapter into the base: a full model folder (with tokenizer)")
+    p.add_argument("--base", required=True, help="base model folder the adapter was trained on")
+    p.add_argument("--adapter", required=True, help="peft adapter folder (a Medusa-2 run's output_dir/adapter)")
+    p.add_argument("--out", required=True, help="merged model folder to write (must not exist or be empty)")
+    p.set_defaults(func=cmd_merge)
+
+    p = add_command("drift", "an adapted model's drift from the original on held-out self-distilled answers")
+    p.add_argument("--base", required=True, help="the original base model folder")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--adapter", help="peft adapter folder, merged into --base")
+    group.add_argument("--adapted", help="a merged model folder (medusa merge)")
+    p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
+    p.add_argument("--out", help="write the JSON result here")
+    p.set_defaults(func=cmd_drift)
     return parser
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="base model folder (or hub id)")
     p.add_argument("--heads", required=True, help="Medusa heads folder")
+    p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
@@ -182,7 +226,8 @@ def _load(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
     check_dtype(dtype, device)
-    model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device)
+    model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
+                                        adapter=args.adapter)
     engine = getattr(args, "engine", None) or DEFAULT_ENGINE
     model.use_engine(engine, **({"max_cache_len": args.max_cache_len} if engine != "eager" else {}))
     return model
@@ -281,6 +326,10 @@ def cmd_generate(args) -> int:
     from medusa.bench import encode_prompt
     from medusa.generate import GenerationStats
 
+    if args.prompts:
+        return _generate_batched(args)
+    if args.batch_size is not None:
+        raise ValueError("--batch-size needs --prompts")
     record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
     if args.stats:
@@ -302,6 +351,41 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_batched(args) -> int:
+    """``medusa generate --prompts FILE``: batched greedy decoding, each answer under a ``--- prompt i ---`` line."""
+    import torch
+
+    from medusa.bench import encode_prompt, read_prompts
+
+    if args.stream:
+        raise ValueError("--stream prints one sequence as it is accepted: not with --prompts")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    records = read_prompts(args.prompts)
+    size = args.batch_size or len(records)
+    if size > len(records):
+        print(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}",
+              file=sys.stderr)
+        size = len(records)
+    model = _load(args)
+    if args.stats:
+        _warn_if_busy(torch.get_num_threads())
+    ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
+    sampling = _sampling_kwargs(args)
+    settings = {k: v for k, v in sampling.items() if k != "acceptance" and v is not None}
+    for first in range(0, len(ids), size):
+        outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
+        for i, tokens in enumerate(outputs, first):
+            print(f"--- prompt {i} ---")
+            print(model.tokenizer.decode(tokens, skip_special_tokens=True))
+        if args.stats:
+            taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
+            print(f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
+                  f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
+                  f"{model.tree.name} ({model.tree.num_nodes} nodes)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -317,6 +401,8 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts)[: args.limit]
     model = _load(args)
     load = _warn_if_busy(torch.get_num_threads())
+    if args.batch_size:
+        return _bench_batched(args, model, prompts, load)
 
     def progress(i, record):
         line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
@@ -328,6 +414,9 @@ def cmd_bench(args) -> int:
                        sampling=_sampling_kwargs(args))
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
+    if args.drift_data:
+        result["drift"] = _bench_drift(args, model.base)
+        print(f"drift from {result['drift']['original']}: {_drift_text(result['drift'])}")
     print(bench_table(result, reference, args.compare))
     for d in result["divergences"]:
         kind = "tie" if d.get("tie") else "true divergence"
@@ -343,6 +432,44 @@ def cmd_bench(args) -> int:
 
         print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
     return 0
+
+
+def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
+    """``medusa bench --batch-size B...``: :func:`medusa.bench.run_batch_bench`, a table, and the JSON."""
+    from medusa.bench import run_batch_bench
+
+    if min(args.batch_size) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
+    if any(v is not None for k, v in _sampling_kwargs(args).items() if k != "acceptance"):
+        raise ValueError("the batched bench is greedy only: drop the sampling flags")
+
+    def progress(size, method, record):
+        print(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s", file=sys.stderr)
+
+    result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
+                             use_chat_template=not args.no_chat_template, progress=progress)
+    result["prompts_file"] = str(args.prompts)
+    result["load"] = load
+    for note in result["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(batch_bench_table(result))
+    if load["warning"]:
+        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def batch_bench_table(result: dict) -> str:
+    """The batched bench as text: tokens/s per method and batch size, identical prompts, Medusa tau."""
+    lines = [f"{'batch':>5}  {'method':6}  {'tokens/s':>9}  {'identical':>9}  {'tau':>5}"]
+    for size, by_method in result["results"].items():
+        for method, r in by_method.items():
+            tau = f"{r['tau']:.2f}" if "tau" in r else ""
+            lines.append(f"{size:>5}  {method:6}  {r['tokens_per_s']:9.2f}  {r['identical']:>4}/{result['prompts']:<4}"
+                         f"  {tau:>5}")
+    return "\n".join(lines)
 
 
 def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
@@ -422,6 +549,50 @@ def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], 
     if not sequences:
         raise ValueError(f"{path} holds no sequence")
     return sequences
+
+
+def _bench_drift(args, adapted) -> dict:
+    """Drift of the decoded (adapted) model from ``--original``, or from ``--base`` when ``--adapter`` merged one."""
+    from medusa.drift import drift
+    from medusa.model import load_base
+
+    original = args.original or (args.base if args.adapter else None)
+    if original is None:
+        raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+    base, _ = load_base(original, adapted.dtype, adapted.device)
+    return {"original": str(original), "data": args.drift_data,
+            **drift(base, adapted, _distilled_sequences(args.drift_data, args.limit))}
+
+
+def _drift_text(result: dict) -> str:
+    return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
+            f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")
+
+
+def cmd_merge(args) -> int:
+    from medusa.adapter import write_merged
+
+    print(f"merged model written to {write_merged(args.base, args.adapter, args.out)}")
+    return 0
+
+
+def cmd_drift(args) -> int:
+    from medusa.adapter import merge_adapter
+    from medusa.drift import drift
+    from medusa.model import load_base
+
+    sequences = _distilled_sequences(args.data, args.limit)
+    original, _ = load_base(args.base)
+    if args.adapter:
+        adapted = merge_adapter(load_base(args.base)[0], args.adapter).eval()
+    else:
+        adapted, _ = load_base(args.adapted)
+    result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
+              **drift(original, adapted, sequences)}
+    print(_drift_text(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def cmd_eval_heads(args) -> int:
@@ -507,6 +678,48 @@ def cmd_plot(args) -> int:
             else:
                 raise ValueError(f"{path} is neither a bench result nor a build-tree report")
         print(f"plot: {out}")
+    return 0
+
+
+def _base_lm_head(base: str | None):
+    """The base's lm_head weight ``(V, H)`` in its stored dtype, or ``None`` without ``--base``."""
+    if base is None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{base}: {type(model).__name__} exposes no lm_head")
+    return model.get_output_embeddings().weight.detach()
+
+
+def cmd_export(args) -> int:
+    from medusa.checkpoint import check_heads_folder, load_heads
+    from medusa.interop import export_vllm
+
+    config = check_heads_folder(args.heads)
+    if config.share_lm_head and args.base is None:
+        raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
+    lm_head = _base_lm_head(args.base)
+    if lm_head is None:  # heads with their own projections: a stand-in of the right shape, not saved or exported
+        import torch
+
+        lm_head = torch.zeros(config.vocab_size, config.hidden_size)
+    heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
+    out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
+    print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from medusa.checkpoint import read_heads_config
+    from medusa.interop import import_medusa_v1, import_vllm
+
+    convert = {"medusa-v1": import_medusa_v1, "vllm": import_vllm}[args.source]
+    out = convert(args.src, args.out, _base_lm_head(args.base))
+    config = read_heads_config(out)
+    projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
+    print(f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {out}")
     return 0
 
 

@@ -122,8 +122,10 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     positions = torch.arange(len(input_ids), device=device)
     logits, hidden = engine.forward(input_ids, positions, kv_cache.causal_mask(len(input_ids), device), cache,
                                     logits_for=slice(-1, None))
-    root, last_hidden = rule.next_token(_processed(processors, input_ids, logits[-1])), hidden[-1]
+    root = rule.next_token(_processed(processors, input_ids, logits[-1]))
     sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
+    context = heads.new_context()  # the heads' own state (their attention layer's cache), if they keep one
+    last_hidden = heads.extend_context(context, hidden, sequence[1:])  # (H,) drafting input
     stats.prefill_s = time.perf_counter() - start
     step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
     yield step
@@ -137,9 +139,11 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         verified = time.perf_counter()
         engine.keep_positions(cache, prefix_len, result.path_nodes)
         _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
-        root, last_hidden = result.next_token, hidden[result.path_nodes[-1]]
-        emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(root)]
-        sequence = torch.cat([sequence, torch.tensor(emitted, dtype=torch.long, device=device)])
+        root = result.next_token
+        emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
+        sequence = torch.cat([sequence, emitted])
+        last_hidden = heads.extend_context(context, hidden[result.path_nodes], emitted)
+        emitted = emitted.tolist()
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted, result.accepted, stats, max_new_tokens, stop)
 

@@ -26,14 +26,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa.prefix_layer import PrefixAttention, PrefixContext
+
 # Head k (0-based) reading the hidden state at position t predicts the token at t + k + HEAD_TOKEN_OFFSET.
 HEAD_TOKEN_OFFSET = 2
 # Label / head index meaning "no target" (the cross-entropy ignore index).
 IGNORE_INDEX = -100
 HEAD_TYPES = ("medusa", "hydra")
-# Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra).
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra). Version 3: the heads'
+# own attention layer (prefix_layers, prefix_window).
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 
 
 def head_target_offset(k: int) -> int:
@@ -66,6 +69,11 @@ class MedusaHeadsConfig:
     head_type: str = "medusa"
     """"medusa": each head reads the hidden state at t only; "hydra": head k also reads the input embeddings of
     tokens t+1 .. t+k+1 (sequentially dependent heads)."""
+    prefix_layers: int = 0
+    """1: Hydra heads read ``h_t`` plus the output of their own sliding-window attention layer over the base's hidden
+    states (:mod:`medusa.prefix_layer`); 0: no such layer."""
+    prefix_window: int = 64
+    """Positions that layer attends over (training and decoding alike)."""
     model_type: str = "medusa_heads"
     format_version: int = FORMAT_VERSION
 
@@ -77,7 +85,12 @@ class MedusaHeadsConfig:
             raise ValueError(f"unknown head_type {self.head_type!r}: expected one of {list(HEAD_TYPES)}")
         if self.format_version == 1 and self.head_type != "medusa":
             raise ValueError(f"format_version 1 holds only Medusa heads, got head_type {self.head_type!r}")
-        for name in ("hidden_size", "vocab_size", "num_heads"):
+        if self.prefix_layers not in (0, 1):
+            raise ValueError(f"prefix_layers must be 0 or 1, got {self.prefix_layers!r}")
+        if self.prefix_layers and self.head_type != "hydra":
+            raise ValueError(f"prefix_layers needs head_type 'hydra' (it reads the next tokens' embeddings), "
+                             f"got {self.head_type!r}")
+        for name in ("hidden_size", "vocab_size", "num_heads", "prefix_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
@@ -230,6 +243,7 @@ class _HeadsBase(nn.Module):
             ValueError: Hydra heads called without ``input_ids``.
         """
         follow = self._following_tokens(hidden_states, input_ids)  # (..., T, K) or None
+        hidden_states = self.context_states(hidden_states, follow)  # (..., T, H)
         return torch.stack([
             self.project(k, self.features(k, hidden_states, None if follow is None else follow[..., : k + 1]))
             for k in range(self.config.num_heads)
@@ -250,6 +264,28 @@ class _HeadsBase(nn.Module):
 
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None):
         return None
+
+    def context_states(self, hidden_states: torch.Tensor, follow: torch.Tensor | None) -> torch.Tensor:
+        """The hidden states the heads read ``(..., T, H)``, from the base's ``(..., T, H)`` and the following tokens
+        ``(..., T, K)``: the base's own, unless the heads have their own attention layer."""
+        return hidden_states
+
+    def new_context(self):
+        """A fresh per-sequence decoding state for :meth:`extend_context` (``None`` when the heads keep none)."""
+        return None
+
+    def extend_context(self, context, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Feed the positions the base just accepted to the heads; returns the drafting input ``(H,)``.
+
+        Args:
+            context: from :meth:`new_context`, updated in place.
+            hidden: ``(n, H)`` the base's hidden states at the accepted positions (the prompt, after the prefill).
+            next_tokens: ``(n,)`` long, the token that followed each position: the last is the base's own next token.
+
+        Returns:
+            ``(H,)``: what :meth:`draft_logits` reads for the next tree (the base's last hidden state by default).
+        """
+        return hidden[-1]
 
     def to_base_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
         """Map head-vocabulary indices (any shape) to base token ids."""
@@ -329,13 +365,31 @@ class HydraHeads(_HeadsBase):
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(hidden) for _ in range(config.num_layers - 1))) for _ in range(config.num_heads)
         )
+        self.prefix = PrefixAttention(hidden, config.prefix_window) if config.prefix_layers else None
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The base's frozen input embeddings of ``tokens`` (any shape), RMS-normalised: ``(..., H)``."""
+        embeds = nn.functional.embedding(tokens, self.embed_weight).to(dtype)  # (..., H)
+        return nn.functional.rms_norm(embeds, (embeds.shape[-1],))
+
+    def context_states(self, hidden_states: torch.Tensor, follow: torch.Tensor | None) -> torch.Tensor:
+        if self.prefix is None:
+            return hidden_states
+        return self.prefix(hidden_states, self.embed(follow[..., 0], hidden_states.dtype))  # (..., T, H)
+
+    def new_context(self) -> PrefixContext | None:
+        return None if self.prefix is None else PrefixContext()
+
+    def extend_context(self, context, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        if self.prefix is None:
+            return hidden[-1]
+        return self.prefix.extend(context, hidden, self.embed(next_tokens, hidden.dtype))  # (H,)
 
     def features(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         if tokens is None or tokens.shape[-1] != k + 1:
             raise ValueError(f"Hydra head {k} needs the {k + 1} tokens after position t, got "
                              f"{None if tokens is None else tokens.shape[-1]}")
-        embeds = nn.functional.embedding(tokens, self.embed_weight).to(hidden.dtype)  # (..., k+1, H)
-        embeds = nn.functional.rms_norm(embeds, (embeds.shape[-1],))
+        embeds = self.embed(tokens, hidden.dtype)  # (..., k+1, H)
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
         return self.blocks[k](hidden + nn.functional.silu(self.inputs[k](x)))  # (..., H)
 

@@ -197,3 +197,128 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
         layer.keys[..., prefix_len:end, :] = kept_k
         layer.values[..., prefix_len:end, :] = kept_v
         layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+
+
+# Batched decoding (medusa.batch). Layout of a batched cache: row b's cached slots 0..valid_len[b]-1 hold its
+# positions 0..valid_len[b]-1 (slot == position); slots from valid_len[b] to the cache length are holes, hidden by
+# the mask and overwritten as the row advances. The cache length is max(valid_len): the longest row has no hole.
+
+
+def build_rows_attention_mask(config, valid_len: torch.Tensor, cache_len: int, positions: torch.Tensor,
+                              new_visible: torch.Tensor, dtype):
+    """:func:`build_attention_mask` for a batch of rows whose cached prefixes have different lengths.
+
+    Args:
+        config: the base model's config.
+        valid_len: ``(B,)`` long: cached positions of each row (the rest of its ``cache_len`` slots are holes).
+        cache_len: slots in the cache (``max(valid_len)``, or more).
+        positions: ``(B, N)`` long position ids of the new tokens.
+        new_visible: ``(N, N)`` or ``(B, N, N)`` bool, ``[.., i, j]`` True when new token i may attend to new token j.
+        dtype: dtype of the additive mask.
+
+    Returns:
+        A ``(B, 1, N, cache_len + N)`` additive float mask, or a dict of them keyed by attention layer type.
+    """
+    kinds, window = attention_layout(config)
+    device = positions.device
+    batch, n = positions.shape
+    slots = torch.arange(cache_len, device=device)  # (L,)
+    prefix = (slots[None, :] < valid_len[:, None])[:, None, :].expand(batch, n, cache_len)  # (B, N, L)
+    visible = torch.cat([prefix, new_visible.expand(batch, n, n)], dim=-1)  # (B, N, L+N)
+    key_pos = torch.cat([slots[None, :].expand(batch, cache_len), positions], dim=1)  # (B, L+N)
+    masks = {}
+    for kind in kinds:
+        allowed = visible
+        if kind == SLIDING:
+            allowed = visible & (positions[:, :, None] - key_pos[:, None, :] < window)  # (B, N, L+N)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        masks[kind] = additive[:, None]  # (B, 1, N, L+N)
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    return masks if layer_types is not None else next(iter(masks.values()))
+
+
+def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
+                 new_visible: torch.Tensor, cache) -> torch.Tensor:
+    """One forward of the stock model over ``N`` new tokens per row, rows with cached prefixes of different lengths.
+
+    Args:
+        input_ids: ``(B, N)`` long token ids.
+        positions: ``(B, N)`` long position ids.
+        valid_len: ``(B,)`` long cached positions per row (see the batched layout above).
+        new_visible: ``(N, N)`` or ``(B, N, N)`` bool mask among the new tokens.
+        cache: the batched cache (``B`` rows, or empty); the new keys/values are appended to every row.
+
+    Returns:
+        ``(B, N, H)`` last hidden states (logits: :func:`lm_logits`).
+    """
+    decoder = decoder_of(model)
+    dtype = model.get_output_embeddings().weight.dtype
+    mask = build_rows_attention_mask(model.config, valid_len, cache_length(cache), positions, new_visible, dtype)
+    kwargs = {_cache_kwarg(type(decoder)): cache}
+    out = decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    return out.last_hidden_state  # (B, N, H)
+
+
+def _filled_layers(cache):
+    return [layer for layer in cache.layers
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0]
+
+
+def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
+    """After a batched tree forward, keep each row's accepted nodes right after its own cached prefix.
+
+    The cache holds ``prefix_len + N`` slots (``prefix_len`` = the cache length before the forward). Row b's nodes
+    ``keep[b]`` (indices into the N new slots, in order) move to slots ``valid_len[b] ..``; the cache is cut to the
+    new longest row. Only the kept slots are copied: no row's prefix moves.
+
+    Args:
+        prefix_len: slots in the cache before the tree forward.
+        valid_len: ``(B,)`` long cached positions per row before the forward.
+        keep: per row, ``(A_b,)`` long node indices.
+
+    Returns:
+        ``(B,)`` the new ``valid_len`` (``valid_len + A_b``).
+    """
+    device = valid_len.device
+    counts = torch.tensor([len(k) for k in keep], dtype=torch.long, device=device)  # (B,)
+    new_len = valid_len + counts
+    rows = torch.repeat_interleave(torch.arange(len(keep), device=device), counts)  # (M,)
+    offsets = torch.arange(len(rows), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    dst = valid_len[rows] + offsets  # (M,)
+    src = torch.cat([k.to(device) for k in keep]) + prefix_len  # (M,)
+    end = int(new_len.max())
+    for layer in _filled_layers(cache):
+        r, s, d = (t.to(layer.keys.device) for t in (rows, src, dst))
+        # Gather first (a copy), then write: a kept node's source slot is never before its destination.
+        kept_k, kept_v = layer.keys[r, :, s, :], layer.values[r, :, s, :]  # (M, Hkv, D)
+        layer.keys[r, :, d, :] = kept_k
+        layer.values[r, :, d, :] = kept_v
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+    return new_len
+
+
+def stack_rows(caches: list) -> DynamicCache:
+    """One batched cache from single-sequence caches of different lengths (the batched layout above: each row's
+    positions from slot 0, zero-filled holes after the shorter rows). Reuses the first cache's layer objects."""
+    stacked = caches[0]
+    length = max(cache_length(c) for c in caches)
+    for i, layer in enumerate(stacked.layers):
+        rows = [c.layers[i] for c in caches]
+        if not all(getattr(r, "is_initialized", True) and r.keys is not None and r.keys.numel() > 0 for r in rows):
+            continue
+        pad = [(0, 0, 0, length - r.keys.shape[-2]) for r in rows]
+        layer.keys = torch.cat([torch.nn.functional.pad(r.keys, p) for r, p in zip(rows, pad, strict=True)])
+        layer.values = torch.cat([torch.nn.functional.pad(r.values, p) for r, p in zip(rows, pad, strict=True)])
+    return stacked
+
+
+def select_rows(cache, rows: torch.Tensor, length: int) -> None:
+    """Keep only the batch rows ``rows`` ``(B',)`` (in that order) and the first ``length`` slots of the cache.
+
+    Used to drop finished sequences from a batch (one copy of the remaining rows), so they stop costing work.
+    """
+    for layer in _filled_layers(cache):
+        r = rows.to(layer.keys.device)
+        layer.keys = layer.keys[r, :, :length, :].contiguous()
+        layer.values = layer.values[r, :, :length, :].contiguous()

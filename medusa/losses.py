@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
 __all__ = ["IGNORE_INDEX", "LOSS_TYPES", "head_ce_sums", "head_lookup_table", "head_soft_sums",
-           "head_target_counts", "head_targets", "medusa_loss", "soft_cross_entropy"]
+           "head_target_counts", "head_targets", "medusa_loss", "next_token_kl_sum", "soft_cross_entropy"]
 
 TOP_K = 5
 LOSS_TYPES = ("hard", "teacher", "mixed")
@@ -214,3 +214,19 @@ def head_ce_sums(
         sums.append(F.cross_entropy(logits.reshape(-1, head_vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                                     reduction="sum"))
     return torch.stack(sums)  # (K,)
+
+
+def next_token_kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Summed ``KL(p_teacher || p_student)`` over rows: Medusa-2's self-distillation term that keeps the adapted base's
+    next-token distribution on the frozen base's (Cai et al., 2024, section 2.2.2).
+
+    Args:
+        teacher_logits: ``(N, V)`` the frozen base's logits (no gradient flows into them).
+        student_logits: ``(N, V)`` the adapted base's logits at the same positions.
+
+    Returns:
+        A float32 scalar, the sum over the N rows (nats); 0 for N = 0.
+    """
+    log_p = torch.log_softmax(teacher_logits.detach().float(), dim=-1)  # (N, V)
+    log_q = torch.log_softmax(student_logits.float(), dim=-1)  # (N, V)
+    return (log_p.exp() * (log_p - log_q)).sum()

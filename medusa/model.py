@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa.adapter import check_adapter_folder, merge_adapter
+from medusa.batch import BatchStats, batch_generate
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.generate import GenerationStats, Step, medusa_steps
@@ -72,8 +74,11 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attn_implementation: str | None = None) -> MedusaModel:
+                        attn_implementation: str | None = None, adapter: str | Path | None = None) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
+
+        ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are
+        verified against the adapted model the heads were trained with (:mod:`medusa.adapter`).
 
         ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,
         else the top-1 chain (logged).
@@ -93,7 +98,11 @@ class MedusaModel(nn.Module):
             tree = load_tree(tree)
         if tree is not None:
             tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
+        if adapter is not None:
+            check_adapter_folder(adapter)
         model, tokenizer = load_base(base, dtype, device, attn_implementation)
+        if adapter is not None:
+            model = merge_adapter(model, adapter).eval()
         loaded = load_heads(heads, model.get_output_embeddings().weight,
                             embed_weight=model.get_input_embeddings().weight)
         return cls(model, loaded, tree, tokenizer)
@@ -150,11 +159,37 @@ class MedusaModel(nn.Module):
                             top_p, seed, acceptance, typical_epsilon, typical_delta, **settings)
         return [t for step in steps for t in step.tokens], stats
 
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128, tree: Tree | None = None,
+                       stop_token_ids: set[int] | None = None, **settings) -> tuple[list[list[int]], BatchStats]:
+        """Batched greedy Medusa decoding of several prompts ``(T_b,)`` of any lengths (:mod:`medusa.batch`);
+        returns ``(new_token_ids per prompt, stats)``. Each prompt gets exactly the tokens :meth:`generate` gives
+        it alone. ``tree=Tree.chain(0)`` is plain batched greedy decoding.
+
+        Raises:
+            ValueError: an empty prompt (named), or a prompt that does not fit the context.
+            NotImplementedError: sampling, or a generation setting that needs a logits processor (repetition
+                penalty...), from the arguments or the base's ``generation_config``: batched decoding is greedy only.
+        """
+        decoding = resolve_decoding(self.base.generation_config, **settings)
+        stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
+        if decoding.do_sample:
+            raise NotImplementedError("batched decoding is greedy only: pass do_sample=False, or decode the prompts "
+                                      "one at a time with generate() to sample")
+        processors = decoding.processors(1, max_new_tokens, stop, self.device)
+        if processors:
+            names = ", ".join(type(p).__name__ for p in processors)
+            raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
+                                      f"{names}: decode the prompts one at a time with generate()")
+        ids = [_as_1d(p).to(self.device) for p in prompts]
+        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop,
+                              self.verify_logits)
+
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.ndim == 2:
         if input_ids.shape[0] != 1:
-            raise ValueError(f"Medusa decoding runs one sequence at a time; got batch size {input_ids.shape[0]}")
+            raise ValueError(f"generate() decodes one sequence; got batch size {input_ids.shape[0]} (several prompts: "
+                             "generate_batch())")
         return input_ids[0]
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be (T,) or (1, T), got shape {tuple(input_ids.shape)}")

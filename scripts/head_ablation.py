@@ -11,7 +11,8 @@ the training time.
         --held-out data/distill/distilled_held_out.jsonl --variants medusa:hard hydra:teacher --sizes 400 1600 \\
         --steps 300 --out docs/results/heads-ablation.json
 
-A variant is ``head_type:loss[:num_layers]``; ``--sizes`` trains on the first N stored examples. With ``--data``
+A variant is ``head_type:loss[:num_layers[:prefix_window]]`` (a prefix window gives Hydra heads their own attention
+layer over the base's hidden states, ``medusa/prefix_layer.py``); ``--sizes`` trains on the first N stored examples. With ``--data``
 the store is built first when missing (resumable): the training split of the first ``--conversations``
 conversations of a dataset (``sharegpt``, or self-distilled JSON lines from ``medusa distill``).
 """
@@ -41,8 +42,9 @@ BUDGETS = (4, 8, 16, 32)
 
 
 def parse_variant(text: str) -> dict:
-    head_type, loss, *layers = text.split(":")
-    return {"name": text, "head_type": head_type, "loss": loss, "num_layers": int(layers[0]) if layers else 1}
+    head_type, loss, *rest = text.split(":")
+    return {"name": text, "head_type": head_type, "loss": loss, "num_layers": int(rest[0]) if rest else 1,
+            "prefix_window": int(rest[1]) if len(rest) > 1 else 0}
 
 
 def held_out_sequences(path: Path, limit: int | None) -> list[tuple[list[int], int]]:
@@ -57,7 +59,9 @@ def make_heads(model, store: HiddenStateStore, indices: list[int], variant: dict
     token_map = most_frequent_tokens(counts, args.head_vocab_size, always=eos if isinstance(eos, list) else [eos])
     config = MedusaHeadsConfig(hidden_size=lm_head.shape[1], vocab_size=lm_head.shape[0], num_heads=args.num_heads,
                                num_layers=variant["num_layers"], head_vocab_size=args.head_vocab_size,
-                               head_type=variant["head_type"], lm_head_fingerprint=lm_head_fingerprint(lm_head))
+                               head_type=variant["head_type"], lm_head_fingerprint=lm_head_fingerprint(lm_head),
+                               prefix_layers=int(variant["prefix_window"] > 0),
+                               prefix_window=variant["prefix_window"] or 64)
     return build_heads(config, lm_head, embed, token_map)
 
 

@@ -20,13 +20,14 @@ from medusa.tree import Tree, tree_buffers
 H, V = 8, 20
 
 
-def make_hydra(num_heads=3, num_layers=2, weight=None, embed=None, seed=0, scale=0.3):
+def make_hydra(num_heads=3, num_layers=2, weight=None, embed=None, seed=0, scale=0.3, prefix_window=0):
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(V, H, generator=gen) if weight is None else weight
     embed = torch.randn(weight.shape, generator=gen) if embed is None else embed
     config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=num_heads,
                                num_layers=num_layers, head_type="hydra",
-                               lm_head_fingerprint=lm_head_fingerprint(weight))
+                               lm_head_fingerprint=lm_head_fingerprint(weight), prefix_layers=int(prefix_window > 0),
+                               prefix_window=prefix_window or 64)
     heads = HydraHeads(config, weight, embed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -187,8 +188,8 @@ def test_format_versions(tmp_path):
     edit_config(out, format_version=1, head_type=None)
     assert read_heads_config(out).head_type == "medusa"
     assert load_heads(out, weight).config.num_heads == 2
-    edit_config(out, format_version=3)
-    with pytest.raises(ValueError, match="unknown heads format_version 3"):
+    edit_config(out, format_version=4)
+    with pytest.raises(ValueError, match="unknown heads format_version 4"):
         read_heads_config(out)
     edit_config(out, format_version=2, head_type="eagle")
     with pytest.raises(ValueError, match="unknown head_type 'eagle'"):

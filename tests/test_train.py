@@ -111,7 +111,7 @@ def test_resume_continues_from_checkpoint(base_dir, chats, tmp_path, caplog):
     straight = train(make_config(base_dir, chats, tmp_path / "a", share_lm_head=False))
     train(make_config(base_dir, chats, tmp_path / "b", share_lm_head=False, max_steps=2))
     assert latest_checkpoint(tmp_path / "b").name == "step_2"
-    with caplog.at_level("INFO", logger="train.trainer"):
+    with caplog.at_level("INFO", logger="train"):
         resumed = train(make_config(base_dir, chats, tmp_path / "b", share_lm_head=False, max_steps=4))
     assert "resuming from step 2" in caplog.text
     assert latest_checkpoint(tmp_path / "b").name == "step_4"
@@ -189,16 +189,16 @@ def test_two_process_cpu_launch(base_dir, chats, tmp_path):
 
 
 def test_hidden_state_cache_runs_the_base_once_per_example(base_dir, chats, tmp_path, monkeypatch):
-    import train.trainer as trainer
+    import train.loop as loop
 
     calls = []
-    real = trainer.base_hidden_states
+    real = loop.base_hidden_states
 
     def counting(model, input_ids, attention_mask):
         calls.append(input_ids.shape[0])
         return real(model, input_ids, attention_mask)
 
-    monkeypatch.setattr(trainer, "base_hidden_states", counting)
+    monkeypatch.setattr(loop, "base_hidden_states", counting)
     # 18 train examples, batch 4: one epoch is 5 micro-batches; 12 steps are more than two epochs.
     config = make_config(base_dir, chats, tmp_path / "cached", cache_hidden_states=True, max_steps=12,
                          save_every=0, eval_every=0)
@@ -283,10 +283,10 @@ def fresh_accelerator_state():
 @pytest.mark.parametrize("mode", ["no", "bf16", "auto", "fp16"])
 def test_every_mixed_precision_mode_trains_or_is_refused_at_start_on_cpu(base_dir, chats, tmp_path, monkeypatch,
                                                                          mode, fresh_accelerator_state):
-    import train.trainer as trainer
+    import train.setup as setup_module
 
     if mode == "fp16":
-        monkeypatch.setattr(trainer, "prepare_base", lambda *a, **k: pytest.fail("the base was loaded"))
+        monkeypatch.setattr(setup_module, "prepare_base", lambda *a, **k: pytest.fail("the base was loaded"))
         with pytest.raises(ValueError, match="mixed_precision='fp16' cannot run on cpu"):
             train(make_config(base_dir, chats, tmp_path / mode, mixed_precision=mode))
         return
@@ -357,7 +357,7 @@ def tiny_model_and_tokenizer(base_dir):
 
 
 def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, tmp_path, monkeypatch):
-    import train.trainer as trainer
+    import train.checkpoints as checkpoints
 
     config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=1, eval_every=0)
     train(config)
@@ -368,13 +368,13 @@ def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, 
             raise KeyboardInterrupt("killed")  # stands in for the process dying between the writes and the rename
         return real_replace(src, dst)
 
-    monkeypatch.setattr(trainer.os, "replace", killed_before_rename)
+    monkeypatch.setattr(checkpoints.os, "replace", killed_before_rename)
     with pytest.raises(KeyboardInterrupt):
         train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
     root = tmp_path / "run" / "checkpoints"
     assert (root / ".step_3.tmp" / "trainer_state.json").is_file()  # written completely, but not visible
     assert latest_checkpoint(tmp_path / "run").name == "step_2"
-    monkeypatch.setattr(trainer.os, "replace", real_replace)
+    monkeypatch.setattr(checkpoints.os, "replace", real_replace)
     train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
 
@@ -418,24 +418,24 @@ def write_distilled(path: Path, response_len: int, n: int = 8) -> Path:
 ])
 def test_heads_without_targets_warn(base_dir, tmp_path, caplog, response_len, message):
     data = write_distilled(tmp_path / "d.jsonl", response_len)
-    with caplog.at_level("WARNING", logger="train.trainer"):
+    with caplog.at_level("WARNING", logger="train"):
         setup(make_config(base_dir, data, tmp_path / "run", held_out_fraction=0.0, head_vocab_size=None))
     assert re.search(message, caplog.text), caplog.text
 
 
 def test_head_vocabulary_larger_than_the_distinct_targets_warns(base_dir, chats, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="train.trainer"):
+    with caplog.at_level("WARNING", logger="train"):
         setup(make_config(base_dir, chats, tmp_path / "run", head_vocab_size=200))
     match = re.search(r"head_vocab_size=200 but the training targets hold only (\d+) distinct tokens", caplog.text)
     assert match and int(match.group(1)) < 200, caplog.text
 
 
 def test_empty_held_out_split_warns_only_when_one_was_asked_for(base_dir, chats, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="train.trainer"):
+    with caplog.at_level("WARNING", logger="train"):
         run = setup(make_config(base_dir, chats, tmp_path / "a", held_out_fraction=0.001))
     assert not run.held_examples and "held_out_fraction=0.001 left no held-out conversation" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="train.trainer"):
+    with caplog.at_level("WARNING", logger="train"):
         setup(make_config(base_dir, chats, tmp_path / "b", held_out_fraction=0.0))
     assert "held-out" not in caplog.text
 

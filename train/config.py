@@ -18,6 +18,7 @@ MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 HEAD_TYPE_CHOICES = ("medusa", "hydra")
 LOSS_CHOICES = ("hard", "teacher", "mixed")
 TRACKER_CHOICES = ("none", "tensorboard", "wandb")
+TRAINING_MODE_CHOICES = ("medusa1", "medusa2")
 
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
 RESUMABLE_FIELDS = frozenset(
@@ -28,10 +29,37 @@ RESUMABLE_FIELDS = frozenset(
 
 @dataclass
 class TrainConfig:
-    """Medusa-1 head training: frozen base, K heads trained on the base's hidden states (Cai et al., 2024)."""
+    """Medusa head training (Cai et al., 2024, section 2.2): Medusa-1 trains K heads on a frozen base's hidden
+    states; Medusa-2 trains them jointly with a LoRA on the base, kept close to the frozen base by a KL term."""
 
     base: str = ""
     """Folder of the base causal LM (Hugging Face format, with tokenizer and chat template)."""
+    training_mode: str = "medusa1"
+    """"medusa1" (the base frozen, only the heads train) or "medusa2" (heads and a LoRA on the base train jointly;
+    the loss adds kl_weight x KL(frozen base || adapted base) on the base's next-token distribution)."""
+    init_heads: str | None = None
+    """Heads folder to start from instead of fresh heads (for Medusa-2: the stage-1 heads of a Medusa-1 run); its
+    head type, count and layers must match this config. A checkpoint in output_dir takes precedence."""
+    stage1_steps: int = 0
+    """Medusa-2: the first this many optimizer steps train the heads only over the base as it is (stage 1); joint
+    training (stage 2) follows. 0 starts joint training at once (use it with init_heads)."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Medusa-2: names of the base's linear modules that get a LoRA (peft target_modules: a module whose name is or
+    ends with one of them); a list in YAML, comma-separated on the command line."""
+    lora_rank: int = 8
+    """Medusa-2: LoRA rank r."""
+    lora_alpha: float = 16.0
+    """Medusa-2: LoRA scaling alpha (the update is scaled by alpha / r)."""
+    lora_dropout: float = 0.0
+    """Medusa-2: dropout on the LoRA input during training."""
+    lora_learning_rate: float = 1e-4
+    """Medusa-2: peak learning rate of the LoRA parameters (their own AdamW group, same schedule as the heads)."""
+    kl_weight: float = 1.0
+    """Medusa-2: lambda, the weight of KL(frozen base || adapted base) averaged over the next-token positions of
+    the supervised tokens."""
+    heads_loss_warmup_steps: int = 50
+    """Medusa-2: the heads' loss weight rises linearly from 0 to 1 over this many steps from the start of stage 2
+    (the heads' gradient reaches the base only gradually); 0 gives it full weight at once."""
     data: str = "sharegpt"
     """Chat data: "sharegpt" (bundled ShareGPT V3) or a .json/.jsonl/.parquet file (ShareGPT, OpenAI-style or
     self-distilled records)."""
@@ -44,6 +72,11 @@ class TrainConfig:
     """K: number of Medusa heads; head k predicts the token k + 2 positions ahead."""
     num_layers: int = 1
     """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks."""
+    prefix_layers: int = 0
+    """1: Hydra heads get their own sliding-window attention layer over the base's hidden states (Hydra++'s extra
+    decoder layer, :mod:`medusa.prefix_layer`), so they can look back at the context; 0: none."""
+    prefix_window: int = 64
+    """Positions that attention layer looks back over, in training and decoding alike."""
     share_lm_head: bool = True
     """Project with the base's frozen lm_head (True) or train a per-head copy (False)."""
     head_vocab_size: int | None = 8192
@@ -130,8 +163,16 @@ class TrainConfig:
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
         _check_choice("head_type", self.head_type, HEAD_TYPE_CHOICES)
         _check_choice("loss", self.loss, LOSS_CHOICES)
+        _check_choice("training_mode", self.training_mode, TRAINING_MODE_CHOICES)
+        self._check_medusa2()
         if self.head_type == "hydra" and self.num_layers < 1:
             raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
+        if self.prefix_layers not in (0, 1):
+            raise ValueError(f"prefix_layers must be 0 or 1, got {self.prefix_layers}")
+        if self.prefix_layers and self.head_type != "hydra":
+            raise ValueError("prefix_layers needs head_type hydra (its attention reads the next tokens' embeddings)")
+        if self.prefix_window < 1:
+            raise ValueError(f"prefix_window must be >= 1, got {self.prefix_window}")
         if not self.teacher_temperature > 0:
             raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}")
         if not 0 <= self.loss_mix <= 1:
@@ -139,7 +180,8 @@ class TrainConfig:
         for name in ("num_heads", "max_seq_len", "batch_size", "grad_accum_steps", "max_steps", "log_every",
                      "distill_max_new_tokens", "distill_max_prompt_tokens", "distill_batch_size", "num_proc"):
             _check_min(name, getattr(self, name), 1)
-        for name in ("num_layers", "warmup_steps", "save_every", "eval_every", "keep_checkpoints", "seed",
+        for name in ("num_layers", "warmup_steps", "stage1_steps", "heads_loss_warmup_steps", "kl_weight",
+                     "save_every", "eval_every", "keep_checkpoints", "seed",
                      "weight_decay", "max_grad_norm"):
             _check_min(name, getattr(self, name), 0)
         for name in ("head_vocab_size", "max_conversations", "max_eval_batches", "train_window"):
@@ -160,8 +202,26 @@ class TrainConfig:
         if self.distill_time_limit_s is not None and self.distill_time_limit_s <= 0:
             raise ValueError(f"distill_time_limit_s must be > 0 or null, got {self.distill_time_limit_s}")
 
+    def _check_medusa2(self) -> None:
+        _check_min("lora_rank", self.lora_rank, 1)
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_learning_rate > 0:
+            raise ValueError(f"lora_learning_rate must be > 0, got {self.lora_learning_rate}")
+        if not self.lora_target_modules or any(not m for m in self.lora_target_modules):
+            raise ValueError(f"lora_target_modules must name modules, got {list(self.lora_target_modules)}")
+        if self.training_mode != "medusa2":
+            return
+        for name in ("hidden_state_store", "cache_hidden_states"):
+            if getattr(self, name):
+                raise ValueError(f"training_mode medusa2 adapts the base, so its hidden states change every step: "
+                                 f"{name} (states of the frozen base) cannot serve it; unset {name}")
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # Tuples as lists: the dict is stored as JSON and compared with what JSON gives back.
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -179,13 +239,24 @@ def _field_types() -> dict[str, object]:
 
 
 def coerce(name: str, annotation, value):
-    """Convert ``value`` (from YAML or a CLI string) to the field type ``annotation`` (int, float, bool, str or
-    ``X | None``).
+    """Convert ``value`` (from YAML or a CLI string) to the field type ``annotation`` (int, float, bool, str,
+    ``tuple[str, ...]`` (a list, or a comma-separated string) or ``X | None``).
 
     Raises:
         ValueError: the value does not fit the type (``True`` for an int, ``"abc"`` for a float...).
     """
     args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple:
+        if isinstance(value, str) and value.strip().startswith("["):
+            try:
+                value = yaml.safe_load(value)  # a YAML/Python-style list given on the command line
+            except yaml.YAMLError:
+                pass
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ValueError(f"{name}: expected a list of strings, got {value!r}")
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
@@ -265,8 +336,15 @@ def _check_known(values: dict, where: str) -> None:
 
 
 def resume_mismatch(stored: dict, current: TrainConfig) -> list[str]:
-    """Fields (outside :data:`RESUMABLE_FIELDS`) whose stored value differs from ``current``, as readable lines."""
+    """Fields (outside :data:`RESUMABLE_FIELDS`) whose stored value differs from ``current``, as readable lines.
+
+    A field the stored config lacks (one added after the checkpoint was written) counts as its default, so a
+    checkpoint of an older version resumes when the new field is left at its default.
+    """
     now = current.to_dict()
+    defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                for f in dataclasses.fields(TrainConfig)}
+    stored = {**{k: v for k, v in defaults.items() if k not in stored}, **stored}
     return [
         f"{name}: checkpoint {stored.get(name)!r} != now {now.get(name)!r}"
         for name in sorted(set(stored) | set(now))

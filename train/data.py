@@ -493,6 +493,11 @@ def collate(examples: list[dict], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def to_device(batch: dict, device) -> dict:
+    """Every tensor of a collated batch moved to ``device``."""
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def target_token_counts(examples: list[dict], vocab_size: int):
     """``(V,)`` long tensor counting each token among supervised labels: the statistics of a truncated head vocab.
 

@@ -1,0 +1,258 @@
+"""Batched greedy decoding gives each prompt exactly the tokens it gets when decoded alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import ARCHS, WIDE_TREE, OracleHeads, hf_greedy, random_heads
+from tiny import tiny_model
+
+from medusa import kv_cache
+from medusa.batch import batch_generate, greedy_accept_rows, greedy_accept_rows_along_path
+from medusa.generate import medusa_generate
+from medusa.tree import Tree, tree_buffers
+
+LENGTHS = [5, 17, 1, 11, 23]
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=gen) for n in lengths]
+
+
+class BatchOracle(torch.nn.Module):
+    """One :class:`OracleHeads` per sequence; each call is answered by the oracle whose reference hidden states hold
+    the nearest one, so every row can be given its own head ranks (and accept its own number of drafts)."""
+
+    def __init__(self, oracles):
+        super().__init__()
+        self.oracles = oracles
+        self.config, self.head_vocab_size = oracles[0].config, oracles[0].head_vocab_size
+
+    def draft_logits(self, k, hidden, path_tokens):
+        nearest = min(self.oracles, key=lambda o: float((o.ref_hidden - hidden).norm(dim=-1).min()))
+        return nearest.draft_logits(k, hidden, path_tokens)
+
+    def to_base_ids(self, ids):
+        return ids
+
+    def new_context(self):
+        return None
+
+    def extend_context(self, context, hidden, next_tokens):
+        return hidden[-1]
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_equals_one_at_a_time(arch, verify_logits, head_type):
+    model = tiny_model(arch)
+    heads = random_heads(model, head_type=head_type)
+    prompts = prompts_of(LENGTHS)
+    alone = [medusa_generate(model, heads, p, WIDE_TREE, 24)[0] for p in prompts]
+    # One row meets a stop token early, the others at other times or never: rows leave the batch one by one.
+    stop = {alone[1][2], alone[3][9]}
+    alone_stopped = [medusa_generate(model, heads, p, WIDE_TREE, 24, stop_token_ids=stop)[0] for p in prompts]
+    for expected, stops in ((alone, None), (alone_stopped, stop)):
+        out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 24, stops, verify_logits)
+        assert out == expected, arch
+        assert [s.new_tokens for s in stats.rows] == [len(e) for e in expected]
+    assert len({len(e) for e in alone_stopped}) > 1
+    assert stats.row_forwards < stats.forwards * len(prompts)  # finished rows stopped costing work
+    assert alone[0] == hf_greedy(model, prompts[0], 24)
+
+
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_accept_different_paths_and_stay_exact(arch, verify_logits):
+    """Oracle heads make each row accept its own number of drafts (0 to 3) through non-first branches, so the
+    cache rows become ragged every step."""
+    model = tiny_model(arch)
+    prompts = prompts_of([12, 4, 20, 9], seed=2)
+    references = [hf_greedy(model, p, 40) for p in prompts]
+    ranks = [[0, 1, None], [None, None, None], [0, None, None], [0, 0, 0]]
+    oracles = [OracleHeads(model, p.tolist() + r, rk, model.config.vocab_size)
+               for p, r, rk in zip(prompts, references, ranks, strict=True)]
+    out, stats = batch_generate(model, BatchOracle(oracles), prompts, WIDE_TREE, 40, verify_logits=verify_logits)
+    assert out == references
+    taus = [s.tau for s in stats.rows]
+    assert taus[3] > taus[0] > taus[2] > taus[1], taus
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_heads_with_their_own_attention_layer_keep_one_state_per_row(arch):
+    """Hydra heads with a prefix attention layer (per-sequence state): trained on row 0's continuation, they accept
+    several drafts there; each row drafts exactly as alone (same accepted counts step by step), so no row reads
+    another's state."""
+    from test_hydra import make_hydra, train_on_greedy
+
+    model = tiny_model(arch)
+    prompts = prompts_of([12, 5, 9], seed=4)
+    weight, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    heads = make_hydra(3, 2, weight.detach(), embed.detach(), seed=1, scale=0.05, prefix_window=4)
+    train_on_greedy(model, heads, prompts[0])
+    heads.eval()
+    alone = [medusa_generate(model, heads, p, WIDE_TREE, 32) for p in prompts]
+    out, stats = batch_generate(model, heads, prompts, WIDE_TREE, 32, verify_logits="path")
+    assert out == [tokens for tokens, _ in alone]
+    assert [s.accepted_per_step for s in stats.rows] == [s.accepted_per_step for _, s in alone]
+    assert stats.rows[0].tau > 1.5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_batched_decoding_is_greedy(arch):
+    model = tiny_model(arch)
+    prompts = prompts_of([7, 19, 2], seed=4)
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    for verify_logits in ("all", "path"):
+        out, stats = batch_generate(model, None, prompts, Tree.chain(0), 16, verify_logits=verify_logits)
+        assert out == expected
+        assert stats.forwards == 15 and all(s.tau == 1 for s in stats.rows)
+
+
+def test_greedy_accept_rows_matches_the_single_row_rule():
+    from medusa.verify import greedy_accept
+
+    buffers = tree_buffers(WIDE_TREE)
+    index = {(): 0} | {p: i for i, p in enumerate(WIDE_TREE.paths, 1)}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        # Siblings hold distinct tokens (one head's top-k), as drafting guarantees.
+        offsets = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)  # per (row, parent)
+        tokens = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
+        for i, path in enumerate(WIDE_TREE.paths, 1):
+            parent = index[path[:-1]]
+            tokens[:, i] = (path[-1] + offsets[:, parent]) % 3
+        predicted = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
+        paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
+        walked, walked_accepted, bonus = greedy_accept_rows_along_path(
+            tokens, lambda rows, nodes: predicted[rows, nodes], buffers)  # noqa: B023
+        assert torch.equal(walked, paths.masked_fill(torch.arange(paths.shape[1]) > accepted[:, None], -1))
+        assert torch.equal(walked_accepted, accepted)
+        assert torch.equal(bonus, predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0])
+        for b in range(4):
+            logits = torch.nn.functional.one_hot(predicted[b], 3).float()
+            single = greedy_accept(tokens[b], logits, buffers)
+            assert int(accepted[b]) == single.accepted
+            assert paths[b, : single.accepted + 1].tolist() == single.path_nodes.tolist()
+
+
+def test_keep_row_paths_moves_only_the_kept_slots():
+    cache = kv_cache.new_cache()
+    model = tiny_model("llama")
+    valid = torch.tensor([3, 5])
+    ids = torch.randint(3, 300, (2, 5), generator=torch.Generator().manual_seed(0))
+    positions = torch.minimum(torch.arange(5)[None], valid[:, None] - 1)
+    visible = kv_cache.causal_mask(5, "cpu")[None] & (torch.arange(5)[None, None] < valid[:, None, None])
+    with torch.no_grad():
+        kv_cache.forward_rows(model, ids, positions, torch.zeros(2, dtype=torch.long), visible, cache)
+        tree = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(1))
+        kv_cache.forward_rows(model, tree, valid[:, None] + torch.arange(4)[None], valid,
+                              kv_cache.causal_mask(4, "cpu"), cache)
+    before = cache.layers[0].keys.clone()  # (2, Hkv, 9, D)
+    new_len = kv_cache.keep_row_paths(cache, 5, valid, [torch.tensor([0, 2, 3]), torch.tensor([1])])
+    after = cache.layers[0].keys
+    assert new_len.tolist() == [6, 6] and after.shape[2] == 6
+    assert torch.equal(after[0, :, :3], before[0, :, :3]) and torch.equal(after[1, :, :5], before[1, :, :5])
+    assert torch.equal(after[0, :, 3:6], before[0, :, [5, 7, 8]])
+    assert torch.equal(after[1, :, 5], before[1, :, 6])
+
+
+def test_empty_prompt_in_a_batch_is_named():
+    model = tiny_model("llama")
+    prompts = prompts_of([4, 0, 6, 0])
+    with pytest.raises(ValueError, match="prompts 1, 3 of the batch are empty"):
+        batch_generate(model, random_heads(model), prompts, WIDE_TREE, 4)
+    with pytest.raises(ValueError, match="holds no prompt"):
+        batch_generate(model, random_heads(model), [], WIDE_TREE, 4)
+
+
+@pytest.fixture(scope="module")
+def cli_setup(tmp_path_factory):
+    import json
+
+    from tiny import save_tiny
+
+    from medusa.checkpoint import save_heads
+
+    root = tmp_path_factory.mktemp("batch-cli")
+    base = save_tiny(root / "base", "llama")
+    save_heads(random_heads(tiny_model("llama")), root / "heads")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello world"}, {"messages": [{"role": "user", "content": "the quick brown fox jumps"}]},
+        {"prompt": "how are you today? Medusa heads predict tokens ahead"}]) + "\n")
+    return root, base, prompts
+
+
+def test_cli_generate_batched_equals_one_at_a_time(cli_setup, capsys):
+    from medusa.bench import encode_prompt, read_prompts
+    from medusa.cli import main
+    from medusa.model import MedusaModel
+
+    root, base, prompts = cli_setup
+    args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--stats"]
+    assert main(args + ["--batch-size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "--batch-size 8 is larger than the 3 prompts given: using 3" in captured.err
+    model = MedusaModel.from_pretrained(base, root / "heads")
+    expected = []
+    for i, record in enumerate(read_prompts(prompts)):
+        tokens, _ = model.generate(encode_prompt(model.tokenizer, record), max_new_tokens=12)
+        expected += [f"--- prompt {i} ---", model.tokenizer.decode(tokens, skip_special_tokens=True)]
+    assert captured.out == "\n".join(expected) + "\n"
+    assert main(args + ["--batch-size", "2"]) == 0
+    assert capsys.readouterr().out == "\n".join(expected) + "\n"
+
+
+def test_cli_batched_bad_inputs(cli_setup, tmp_path, capsys):
+    from medusa.cli import main
+
+    root, base, prompts = cli_setup
+    with_empty = tmp_path / "with-empty.jsonl"
+    with_empty.write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
+    common = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--max-new-tokens", "4"]
+    assert main(common + ["--prompts", str(with_empty), "--no-chat-template"]) == 2
+    assert "prompt 1 of the batch is empty" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--do-sample"]) == 2
+    assert "batched decoding is greedy only" in capsys.readouterr().err
+    assert main(common + ["--prompt", "hello", "--batch-size", "2"]) == 2
+    assert "--batch-size needs --prompts" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--stream"]) == 2
+    assert "not with --prompts" in capsys.readouterr().err
+
+
+def test_settings_batched_decoding_cannot_honour_are_refused():
+    from medusa.model import MedusaModel
+
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), WIDE_TREE)
+    prompts = prompts_of([3, 5])
+    with pytest.raises(NotImplementedError, match="greedy only"):
+        medusa.generate_batch(prompts, 4, do_sample=True)
+    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
+        medusa.generate_batch(prompts, 4, repetition_penalty=1.3)
+
+
+def test_cli_batched_bench(cli_setup, tmp_path, capsys):
+    import json
+
+    from medusa.cli import main
+
+    root, base, prompts = cli_setup
+    out = tmp_path / "batch.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "--batch-size", "1", "2", "16", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "batch size 16 is larger than the 3 prompts given: used 3" in captured.err
+    result = json.loads(out.read_text())
+    assert result["batch_sizes"] == [1, 2, 3] and result["prompts"] == 3
+    for size in ("1", "2", "3"):
+        for method in ("plain", "medusa", "hf"):
+            record = result["results"][size][method]
+            assert record["identical"] == 3, (size, method)
+            assert record["tokens_per_s"] > 0
+        assert result["results"][size]["medusa"]["tau"] >= 1
+    assert "tokens/s" in captured.out

@@ -1,0 +1,243 @@
+"""Sharded training: the Accelerate FSDP / DeepSpeed config files, heads built from a gathered lm_head, and the
+heads trained under Accelerate's FSDP2 on 2 CPU processes (gloo).
+
+Accelerate 1.x selects FSDP only with GPUs (a CPU launch becomes DDP), so the 2-process test builds the Accelerator
+on CPU and switches its state to the FSDP2 plugin that configs/accelerate/fsdp.yaml describes: the wrapping,
+optimizer hand-over, gradient reduction and state gathering are Accelerate's and torch's own FSDP2 code. DeepSpeed
+is not installed here: its configs are checked to parse into the intended plugins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
+H, V, K = 16, 64, 2
+
+
+def launcher_env(config_file: Path) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file FILE`` gives its processes (FSDP / multi-GPU configs)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_multi_gpu_env(args)
+
+
+def train_config(**overrides):
+    from train.config import TrainConfig
+
+    values = dict(base="tiny", num_heads=K, num_layers=1, share_lm_head=False, head_vocab_size=None,
+                  learning_rate=1e-2, max_grad_norm=1.0, mixed_precision="no")
+    return TrainConfig(**(values | overrides))
+
+
+def base_weights():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)  # lm_head, embeddings
+
+
+# --- config files ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(p.name for p in ACCELERATE_CONFIGS.glob("*.yaml")))
+def test_every_accelerate_config_file_loads(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ACCELERATE_CONFIGS / name))
+    assert config.num_machines == 1
+
+
+def test_fsdp_config_gives_an_fsdp2_plugin_that_keeps_the_base_whole(monkeypatch):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    env = launcher_env(ACCELERATE_CONFIGS / "fsdp.yaml")
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.state_dict_type.name == "FULL_STATE_DICT"  # heads saved whole, not per-rank shards
+    assert plugin.cpu_ram_efficient_loading is False  # else ranks > 0 load the unwrapped base as meta tensors
+    assert plugin.auto_wrap_policy is None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_parse_into_zero_plugins(stage):
+    """Without deepspeed installed: the YAML names a JSON that parses into ZeRO-``stage``, with zero3_init_flag
+    off, so transformers loads the frozen base whole (not partitioned)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    config = load_config_from_file(str(ACCELERATE_CONFIGS / f"deepspeed_zero{stage}.yaml"))
+    assert config.distributed_type.value == "DEEPSPEED"
+    ds = config.deepspeed_config
+    assert ds["zero3_init_flag"] is False
+    json_path = REPO / ds["deepspeed_config_file"]  # relative to the repository root, where launches run
+    assert json.loads(json_path.read_text())["zero_optimization"]["stage"] == stage
+    plugin = DeepSpeedPlugin(hf_ds_config=str(json_path), zero3_init_flag=ds["zero3_init_flag"])
+    assert plugin.zero_stage == stage and plugin.hf_ds_config.is_zero3() == (stage == 3)
+    assert not is_deepspeed_zero3_enabled()
+
+
+# --- heads from a gathered lm_head ------------------------------------------------------------------------------
+
+def fake_deepspeed(full: dict[int, torch.Tensor]) -> types.ModuleType:
+    """A stand-in for ``deepspeed.zero.GatheredParameters``: fills each partitioned parameter with its full value
+    inside the context and empties it again on exit, as ZeRO-3 does."""
+
+    @contextmanager
+    def gathered(params, modifier_rank=None):
+        for p in params:
+            p.data = full[id(p)].clone()
+        yield
+        for p in params:
+            p.data = torch.empty(0)
+
+    module = types.ModuleType("deepspeed")
+    module.zero = types.SimpleNamespace(GatheredParameters=gathered)
+    return module
+
+
+def partitioned(weight: torch.Tensor) -> torch.nn.Parameter:
+    """A ZeRO-3-style partitioned parameter: empty ``(0,)`` data, the full shape in ``ds_shape``."""
+    param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    param.ds_shape = weight.shape
+    return param
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_partitioned_lm_head_is_gathered_once(monkeypatch, head_type):
+    from train.trainer import build_heads
+
+    lm_head, embed = base_weights()
+    config = train_config(head_type=head_type, share_lm_head=True)
+    expected = build_heads(config, lm_head, embed, [], [])
+    parts = partitioned(lm_head), partitioned(embed)
+    monkeypatch.setitem(sys.modules, "deepspeed", fake_deepspeed({id(parts[0]): lm_head, id(parts[1]): embed}))
+    heads = build_heads(config, *parts, [], [])
+    assert parts[0].shape == (0,)  # partitioned again after the gather
+    assert heads.config == expected.config  # sizes and lm_head fingerprint from the full weight
+    hidden, ids = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(heads(hidden, ids), expected(hidden, ids))  # the heads kept their own full copy
+
+
+@pytest.mark.parametrize("weight, message", [
+    (torch.empty(0), r"lm_head has shape \(0,\), not \(vocab, hidden\): it looks partitioned .*zero3_init_flag"),
+    (torch.empty(V, H, device="meta"), "lm_head is on the meta device .*fsdp_cpu_ram_efficient_loading"),
+], ids=["empty (0,)", "meta"])
+def test_partitioned_lm_head_without_a_gather_is_refused(weight, message):
+    from train.trainer import build_heads
+
+    with pytest.raises(ValueError, match=message):
+        build_heads(train_config(), weight, base_weights()[1], [], [])
+
+
+# --- FSDP2 on 2 CPU processes ---------------------------------------------------------------------------------
+
+def step_batch():
+    """Hidden states ``(4, 6, H)`` and labels ``(K, 4, 6)`` of one optimizer step (split by rows over processes)."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 6, H, generator=g), torch.randint(0, V, (K, 4, 6), generator=g)
+
+
+def step_loss(heads, hidden, labels, total_targets: int) -> torch.Tensor:
+    logits = heads(hidden)  # (K, B, T, V)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="sum") / total_targets
+
+
+def fsdp_worker(out: Path) -> None:
+    """One training step of heads built from a row-sharded lm_head, under Accelerate's FSDP2 (run per process)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from train.trainer import build_heads, make_optimizer
+
+    os.environ.update(launcher_env(ACCELERATE_CONFIGS / "fsdp.yaml"))
+    accelerator = Accelerator(cpu=True)  # gloo process group; Accelerate picks FSDP only with GPUs
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    lm_head, embed = base_weights()
+    sharded = distribute_tensor(lm_head, init_device_mesh("cpu", (world,)), [Shard(0)])  # this rank's V / 2 rows
+    config = train_config()
+    heads = build_heads(config, sharded, embed, [], [])
+    optimizer = make_optimizer(heads, config)
+    heads, optimizer = accelerator.prepare(heads, optimizer)
+    hidden, labels = step_batch()
+    loss = step_loss(heads, hidden[rank::world], labels[:, rank::world], labels.numel())
+    accelerator.backward(loss * world)  # as train_step: the loss is this process's share of the step's sum
+    accelerator.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
+    optimizer.step()
+    # What Accelerator.get_state_dict does under FSDP2 (a collective: every process takes part). Called directly:
+    # The FSDP state forced above does not survive prepare on CPU, so get_state_dict would take its plain branch.
+    state = get_model_state_dict(heads, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    unwrapped = accelerator.unwrap_model(heads).state_dict()
+    if accelerator.is_main_process:
+        save_file({k: v.detach().clone() for k, v in state.items()}, str(out / "heads.safetensors"))
+        (out / "info.json").write_text(json.dumps({
+            "wrapped": type(heads).__name__, "sharded_params": [type(p).__name__ for p in heads.parameters()],
+            "local_rows": sharded.to_local().shape[0],
+            "unwrapped_state": type(unwrapped["lm_heads.0.weight"]).__name__,
+        }))
+    accelerator.wait_for_everyone()
+
+
+@pytest.mark.slow
+def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
+    from test_train import free_port
+
+    from train.trainer import build_heads, make_optimizer
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(Path(__file__).resolve()), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-4000:]
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["wrapped"] == "FSDPMedusaHeads" and set(info["sharded_params"]) == {"DTensor"}
+    assert info["local_rows"] == V // 2  # the lm_head the heads were built from was sharded
+    # The unwrapped module's own state is still sharded: a heads folder must be saved from get_state_dict.
+    assert info["unwrapped_state"] == "DTensor"
+    # The same step on one process, from the whole lm_head, gives the same heads.
+    lm_head, embed = base_weights()
+    config = train_config()
+    heads = build_heads(config, lm_head, embed, [], [])
+    optimizer = make_optimizer(heads, config)
+    hidden, labels = step_batch()
+    step_loss(heads, hidden, labels, labels.numel()).backward()
+    torch.nn.utils.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
+    optimizer.step()
+    sharded = load_file(tmp_path / "heads.safetensors")
+    assert sharded.keys() == heads.state_dict().keys()
+    for key, value in heads.state_dict().items():
+        torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+    fsdp_worker(Path(sys.argv[1]))

@@ -1,0 +1,138 @@
+"""The run's conversations: loaded, split, self-distilled when asked (resumable, one shard per process), and
+tokenised; warnings for heads the data leaves without targets."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from medusa.heads import IGNORE_INDEX, head_target_offset
+from train.config import TrainConfig
+from train.data import (
+    Conversation,
+    ReadReport,
+    load_conversations,
+    normalize_record,
+    split_held_out,
+    tokenize_conversations,
+)
+from train.distill import DISTILLED_HELD_OUT_NAME, DISTILLED_TRAIN_NAME, distill, jsonl_ids
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, tokenizer):
+    """``(train, held_out)`` conversations; self-distilled first when ``config.self_distill`` asks for it.
+
+    The split is made on the source conversations, so distilled held-out answers come from held-out prompts only.
+    Records that already carry base token ids are used as they are.
+    """
+    convs, _ = load_conversations(config.data, config.max_conversations)
+    train_convs, held_convs = split_held_out(convs, config.held_out_fraction, config.seed)
+    if config.self_distill and any(c.response_ids is None for c in convs):
+        out = Path(config.output_dir)
+        splits = ((train_convs, DISTILLED_TRAIN_NAME), (held_convs, DISTILLED_HELD_OUT_NAME))
+        train_convs, held_convs = (
+            self_distill_split(config, accelerator, model, tokenizer, split, out / name) for split, name in splits
+        )
+    logger.info("%d train and %d held-out conversations", len(train_convs), len(held_convs))
+    return train_convs, held_convs
+
+
+def read_distilled(path: Path) -> list[Conversation]:
+    """The complete records of a distilled JSON-lines file, read line by line (not through the ``datasets`` cache:
+    the file grows between reads, and every process must read the same records)."""
+    report, conversations = ReadReport(), []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by an interrupted write: distilled again on the next run
+        conv = normalize_record(record, i, report)
+        if conv is not None:
+            conversations.append(conv)
+    return conversations
+
+
+def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tokenizer,
+                       convs: list[Conversation], path: Path) -> list[Conversation]:
+    """Distill the conversations of one split into ``path`` (resumable; each process answers a shard).
+
+    Returns the conversations that already had base ids plus the distilled ones (those within the time budget).
+    """
+    have_ids = [c for c in convs if c.response_ids is not None]
+    done = jsonl_ids(path)
+    todo = [c for c in convs if c.response_ids is None and c.id not in done]
+    rank, world = accelerator.process_index, accelerator.num_processes
+    shard_path = path if world == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+    if todo:
+        distill(model, tokenizer, todo[rank::world], shard_path, max_new_tokens=config.distill_max_new_tokens,
+                max_prompt_tokens=config.distill_max_prompt_tokens, batch_size=config.distill_batch_size,
+                time_limit_s=config.distill_time_limit_s)
+    accelerator.wait_for_everyone()
+    if world > 1 and accelerator.is_main_process:
+        _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))
+    accelerator.wait_for_everyone()
+    wanted = {c.id for c in convs}
+    distilled = read_distilled(path) if jsonl_ids(path) & wanted else []
+    return have_ids + [c for c in distilled if c.id in wanted]
+
+
+def _merge_jsonl(path: Path, shards: list[Path]) -> None:
+    """Append the complete, new records of each per-process shard to ``path``, then delete the shards."""
+    done = jsonl_ids(path)
+    with open(path, "a", encoding="utf-8") as out:
+        for shard in shards:
+            for line in shard.read_text(encoding="utf-8").splitlines():
+                try:
+                    record_id = json.loads(line)["id"]
+                except (json.JSONDecodeError, KeyError):
+                    continue
+                if record_id not in done:
+                    out.write(line + "\n")
+                    done.add(record_id)
+    for shard in shards:
+        shard.unlink()
+
+
+def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float) -> list[dict]:
+    """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning when
+    ``fraction`` asked for one)."""
+    if not convs:
+        if fraction > 0:
+            logger.warning("held_out_fraction=%g left no held-out conversation: evaluation is skipped", fraction)
+        return []
+    try:
+        return tokenize_conversations(convs, tokenizer, max_seq_len)[0]
+    except ValueError as e:
+        logger.warning("held-out split unusable (%s): evaluation is skipped", e)
+        return []
+
+
+def head_target_totals(examples: list[dict], num_heads: int) -> list[int]:
+    """Targets of each head in ``examples``: supervised labels at least ``head_target_offset(k)`` positions in.
+
+    Targets outside a truncated head vocabulary are counted too (the vocabulary holds the most frequent ones).
+    """
+    totals = [0] * num_heads
+    for example in examples:
+        labels = example["labels"]
+        supervised = len(labels) - labels.count(IGNORE_INDEX)
+        for k in range(num_heads):
+            totals[k] += supervised - sum(label != IGNORE_INDEX for label in labels[: head_target_offset(k)])
+    return totals
+
+
+def warn_heads_without_targets(totals: list[int]) -> None:
+    """A warning when a head has no target in the training data: training is legal but leaves it untrained."""
+    if not any(totals):
+        logger.warning("no supervised token in the training data reaches any head (head k needs answer tokens at "
+                       "least k + 2 positions into the sequence): the heads will keep their initial values")
+        return
+    empty = [k for k, total in enumerate(totals) if total == 0]
+    if empty:
+        logger.warning("heads %s have no target in the training data (answers too short): they will keep their "
+                       "initial values", empty)

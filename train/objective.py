@@ -1,0 +1,69 @@
+"""What a training step minimises: Medusa's decayed per-head loss (hard, teacher or mixed) normalised by the targets
+of the whole optimizer step (Cai et al., 2024, section 2.2)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from medusa.losses import head_ce_sums, head_soft_sums, medusa_loss
+
+if TYPE_CHECKING:
+    from train.setup import Run
+
+
+
+def teacher_logits(run: Run, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The base's own logits over the head vocabulary ``(B, T, Vh)`` from hidden states ``(B, T, H)`` (its lm_head
+    rows of the token map, with its final soft-capping), or ``None`` when the loss needs no teacher."""
+    if run.teacher_weight is None:
+        return None
+    with torch.no_grad():
+        teacher = hidden.float() @ run.teacher_weight.float().T  # (B, T, Vh)
+        cap = getattr(run.model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        return teacher if cap is None else torch.tanh(teacher / cap) * cap
+
+
+def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):
+    """:func:`medusa.losses.medusa_loss` with the run's loss settings (evaluation: per-batch means and stats)."""
+    config = run.config
+    return medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay,
+                       teacher_logits=teacher_logits(run, hidden), loss_type=config.loss,
+                       temperature=config.teacher_temperature, mix=config.loss_mix)
+
+
+def mixed_step_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, hard_counts: torch.Tensor,
+                    soft_counts: torch.Tensor | None) -> torch.Tensor:
+    """One micro-batch's share of the step loss for ``config.loss`` (hard, teacher or mixed), each term normalised
+    by its own target count over the whole step (see :func:`step_loss`)."""
+    config = run.config
+    hard_weight = {"hard": 1.0, "teacher": 0.0, "mixed": config.loss_mix}[config.loss]
+    loss = logits.new_zeros((), dtype=torch.float32)
+    if hard_weight > 0:
+        sums = head_ce_sums(logits, batch["labels"], run.head_lookup)  # (K,)
+        loss = loss + hard_weight * step_loss(sums, hard_counts, config.loss_decay)
+    if hard_weight < 1:
+        sums = head_soft_sums(logits, teacher_logits(run, hidden), batch["labels"], config.teacher_temperature)
+        loss = loss + (1 - hard_weight) * step_loss(sums, soft_counts, config.loss_decay)
+    return loss
+
+
+def step_loss(ce_sums: torch.Tensor, step_counts: torch.Tensor, decay: float) -> torch.Tensor:
+    """Medusa's decayed loss ``sum_k decay**k * CE_k`` for one micro-batch's share of an optimizer step.
+
+    ``CE_k`` is head k's cross-entropy averaged over the targets of the whole step (all micro-batches, all
+    processes), so the shares of a step add up to the loss of one batch holding the step, however it is split.
+
+    Args:
+        ce_sums: ``(K,)`` this micro-batch's summed cross-entropy per head (:func:`medusa.losses.head_ce_sums`,
+            or the soft one, :func:`medusa.losses.head_soft_sums`).
+        step_counts: ``(K,)`` targets per head in the whole step (:func:`medusa.losses.head_target_counts`,
+            summed over micro-batches and processes); a head with none contributes exactly 0.
+        decay: Medusa's lambda_k = decay ** k.
+
+    Returns:
+        The scalar share of the step loss (nats), with gradient.
+    """
+    weights = torch.tensor([decay**k for k in range(len(ce_sums))], device=ce_sums.device)  # (K,)
+    return (weights * ce_sums / step_counts.clamp_min(1).to(ce_sums.dtype)).sum()

@@ -1,0 +1,39 @@
+"""Full copies of base weights that sharded training may hold partitioned (FSDP, DeepSpeed ZeRO-3).
+
+The heads are built from the base's lm_head (and, for Hydra heads, its input embeddings) ``(V, H)``. Under ZeRO-3
+a parameter outside DeepSpeed's gather is an empty ``(0,)`` tensor; under FSDP2 it is a DTensor holding this
+process's rows; with ``fsdp_cpu_ram_efficient_loading`` the processes other than rank 0 hold meta tensors. Reading
+``weight.shape`` there builds heads of the wrong size, or none (a known Medusa failure under ZeRO-3). So each such
+weight is gathered once into a full local copy, or refused with a message saying what was found.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def full_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """The whole 2-D ``(V, H)`` ``weight`` on this process: itself when it is whole, else a gathered copy.
+
+    Args:
+        weight: a base parameter, possibly sharded (DTensor) or partitioned (DeepSpeed ZeRO-3, ``ds_shape`` set).
+        name: what it is, for errors ("lm_head", "input embeddings").
+
+    Raises:
+        ValueError: the weight is on the meta device, or empty / not 2-D without a way to gather it.
+    """
+    if hasattr(weight, "full_tensor"):  # a DTensor (FSDP2 or tensor parallel): all-gather its shards
+        return weight.detach().full_tensor()
+    if hasattr(weight, "ds_shape"):  # DeepSpeed ZeRO-3: gather once, keep a copy that outlives the gather
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            return weight.detach().clone()
+    if weight.is_meta:
+        raise ValueError(f"the base's {name} is on the meta device (not loaded on this process; "
+                         "fsdp_cpu_ram_efficient_loading on a base that is not wrapped?): the heads need its values")
+    if weight.ndim != 2 or weight.numel() == 0:
+        raise ValueError(f"the base's {name} has shape {tuple(weight.shape)}, not (vocab, hidden): it looks "
+                         "partitioned (DeepSpeed ZeRO-3 with zero3_init_flag?) and cannot be gathered here; load the "
+                         "frozen base whole (configs/accelerate/deepspeed_zero3.yaml sets zero3_init_flag: false)")
+    return weight
