@@ -100,6 +100,9 @@ class SlotCache(Cache):
             layer.keys = key_states.new_zeros(shape)
             layer.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
             layer.is_initialized = True
+            if layer.keys.is_cuda:  # CUDA graphs may then replay writes into these very buffers (compiled engine)
+                torch._dynamo.mark_static_address(layer.keys)
+                torch._dynamo.mark_static_address(layer.values)
         write = self._write[key_states.shape[-2]]
         layer.keys.index_copy_(2, write, key_states)
         layer.values.index_copy_(2, write, value_states)
