@@ -299,7 +299,8 @@ def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_toke
     if warm_up is None:
         return {}
     nodes = model.tree.num_nodes
-    for needed in sorted({len(ids) + max_new_tokens + nodes for ids in encoded}):
+    # Plain decoding (one node) and the tree can need caches of different capacities: warm both.
+    for needed in sorted({len(ids) + max_new_tokens + n for ids in encoded for n in (1, nodes)}):
         warm_up([1, nodes], needed)
     return dict(model.engine.compile_s)
 
