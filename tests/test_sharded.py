@@ -253,6 +253,29 @@ def step_loss(heads, hidden, labels, total_targets: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="sum") / total_targets
 
 
+def run_launcher(cmd: list[str], timeout: float = 300) -> str:
+    """Run a ``torch.distributed.run`` command on 2 CPU processes; asserts it succeeded and returns its stderr.
+
+    On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
+    own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+        raise
+    assert proc.returncode == 0, stderr[-4000:]
+    return stderr
+
+
 def force_fsdp2(accelerator) -> None:
     """Switch a CPU (gloo) Accelerator to the FSDP2 plugin configs/accelerate/fsdp.yaml describes.
 
@@ -311,17 +334,7 @@ def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
+    run_launcher(cmd)
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["wrapped"] == "FSDPMedusaHeads" and set(info["sharded_params"]) == {"DTensor"}
     assert info["local_rows"] == V // 2  # the lm_head the heads were built from was sharded
@@ -368,18 +381,7 @@ def launch_fsdp2_trainer(values: dict) -> str:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "train", json.dumps(values)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
-    return stderr
+    return run_launcher(cmd)
 
 
 @pytest.mark.slow
@@ -387,7 +389,8 @@ def test_trainer_saves_full_heads_and_resumes_under_fsdp2_on_two_cpu_processes(t
     """2 FSDP2 processes x batch 1 x 2 micro-batches, stopped after step 2 and resumed to step 4, against one process
     x batch 4 straight to step 4: the heads folders written from sharded heads load and agree within 1e-5 relative.
     A resume that lost the AdamW moments would differ far more (steps 3 and 4 would restart Adam); the step-2
-    optimizer state, saved whole and keyed by parameter name, equals the single-process one."""
+    optimizer state, saved whole and keyed by parameter name, equals the single-process one. The held-out metrics
+    match too, though one process's held-out slice is empty (a sharded heads forward may be a collective)."""
     from accelerate import Accelerator
     from test_train import heads_state, max_relative_difference, write_mixed_chats
     from transformers import AutoModelForCausalLM
@@ -398,10 +401,11 @@ def test_trainer_saves_full_heads_and_resumes_under_fsdp2_on_two_cpu_processes(t
     from train.config import TrainConfig
     from train.trainer import latest_checkpoint, make_optimizer, train
 
-    base, chats = save_tiny(tmp_path / "llama", "llama"), write_mixed_chats(tmp_path / "mixed.jsonl", n=8)
+    # 1 held-out conversation: one process scores it, the other has none (and runs a spare heads forward).
+    base, chats = save_tiny(tmp_path / "llama", "llama"), write_mixed_chats(tmp_path / "mixed.jsonl", n=10)
     values = dict(base=str(base), data=str(chats), num_heads=2, head_vocab_size=None, max_seq_len=128,
-                  learning_rate=1e-2, warmup_steps=1, max_steps=4, save_every=2, eval_every=0, log_every=1,
-                  held_out_fraction=0.0, max_grad_norm=1.0, mixed_precision="no")
+                  learning_rate=1e-2, warmup_steps=1, max_steps=4, save_every=2, eval_every=2, log_every=1,
+                  held_out_fraction=0.1, max_grad_norm=1.0, mixed_precision="no")
     # warmup_steps=1: the first two learning rates are 0 and the peak whether max_steps is 2 or 4.
     config = TrainConfig(**values, batch_size=4, output_dir=str(tmp_path / "one"))
     one = train(config)
@@ -427,6 +431,10 @@ def test_trainer_saves_full_heads_and_resumes_under_fsdp2_on_two_cpu_processes(t
     for folder in (tmp_path / "two" / "heads", latest_checkpoint(tmp_path / "two") / "heads"):
         load_heads(folder, lm_head)
         assert max_relative_difference(expected, heads_state(folder)) < 1e-5
+    metrics = [json.loads((tmp_path / run / "eval.json").read_text()) for run in ("one", "two")]
+    assert metrics[0]["examples"] == metrics[1]["examples"] == 1
+    assert metrics[0]["heads"] == metrics[1]["heads"]  # summed over both processes' slices, one of them empty
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-4)
 
 
 if __name__ == "__main__":

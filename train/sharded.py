@@ -55,3 +55,9 @@ def check_sharded_settings(accelerator: Accelerator, grad_accum_steps: int) -> N
         raise ValueError(f"grad_accum_steps={grad_accum_steps} cannot run under DeepSpeed: its engine steps the "
                          "optimizer inside backward, so each micro-batch would be an optimizer step; use "
                          "grad_accum_steps: 1 and a larger batch_size, or launch with FSDP or DDP")
+
+
+def heads_are_sharded(accelerator: Accelerator) -> bool:
+    """Whether the prepared heads are FSDP2- or DeepSpeed-wrapped: their forwards and state gathers are then
+    collectives, which every process must enter equally often."""
+    return accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED
