@@ -327,6 +327,11 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# Load (runnable processes) tolerated on top of the cores the threads need: the 1-minute average lags, and a job that
+# just ended or this process's own start-up leaves a few tenths in it.
+LOAD_SLACK = 0.45
+
+
 def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
     """The machine's load next to the threads in use, and a warning when they do not fit.
 
@@ -353,7 +358,7 @@ def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
         return out
     out.update(load_1min=round(loads[0], 2), load_5min=round(loads[1], 2), load_15min=round(loads[2], 2))
     free = cores - loads[0]
-    if threads > free:
+    if threads > free + LOAD_SLACK:
         fewer = max(int(free), 1)
         advice = f" or pass --threads {fewer}" if fewer < threads else ""
         plural = "s" if threads != 1 else ""

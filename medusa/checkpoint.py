@@ -43,23 +43,30 @@ class HeadsMismatchError(ValueError):
     """The heads do not fit the base model (hidden size, vocabulary, lm_head) or their own weights file."""
 
 
-def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_config: dict | None = None) -> Path:
+def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_config: dict | None = None,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` for ``heads`` into ``out_dir``, atomically.
 
     The folder is written under a temporary name and swapped in at the end, so a crash never leaves a half-written
     checkpoint where a loader would find it.
 
     Args:
-        heads: the heads to save (weights are saved in their current dtype, on CPU).
+        heads: the heads to save (their config; their weights too unless ``state_dict`` is given).
         out_dir: destination folder; replaced if it exists.
         extra_config: informational keys stored under ``"training"`` in ``config.json``.
+        state_dict: the heads' full weights, for heads whose own parameters are shards (FSDP2 DTensors, ZeRO-3
+            partitions): gathered by ``accelerator.get_state_dict``. Saved in their dtype, on CPU.
+
+    Raises:
+        HeadsMismatchError: a weight is a shard, or the keys or shapes are not the ones ``heads.config`` describes;
+            nothing is written.
     """
     out_dir = Path(out_dir)
+    state = check_full_state(heads.state_dict() if state_dict is None else state_dict, heads.config, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     try:
-        state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
         save_file(state, str(tmp / HEADS_WEIGHTS_NAME), metadata={"format": "pt"})
         config = heads.config.to_dict()
         if extra_config:
@@ -79,6 +86,20 @@ def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_confi
     else:
         os.replace(tmp, out_dir)
     return out_dir
+
+
+def check_full_state(state: dict[str, torch.Tensor], config: MedusaHeadsConfig, out_dir: Path) -> dict:
+    """``state`` as plain CPU tensors, after checking it holds every weight of heads with ``config``, whole.
+
+    Raises:
+        HeadsMismatchError: a weight is a DTensor shard, or a key or shape differs from ``config``'s heads.
+    """
+    shards = sorted(k for k, v in state.items() if hasattr(v, "full_tensor"))
+    if shards:
+        raise HeadsMismatchError(f"cannot save heads to {out_dir}: {shards} are shards (DTensor) of sharded "
+                                 "training; pass the full weights of accelerator.get_state_dict (every process)")
+    _check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected_shapes(config), out_dir / HEADS_WEIGHTS_NAME)
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
 def read_heads_config(heads_dir: str | Path) -> MedusaHeadsConfig:

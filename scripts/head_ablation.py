@@ -12,8 +12,8 @@ the training time.
         --steps 300 --out docs/results/heads-ablation.json
 
 A variant is ``head_type:loss[:num_layers[:prefix_window]]`` (a prefix window gives Hydra heads their own attention
-layer over the base's hidden states, ``medusa/prefix_layer.py``); ``--sizes`` trains on the first N stored examples. With ``--data``
-the store is built first when missing (resumable): the training split of the first ``--conversations``
+layer over the base's hidden states, ``medusa/prefix_layer.py``); ``--sizes`` trains on the first N stored examples.
+With ``--data`` the store is built first when missing (resumable): the training split of the first ``--conversations``
 conversations of a dataset (``sharegpt``, or self-distilled JSON lines from ``medusa distill``).
 """
 

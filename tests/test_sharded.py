@@ -1,15 +1,17 @@
-"""Sharded training: the Accelerate FSDP / DeepSpeed config files, heads built from a gathered lm_head, and the
-heads trained under Accelerate's FSDP2 on 2 CPU processes (gloo).
+"""Sharded training: the Accelerate FSDP / DeepSpeed config files, heads built from a gathered lm_head, the heads
+trained under Accelerate's FSDP2 on 2 CPU processes (gloo), and the whole trainer saving and resuming there.
 
-Accelerate 1.x selects FSDP only with GPUs (a CPU launch becomes DDP), so the 2-process test builds the Accelerator
-on CPU and switches its state to the FSDP2 plugin that configs/accelerate/fsdp.yaml describes: the wrapping,
-optimizer hand-over, gradient reduction and state gathering are Accelerate's and torch's own FSDP2 code. DeepSpeed
-is not installed here: its configs are checked to parse into the intended plugins.
+Accelerate 1.x selects FSDP only with GPUs (a CPU launch becomes DDP), so the 2-process tests build the Accelerator
+on CPU and switch its state to the FSDP2 plugin that configs/accelerate/fsdp.yaml describes (:func:`force_fsdp2`):
+the wrapping, optimizer hand-over, gradient reduction and state gathering are Accelerate's and torch's own FSDP2
+code. DeepSpeed is not installed here: its configs are checked to parse into the intended plugins, and the trainer's
+DeepSpeed branches are driven by stand-ins.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -147,6 +149,97 @@ def test_partitioned_lm_head_without_a_gather_is_refused(weight, message):
         build_heads(train_config(), weight, base_weights()[1], [], [])
 
 
+# --- saving sharded heads, DeepSpeed (stand-ins) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["partitioned", "missing key"])
+def test_save_heads_refuses_weights_that_are_not_the_full_heads(tmp_path, case):
+    """A ZeRO-3-partitioned ``(0,)`` weight (the unwrapped heads' own state dict) or a missing key: refused with the
+    key named, nothing written. The full weights (``accelerator.get_state_dict``) save."""
+    from medusa.checkpoint import HeadsMismatchError, save_heads
+    from train.trainer import build_heads
+
+    heads = build_heads(train_config(), *base_weights(), [], [])
+    state = dict(heads.state_dict())
+    if case == "partitioned":
+        state["blocks.1.0.linear.weight"] = torch.empty(0)
+        message = r"blocks.1.0.linear.weight has shape \(0,\), expected \(16, 16\)"
+    else:
+        del state["lm_heads.0.weight"]
+        message = r"missing keys \['lm_heads.0.weight'\]"
+    with pytest.raises(HeadsMismatchError, match=message):
+        save_heads(heads, tmp_path / "heads", state_dict=state)
+    assert list(tmp_path.iterdir()) == []
+    save_heads(heads, tmp_path / "heads", state_dict=heads.state_dict())
+    assert load_file(tmp_path / "heads" / "model.safetensors").keys() == heads.state_dict().keys()
+
+
+def test_deepspeed_with_gradient_accumulation_is_refused_before_the_base_loads(tmp_path, monkeypatch):
+    from accelerate.utils import DistributedType
+
+    import train.setup as setup_module
+
+    monkeypatch.setattr(setup_module, "make_accelerator",
+                        lambda config: types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    monkeypatch.setattr(setup_module, "prepare_base", lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(ValueError, match="grad_accum_steps=2 cannot run under DeepSpeed: its engine steps the "
+                                         "optimizer inside backward"):
+        setup_module.setup(train_config(grad_accum_steps=2, output_dir=str(tmp_path)))
+
+
+class StandInEngine(torch.nn.Module):
+    """A ZeRO-3 engine stand-in: its module's parameters are partitioned ``(0,)`` tensors, the full weights come
+    from the consolidated state dict, and the optimizer partitions go through ``save_checkpoint`` /
+    ``load_checkpoint`` (written here as one marker file per call)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.full = {k: v.clone() for k, v in heads.state_dict().items()}
+        self.module = heads
+        for p in heads.parameters():
+            p.data = torch.empty(0)
+        self.loaded = []
+
+    def save_checkpoint(self, save_dir, tag):
+        Path(save_dir, tag).mkdir(parents=True)
+        Path(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"partition")
+
+    def load_checkpoint(self, load_dir, tag, **kwargs):
+        self.loaded.append((Path(load_dir), tag, kwargs))
+
+
+def test_deepspeed_checkpoint_holds_the_gathered_heads_and_the_engine_partitions(tmp_path):
+    """The DeepSpeed branches of save_checkpoint / resume, driven by stand-ins (no deepspeed here): the heads folder
+    is written from ``accelerator.get_state_dict`` (ZeRO-3's consolidated weights), not from the partitioned module;
+    the optimizer state is the engine's own checkpoint in ``deepspeed/``, reloaded from there on resume."""
+    from accelerate.utils import DistributedType
+
+    from medusa.checkpoint import load_heads
+    from train.checkpoints import DEEPSPEED_DIR, OPTIMIZER_NAME, load_optimizer_state, save_checkpoint
+    from train.trainer import build_heads
+
+    lm_head, embed = base_weights()
+    heads = build_heads(train_config(), lm_head, embed, [], [])
+    torch.nn.init.normal_(heads.blocks[0][0].linear.weight)  # not the zero initialisation
+    expected = {k: v.clone() for k, v in heads.state_dict().items()}
+    engine = StandInEngine(heads)
+    accelerator = types.SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False, is_main_process=True, process_index=0,
+        num_processes=1, wait_for_everyone=lambda: None, unwrap_model=lambda m: m.module,
+        get_state_dict=lambda m: m.full)
+    run = types.SimpleNamespace(accelerator=accelerator, heads=engine, optimizer=None, model=None, lora_params=None,
+                                step=2, config=train_config(output_dir=str(tmp_path)))
+    path = save_checkpoint(run)
+    loaded = load_heads(path / "heads", lm_head)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert not (path / OPTIMIZER_NAME).exists()
+    assert (path / DEEPSPEED_DIR / "heads" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    load_optimizer_state(accelerator, engine, None, path)
+    assert engine.loaded == [(path / DEEPSPEED_DIR, "heads", {"load_module_strict": True,
+                                                            "load_optimizer_states": True,
+                                                            "load_lr_scheduler_states": False})]
+
+
 # --- FSDP2 on 2 CPU processes ---------------------------------------------------------------------------------
 
 def step_batch():
@@ -160,20 +253,55 @@ def step_loss(heads, hidden, labels, total_targets: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="sum") / total_targets
 
 
+def run_launcher(cmd: list[str], timeout: float = 300) -> str:
+    """Run a ``torch.distributed.run`` command on 2 CPU processes; asserts it succeeded and returns its stderr.
+
+    On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
+    own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+        raise
+    assert proc.returncode == 0, stderr[-4000:]
+    return stderr
+
+
+def force_fsdp2(accelerator) -> None:
+    """Switch a CPU (gloo) Accelerator to the FSDP2 plugin configs/accelerate/fsdp.yaml describes.
+
+    Both of Accelerate's process-wide states are switched: ``prepare`` re-reads the distributed type from the partial
+    state, and with only the accelerator's switched it falls back to CPU DDP's type after wrapping.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    os.environ.update(launcher_env(ACCELERATE_CONFIGS / "fsdp.yaml"))
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    assert accelerator.is_fsdp2
+
+
 def fsdp_worker(out: Path) -> None:
     """One training step of heads built from a row-sharded lm_head, under Accelerate's FSDP2 (run per process)."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from train.trainer import build_heads, make_optimizer
 
-    os.environ.update(launcher_env(ACCELERATE_CONFIGS / "fsdp.yaml"))
     accelerator = Accelerator(cpu=True)  # gloo process group; Accelerate picks FSDP only with GPUs
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    force_fsdp2(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     lm_head, embed = base_weights()
     sharded = distribute_tensor(lm_head, init_device_mesh("cpu", (world,)), [Shard(0)])  # this rank's V / 2 rows
@@ -186,9 +314,7 @@ def fsdp_worker(out: Path) -> None:
     accelerator.backward(loss * world)  # as train_step: the loss is this process's share of the step's sum
     accelerator.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
     optimizer.step()
-    # What Accelerator.get_state_dict does under FSDP2 (a collective: every process takes part). Called directly:
-    # The FSDP state forced above does not survive prepare on CPU, so get_state_dict would take its plain branch.
-    state = get_model_state_dict(heads, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = accelerator.get_state_dict(heads)  # a collective under FSDP2: the main process gets the full weights
     unwrapped = accelerator.unwrap_model(heads).state_dict()
     if accelerator.is_main_process:
         save_file({k: v.detach().clone() for k, v in state.items()}, str(out / "heads.safetensors"))
@@ -208,17 +334,7 @@ def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
+    run_launcher(cmd)
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["wrapped"] == "FSDPMedusaHeads" and set(info["sharded_params"]) == {"DTensor"}
     assert info["local_rows"] == V // 2  # the lm_head the heads were built from was sharded
@@ -239,5 +355,90 @@ def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
         torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6)
 
 
+# --- the whole trainer under FSDP2 on 2 CPU processes: save, load, resume -----------------------------------------
+
+def trainer_worker(config_json: str) -> None:
+    """``train()`` with the run's Accelerator switched to FSDP2 (run per process)."""
+    import train.setup as setup_module
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    make_accelerator = setup_module.make_accelerator
+
+    def fsdp2_accelerator(config):
+        accelerator = make_accelerator(config)
+        force_fsdp2(accelerator)
+        return accelerator
+
+    setup_module.make_accelerator = fsdp2_accelerator
+    train(TrainConfig(**json.loads(config_json)))
+
+
+def launch_fsdp2_trainer(values: dict) -> str:
+    """Run :func:`trainer_worker` on 2 processes; returns their stderr."""
+    from test_train import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(Path(__file__).resolve()), "train", json.dumps(values)]
+    return run_launcher(cmd)
+
+
+@pytest.mark.slow
+def test_trainer_saves_full_heads_and_resumes_under_fsdp2_on_two_cpu_processes(tmp_path):
+    """2 FSDP2 processes x batch 1 x 2 micro-batches, stopped after step 2 and resumed to step 4, against one process
+    x batch 4 straight to step 4: the heads folders written from sharded heads load and agree within 1e-5 relative.
+    A resume that lost the AdamW moments would differ far more (steps 3 and 4 would restart Adam); the step-2
+    optimizer state, saved whole and keyed by parameter name, equals the single-process one. The held-out metrics
+    match too, though one process's held-out slice is empty (a sharded heads forward may be a collective)."""
+    from accelerate import Accelerator
+    from test_train import heads_state, max_relative_difference, write_mixed_chats
+    from transformers import AutoModelForCausalLM
+
+    from medusa.checkpoint import load_heads
+    from tests.tiny import save_tiny
+    from train.checkpoints import load_optimizer_state
+    from train.config import TrainConfig
+    from train.trainer import latest_checkpoint, make_optimizer, train
+
+    # 1 held-out conversation: one process scores it, the other has none (and runs a spare heads forward).
+    base, chats = save_tiny(tmp_path / "llama", "llama"), write_mixed_chats(tmp_path / "mixed.jsonl", n=10)
+    values = dict(base=str(base), data=str(chats), num_heads=2, head_vocab_size=None, max_seq_len=128,
+                  learning_rate=1e-2, warmup_steps=1, max_steps=4, save_every=2, eval_every=2, log_every=1,
+                  held_out_fraction=0.1, max_grad_norm=1.0, mixed_precision="no")
+    # warmup_steps=1: the first two learning rates are 0 and the peak whether max_steps is 2 or 4.
+    config = TrainConfig(**values, batch_size=4, output_dir=str(tmp_path / "one"))
+    one = train(config)
+    sharded = values | {"batch_size": 1, "grad_accum_steps": 2, "output_dir": str(tmp_path / "two")}
+    stderr = launch_fsdp2_trainer(sharded | {"max_steps": 2})
+    assert "training on 2 processes (FSDP)" in stderr
+    step2 = latest_checkpoint(tmp_path / "two")
+    assert step2.name == "step_2"
+    lm_head = AutoModelForCausalLM.from_pretrained(base).get_output_embeddings().weight.detach()  # (V, H)
+    heads = load_heads(step2 / "heads", lm_head)  # full weights: every key and shape checked
+    optimizer = make_optimizer(heads, config)
+    load_optimizer_state(Accelerator(), heads, optimizer, step2)  # one process, whole heads
+    reference = torch.load(tmp_path / "one" / "checkpoints" / "step_2" / "optimizer.pt", weights_only=True)
+    restored = optimizer.state_dict()["state"]
+    assert restored.keys() == reference["state"].keys() and len(restored) == len(list(heads.parameters()))
+    for index, state in reference["state"].items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(restored[index][name], state[name], rtol=1e-4, atol=1e-7)
+
+    stderr = launch_fsdp2_trainer(sharded)
+    assert "resuming from step 2" in stderr
+    expected = heads_state(one)
+    for folder in (tmp_path / "two" / "heads", latest_checkpoint(tmp_path / "two") / "heads"):
+        load_heads(folder, lm_head)
+        assert max_relative_difference(expected, heads_state(folder)) < 1e-5
+    metrics = [json.loads((tmp_path / run / "eval.json").read_text()) for run in ("one", "two")]
+    assert metrics[0]["examples"] == metrics[1]["examples"] == 1
+    assert metrics[0]["heads"] == metrics[1]["heads"]  # summed over both processes' slices, one of them empty
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-4)
+
+
 if __name__ == "__main__":
-    fsdp_worker(Path(sys.argv[1]))
+    if sys.argv[1] == "train":
+        trainer_worker(sys.argv[2])
+    else:
+        fsdp_worker(Path(sys.argv[1]))

@@ -166,8 +166,14 @@ def launch_two_processes(train_args: list[str], port: int | None = None) -> subp
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        # SIGTERM first: the launcher passes it on to its workers, which run in sessions of their own (a kill of the
+        # launcher's group alone would leave them running); then the group gets SIGKILL.
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
         raise
     assert proc.returncode == 0, stderr[-4000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -1,5 +1,12 @@
 """Training checkpoints: one folder ``checkpoints/step_N`` per save (heads, optimizer state, each process's random
-state, step and config), written atomically; the latest complete one is where a run resumes."""
+state, step and config), written atomically; the latest complete one is where a run resumes.
+
+Under sharded training the heads and their optimizer state are gathered whole by every process together (collectives)
+and written by the main process, so a checkpoint holds the same files as a single-process one: the heads by
+``accelerator.get_state_dict``; the optimizer state under FSDP2 by torch.distributed.checkpoint with
+``full_state_dict`` (keyed by parameter name, so it loads back on any number of processes). Under DeepSpeed the
+engine writes its optimizer partitions itself, into ``deepspeed/`` (one per process; resume on as many processes).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 
 from medusa.checkpoint import save_heads
 from medusa.heads import read_json
@@ -31,7 +39,8 @@ CHECKPOINT_PREFIX = "step_"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 RNG_STATE_NAME = "rng_state_{rank}.pt"
-HEADS_DIR = "heads"
+DEEPSPEED_DIR = "deepspeed"
+"""DeepSpeed's engine checkpoint inside a checkpoint (its optimizer partitions), under the tag ``heads``."""
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -100,12 +109,16 @@ def save_checkpoint(run: Run) -> Path:
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / RNG_STATE_NAME.format(rank=accelerator.process_index))
+    heads_state = accelerator.get_state_dict(run.heads)  # every process: a collective when the heads are sharded
+    optimizer_state = save_optimizer_state(run, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step})
+        save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step},
+                   state_dict=heads_state)
         if run.lora_params is not None:
             save_adapter(run.model, tmp / ADAPTER_DIR)
-        torch.save(run.optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_NAME)
         state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
                  "num_processes": accelerator.num_processes, "config": run.config.to_dict()}
         (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
@@ -116,6 +129,57 @@ def save_checkpoint(run: Run) -> Path:
         logger.info("checkpoint saved: %s", path)
     accelerator.wait_for_everyone()
     return path
+
+
+def save_optimizer_state(run: Run, checkpoint: Path) -> dict | None:
+    """The optimizer state to write as ``OPTIMIZER_NAME`` (by the main process), or ``None`` when DeepSpeed wrote
+    it into ``checkpoint`` itself. Called on every process: under FSDP2 and DeepSpeed it is a collective.
+
+    FSDP2: the full state keyed by parameter name (only the main process holds it). Otherwise
+    ``optimizer.state_dict()``, as in a single-process run.
+    """
+    accelerator, heads, optimizer = run.accelerator, run.heads, run.optimizer
+    if accelerator.is_fsdp2:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(heads, getattr(optimizer, "optimizer", optimizer), options=options)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        heads.save_checkpoint(str(checkpoint / DEEPSPEED_DIR), "heads")  # heads is the DeepSpeedEngine
+        return None
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(accelerator, heads: torch.nn.Module, optimizer, checkpoint: Path) -> None:
+    """Restore what :func:`save_optimizer_state` saved into the prepared ``heads``' ``optimizer``, on every process.
+
+    A state keyed by parameter name (saved under FSDP2) loads into sharded or whole heads alike; the
+    ``state_dict()`` of a run that was not sharded loads with ``optimizer.load_state_dict``; under DeepSpeed the
+    engine reloads its own partitions.
+
+    Raises:
+        FileNotFoundError, ValueError: the optimizer file is missing or damaged (see :func:`load_torch_file`).
+    """
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        heads.load_checkpoint(str(checkpoint / DEEPSPEED_DIR), "heads", load_module_strict=True,
+                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        return
+    path = checkpoint / OPTIMIZER_NAME
+    state = load_torch_file(path, "optimizer state")
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
+        raise ValueError(f"optimizer state {path} is damaged: not an optimizer state dict")
+    groups = state["param_groups"] or [{}]
+    if not any(isinstance(name, str) for name in groups[0].get("params", [])):  # not keyed by parameter name
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside Accelerate's wrapper
+    # torch.distributed.checkpoint loads only the group fields the optimizer already has; the schedule's
+    # initial_lr is added to the groups when the scheduler is built, after this.
+    for group, saved in zip(inner.param_groups, state["param_groups"], strict=False):
+        group.update({key: value for key, value in saved.items() if key not in group})
+    set_optimizer_state_dict(heads, inner, state, options=StateDictOptions(full_state_dict=True))
 
 
 def rng_state() -> dict:

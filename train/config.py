@@ -101,7 +101,8 @@ class TrainConfig:
     """Sequences per micro-batch on each process."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step. The loss is normalised by the targets of the whole step, so
-    batch_size x grad_accum_steps x processes, however split, trains the same heads."""
+    batch_size x grad_accum_steps x processes, however split, trains the same heads. Above 1 it is refused under
+    DeepSpeed, whose engine steps the optimizer inside backward."""
     learning_rate: float = 1e-3
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0

@@ -11,6 +11,7 @@ from medusa.heads import head_target_offset
 from train.data import collate, to_device
 from train.history import append_evaluation
 from train.objective import head_loss
+from train.sharded import heads_are_sharded
 from train.store import base_hidden_states
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
     heads.eval()
     mine = run.held_examples[accelerator.process_index :: accelerator.num_processes]
     starts = list(range(0, len(mine), config.batch_size))[:max_batches]
+    spare = spare_forwards(accelerator, len(starts))  # before any forward: it is a collective itself
     totals: dict[str, torch.Tensor] = {}
     for start in starts:
         batch = to_device(collate(mine[start : start + config.batch_size], run.pad_id), accelerator.device)
@@ -50,6 +52,11 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
         _, stats = head_loss(run, logits, hidden.float(), batch)
         for name, value in stats.items():
             totals[name] = totals.get(name, 0) + value
+    for _ in range(spare):
+        # Sharded heads may gather their parameters in a forward (a collective): a process whose slice has fewer
+        # batches runs them on a spare batch, discarded, so every process runs as many forwards.
+        batch = to_device(collate(run.held_examples[:1], run.pad_id), accelerator.device)
+        heads(base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"]).float(), batch["input_ids"])
     if not totals:  # this process has no held-out slice; it still joins the reduction
         zeros = torch.zeros(heads.config.num_heads, device=accelerator.device)
         totals = {"top1": zeros.long(), "top5": zeros.long(), "count": zeros.long(), "ce_sum": zeros,
@@ -62,6 +69,16 @@ def evaluate(run: Run, max_batches: int | None = None) -> dict:
         append_evaluation(config.output_dir, run.step, metrics)
     accelerator.log({f"eval/{k}": v for k, v in _flat_metrics(metrics).items()}, step=run.step)
     return metrics
+
+
+def spare_forwards(accelerator, batches: int) -> int:
+    """How many more heads forwards this process must run so all processes run as many: ``0`` unless the heads are
+    sharded (FSDP2, DeepSpeed), whose forwards are collectives; then the most batches of any process minus
+    ``batches``."""
+    if not heads_are_sharded(accelerator):
+        return 0
+    counts = accelerator.gather(torch.tensor([batches], device=accelerator.device))  # (processes,)
+    return int(counts.max().item()) - batches
 
 
 def _metrics(totals: dict[str, torch.Tensor], decay: float) -> dict:

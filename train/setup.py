@@ -20,9 +20,8 @@ from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fin
 from medusa.losses import head_lookup_table
 from train.checkpoints import (
     HEADS_DIR,
-    OPTIMIZER_NAME,
     latest_checkpoint,
-    load_torch_file,
+    load_optimizer_state,
     read_checkpoint_state,
     remove_unfinished_checkpoints,
     restore_rng_state,
@@ -36,7 +35,7 @@ from train.conversations import (
 )
 from train.data import default_tokenize_cache_dir, target_token_counts, tokenize_conversations
 from train.medusa2 import ADAPTER_DIR, apply_lora, load_adapter_state, lora_parameters
-from train.sharded import full_weight
+from train.sharded import check_sharded_settings, full_weight
 from train.store import HiddenStateStore, ensure_store
 
 logger = logging.getLogger(__name__)
@@ -70,6 +69,7 @@ class Run:
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     """Accelerator, frozen base, tokenised data, heads (fresh or from the latest checkpoint), optimizer, schedule."""
     accelerator = make_accelerator(config)
+    check_sharded_settings(accelerator, config.grad_accum_steps)
     logger.info("training on %s, device %s, mixed precision %s", describe_processes(accelerator), accelerator.device,
                 "off" if accelerator.mixed_precision == "no" else accelerator.mixed_precision)
     if config.training_mode == "medusa2" and accelerator.num_processes > 1:
@@ -92,17 +92,17 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
                          accelerator) if config.hidden_state_store else None
     model = adapt_base(config, accelerator, model, checkpoint)
     lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
-    heads = initial_heads(config, checkpoint, model, tokenizer, train_examples)
+    lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each; gathered once when sharded
+    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos_ids(model, tokenizer))
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
-        lm_head = model.get_output_embeddings().weight  # (V, H)
         teacher_weight = lm_head.detach() if heads.token_map is None else lm_head.detach()[heads.token_map]
     optimizer = make_optimizer(heads, config, lora_params)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     step = state["step"] if state else 0
     if checkpoint:
-        optimizer.load_state_dict(load_torch_file(checkpoint / OPTIMIZER_NAME, "optimizer state"))
+        load_optimizer_state(accelerator, heads, optimizer, checkpoint)
         logger.info("resuming from step %d (%s)", step, checkpoint)
     # The schedule is a function of the step alone: rebuilt at the resumed step, it follows a changed max_steps.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
@@ -136,10 +136,20 @@ def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint:
     return model
 
 
-def initial_heads(config: TrainConfig, checkpoint: Path | None, model, tokenizer, examples: list[dict]):
-    """The heads training starts from: the checkpoint's, else ``config.init_heads``, else fresh ones."""
-    lm_head = model.get_output_embeddings().weight  # (V, H)
-    embed = model.get_input_embeddings().weight  # (V, H)
+def full_base_weights(model, head_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The base's whole lm_head ``(V, H)`` and, for Hydra heads, its whole input embeddings ``(V, H)`` (else
+    ``None``): gathered once (:func:`full_weight`) when sharded training holds them partitioned."""
+    lm_head = full_weight(model.get_output_embeddings().weight, "lm_head")
+    if head_type != "hydra":
+        return lm_head, None
+    return lm_head, full_weight(model.get_input_embeddings().weight, "input embeddings")
+
+
+def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.Tensor, embed: torch.Tensor | None,
+                  examples: list[dict], always: list[int]):
+    """The heads training starts from: the checkpoint's, else ``config.init_heads``, else fresh ones, over the
+    base's whole lm_head and (Hydra) input embeddings ``(V, H)``; ``always`` are the token ids a truncated head
+    vocabulary keeps."""
     if checkpoint:
         return load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
     if config.init_heads:
@@ -147,7 +157,7 @@ def initial_heads(config: TrainConfig, checkpoint: Path | None, model, tokenizer
         check_init_heads(config, heads.config)
         logger.info("heads initialised from %s", config.init_heads)
         return heads
-    return build_heads(config, lm_head, embed, examples, eos_ids(model, tokenizer))
+    return build_heads(config, lm_head, embed, examples, always)
 
 
 def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> None:
@@ -251,7 +261,7 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
                 always: list[int]) -> MedusaHeads | HydraHeads:
     """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
     of the most frequent training targets. Sharded or partitioned weights are gathered once (:func:`full_weight`)."""
-    lm_head = full_weight(lm_head, "lm_head")  # (V, H)
+    lm_head = full_weight(lm_head, "lm_head")  # (V, H); a no-op on a whole weight
     embed = full_weight(embed, "input embeddings") if config.head_type == "hydra" else embed  # (V, H)
     vocab, hidden = lm_head.shape
     head_vocab = config.head_vocab_size if config.head_vocab_size and config.head_vocab_size < vocab else None

@@ -15,10 +15,11 @@ orchestration), :mod:`train.loop` (the step loop), :mod:`train.objective` (the l
 (the LoRA, its stages and its KL). Their public names are
 importable from here too.
 
-Only the heads go through ``accelerator.prepare`` (DDP wraps them alone); the base sits on ``accelerator.device``
-as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state, each process's random
-state, step, config), written atomically; a run whose ``output_dir`` holds checkpoints resumes from the latest one and
-continues exactly as an uninterrupted run would (the data order and the schedule are functions of the step).
+Only the heads go through ``accelerator.prepare`` (DDP, FSDP2 or DeepSpeed wraps them alone); the base sits on
+``accelerator.device`` as a plain module. A checkpoint is one folder ``checkpoints/step_N`` (heads, optimizer state,
+each process's random state, step, config), written atomically, with sharded heads gathered whole first; a run whose
+``output_dir`` holds checkpoints resumes from the latest one and continues exactly as an uninterrupted run would (the
+data order and the schedule are functions of the step).
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
     fit(run)
     metrics = evaluate(run) if any_held_out(run) else {}
     out = Path(config.output_dir)
+    state = run.accelerator.get_state_dict(run.heads)  # every process: a collective when the heads are sharded
     if run.accelerator.is_main_process:
         heads = run.accelerator.unwrap_model(run.heads)
         extra = {"config": config.to_dict(), "steps": run.step, "held_out": metrics}
-        save_heads(heads, out / HEADS_DIR, extra_config=extra)
+        save_heads(heads, out / HEADS_DIR, extra_config=extra, state_dict=state)
         if run.lora_params is not None:  # Medusa-2: the heads were trained over the adapted base
             save_adapter(run.model, out / ADAPTER_DIR)
             logger.info("LoRA adapter written to %s (decode with --adapter, or `medusa merge` it)", out / ADAPTER_DIR)
