@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from medusa.files import replace_folder
 from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, build_heads, fingerprint_mismatch, read_json
 
 logger = logging.getLogger(__name__)
@@ -77,15 +78,7 @@ def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_confi
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.chmod(tmp / HEADS_WEIGHTS_NAME, 0o644)
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+    return replace_folder(tmp, out_dir)
 
 
 def check_full_state(state: dict[str, torch.Tensor], config: MedusaHeadsConfig, out_dir: Path) -> dict:

@@ -347,7 +347,7 @@ def cmd_generate(args) -> int:
     if args.stats:
         print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
               f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {model.tree.name} "
-              f"({model.tree.num_nodes} nodes)", file=sys.stderr)
+              f"({model.tree.num_nodes - 1} nodes + root)", file=sys.stderr)
     return 0
 
 

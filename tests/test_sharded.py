@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
 import types
 from contextlib import contextmanager
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import free_port, run_launcher
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,27 +252,10 @@ def step_loss(heads, hidden, labels, total_targets: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="sum") / total_targets
 
 
-def run_launcher(cmd: list[str], timeout: float = 300) -> str:
-    """Run a ``torch.distributed.run`` command on 2 CPU processes; asserts it succeeded and returns its stderr.
-
-    On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
-    own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
-    """
+def run_two_process_command(cmd: list[str]) -> str:
+    """Run a ``torch.distributed.run`` command on 2 CPU processes; asserts it succeeded and returns its stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=60)
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
-    return stderr
+    return run_launcher(cmd, REPO, env).stderr
 
 
 def force_fsdp2(accelerator) -> None:
@@ -328,13 +310,12 @@ def fsdp_worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
-    from test_train import free_port
 
     from train.trainer import build_heads, make_optimizer
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), str(tmp_path)]
-    run_launcher(cmd)
+    run_two_process_command(cmd)
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["wrapped"] == "FSDPMedusaHeads" and set(info["sharded_params"]) == {"DTensor"}
     assert info["local_rows"] == V // 2  # the lm_head the heads were built from was sharded
@@ -377,11 +358,10 @@ def trainer_worker(config_json: str) -> None:
 
 def launch_fsdp2_trainer(values: dict) -> str:
     """Run :func:`trainer_worker` on 2 processes; returns their stderr."""
-    from test_train import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "train", json.dumps(values)]
-    return run_launcher(cmd)
+    return run_two_process_command(cmd)
 
 
 @pytest.mark.slow

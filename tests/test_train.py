@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from itertools import islice
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import free_port, run_launcher
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -146,37 +146,13 @@ def test_micro_batches_resume_and_shard():
     assert sorted(rank0[0] + rank1[0]) == sorted(set(rank0[0] + rank1[0]))  # one global batch, no overlap
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, so two suites running at once never share a rendezvous port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch_two_processes(train_args: list[str], port: int | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m train ARGS`` on 2 CPU processes (DDP over gloo); asserts it succeeded."""
     port = free_port() if port is None else port
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", str(port), "-m", "train",
            *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    # Own process group: on a timeout the launcher and both workers are killed, not left orphaned.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the launcher passes it on to its workers, which run in sessions of their own (a kill of the
-        # launcher's group alone would leave them running); then the group gets SIGKILL.
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=60)
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_launcher(cmd, REPO, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.slow

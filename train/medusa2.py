@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from medusa.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from medusa.files import replace_folder
 from medusa.heads import IGNORE_INDEX
 from medusa.losses import next_token_kl_sum
 from train.config import TrainConfig
@@ -143,15 +144,7 @@ def save_adapter(model, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.chmod(tmp, 0o755)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
+    return replace_folder(tmp, out_dir)
 
 
 def load_adapter_state(model, adapter_dir: Path, config: TrainConfig) -> None:

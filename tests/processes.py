@@ -1,0 +1,38 @@
+"""Running multi-process launchers from tests: a free rendezvous port, and a run that leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, so two suites running at once never share a rendezvous port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a launcher command (``accelerate launch``, ``torch.distributed.run``) to the end; asserts it succeeded.
+
+    On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
+    own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+        raise
+    assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
