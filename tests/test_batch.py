@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoding import ARCHS, WIDE_TREE, OracleHeads, hf_greedy, random_heads
+from test_decoding import ARCHS, WIDE_TREE, OracleHeads, StatelessContext, hf_greedy, random_heads
 from tiny import tiny_model
 
 from medusa import kv_cache
@@ -20,7 +20,7 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(3, 300, (n,), generator=gen) for n in lengths]
 
 
-class BatchOracle(torch.nn.Module):
+class BatchOracle(StatelessContext, torch.nn.Module):
     """One :class:`OracleHeads` per sequence; each call is answered by the oracle whose reference hidden states hold
     the nearest one, so every row can be given its own head ranks (and accept its own number of drafts)."""
 
@@ -36,11 +36,6 @@ class BatchOracle(torch.nn.Module):
     def to_base_ids(self, ids):
         return ids
 
-    def new_context(self):
-        return None
-
-    def extend_context(self, context, hidden, next_tokens):
-        return hidden[-1]
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
@@ -170,19 +165,12 @@ def test_empty_prompt_in_a_batch_is_named():
 
 @pytest.fixture(scope="module")
 def cli_setup(tmp_path_factory):
-    import json
-
-    from tiny import save_tiny
-
-    from medusa.checkpoint import save_heads
+    from tiny import save_cli_files
 
     root = tmp_path_factory.mktemp("batch-cli")
-    base = save_tiny(root / "base", "llama")
-    save_heads(random_heads(tiny_model("llama")), root / "heads")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in [
+    base, prompts = save_cli_files(root, [
         {"prompt": "hello world"}, {"messages": [{"role": "user", "content": "the quick brown fox jumps"}]},
-        {"prompt": "how are you today? Medusa heads predict tokens ahead"}]) + "\n")
+        {"prompt": "how are you today? Medusa heads predict tokens ahead"}])
     return root, base, prompts
 
 

@@ -7,31 +7,18 @@ import json
 
 import pytest
 import torch
-from tiny import save_tiny, tiny_model
+from tiny import save_cli_files, save_tiny
 
-from medusa.checkpoint import save_heads
 from medusa.cli import main
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
 from medusa.tree import Tree, load_tree, save_tree
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    base = save_tiny(root / "base", "llama")
-    model = tiny_model("llama")
-    weight = model.get_output_embeddings().weight
-    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
-                               lm_head_fingerprint=lm_head_fingerprint(weight))
-    torch.manual_seed(0)
-    heads = MedusaHeads(config, weight)
-    for p in heads.parameters():
-        p.data.normal_(0, 0.05)
-    save_heads(heads, root / "heads")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "hello world"}, {"messages": [{"role": "user", "content": "the quick brown fox"}]},
-        {"prompt": "how are you today?"}]) + "\n")
+    base, prompts = save_cli_files(root, [{"prompt": "hello world"},
+                                          {"messages": [{"role": "user", "content": "the quick brown fox"}]},
+                                          {"prompt": "how are you today?"}])
     return root, base, prompts
 
 

@@ -23,7 +23,17 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-class OracleHeads(torch.nn.Module):
+class StatelessContext:
+    """The decoding-context interface for test heads that keep no state (as :class:`medusa.heads.MedusaHeads`)."""
+
+    def new_context(self):
+        return None
+
+    def extend_context(self, context, hidden, next_tokens):
+        return hidden[-1]
+
+
+class OracleHeads(StatelessContext, torch.nn.Module):
     """Heads that know the reference greedy sequence: head k puts the true token t+k+2 at rank ``rank[k]`` (or
     nowhere when ``rank[k]`` is None), so acceptance of several tokens, non-zero ranks and cache compaction of
     non-contiguous tree paths are all exercised. The position t is recovered from the hidden state."""
@@ -57,11 +67,6 @@ class OracleHeads(torch.nn.Module):
     def to_base_ids(self, ids):
         return ids
 
-    def new_context(self):
-        return None
-
-    def extend_context(self, context, hidden, next_tokens):
-        return hidden[-1]
 
 
 def random_heads(model, num_heads=3, seed=1, head_type="medusa"):

@@ -165,25 +165,10 @@ def test_compiled_engine_gives_base_greedy_tokens(arch):
 
 @pytest.fixture(scope="module")
 def cli_setup(tmp_path_factory):
-    import json
-
-    from tiny import save_tiny
-
-    from medusa.checkpoint import save_heads
-    from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+    from tiny import save_cli_files
 
     root = tmp_path_factory.mktemp("engine-cli")
-    base = save_tiny(root / "base", "llama")
-    weight = tiny_model("llama").get_output_embeddings().weight
-    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
-                               lm_head_fingerprint=lm_head_fingerprint(weight))
-    torch.manual_seed(0)
-    heads = MedusaHeads(config, weight)
-    for p in heads.parameters():
-        p.data.normal_(0, 0.05)
-    save_heads(heads, root / "heads")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello world", "how are you today?"]) + "\n")
+    base, prompts = save_cli_files(root, [{"prompt": p} for p in ["hello world", "how are you today?"]])
     return root, base, prompts
 
 

@@ -91,9 +91,10 @@ def test_drafted_children_depend_on_their_own_path():
     assert not torch.equal(draft.level_logits[1][0], draft.level_logits[1][1])
 
 
-def tiny_hydra_for(model, num_heads=3, seed=1):
+def tiny_hydra_for(model, num_heads=3, seed=1, prefix_window=0):
     weight, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-    return make_hydra(num_heads, 2, weight.detach(), embed.detach(), seed=seed, scale=0.05)
+    return make_hydra(num_heads, 2, weight.detach(), embed.detach(), seed=seed, scale=0.05,
+                      prefix_window=prefix_window)
 
 
 def train_on_greedy(model, heads, ids, steps=80):
@@ -113,11 +114,12 @@ def train_on_greedy(model, heads, ids, steps=80):
     return stats
 
 
+@pytest.mark.parametrize("prefix_window", [0, 16])  # without and with the heads' own attention layer
 @pytest.mark.parametrize("arch", ARCHS)
-def test_trained_hydra_heads_accept_tokens_and_stay_exact(arch):
+def test_trained_hydra_heads_accept_tokens_and_stay_exact(arch, prefix_window):
     model = tiny_model(arch)
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(4))
-    heads = tiny_hydra_for(model)
+    heads = tiny_hydra_for(model, prefix_window=prefix_window)
     stats = train_on_greedy(model, heads, ids)
     assert (stats["top1"].float() / stats["count"]).min() > 0.5  # the heads learned the sequence
     heads.eval()

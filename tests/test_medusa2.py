@@ -11,23 +11,13 @@ from transformers import AutoModelForCausalLM
 from medusa.adapter import merge_adapter, write_merged
 from medusa.drift import drift
 from medusa.model import MedusaModel
-from tests.test_train import make_config, write_chats
-from tests.tiny import save_tiny, tiny_tokenizer
+from tests.test_train import make_config
+from tests.tiny import tiny_tokenizer
 from train.config import load_config
 from train.trainer import train
 
 M2 = dict(training_mode="medusa2", lora_rank=4, lora_alpha=8.0, lora_learning_rate=1e-2, stage1_steps=1,
           heads_loss_warmup_steps=2, lora_target_modules=("q_proj", "v_proj", "down_proj"))
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory):
-    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 @pytest.fixture(scope="module")

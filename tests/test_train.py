@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from medusa.checkpoint import load_heads
 from medusa.losses import head_ce_sums, head_target_counts, medusa_loss
-from tests.tiny import save_tiny, tiny_tokenizer
+from tests.tiny import tiny_tokenizer
 from train.config import TrainConfig
 from train.trainer import fit, latest_checkpoint, micro_batches, setup, step_loss, train
 
@@ -47,16 +47,6 @@ def write_mixed_chats(path: Path, n: int = 16) -> Path:
                                                           {"from": "gpt", "value": answer}]})
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory):
-    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 def make_config(base_dir, chats, out, **overrides) -> TrainConfig:

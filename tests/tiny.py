@@ -83,3 +83,27 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Pa
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return Path(path)
+
+
+def save_cli_files(root: Path, prompts: list[dict], num_heads: int = 3, seed: int = 0) -> tuple[Path, Path]:
+    """What the CLI tests run on: a tiny Llama folder ``root/base``, random Medusa heads for it in ``root/heads``
+    (small weights, so some drafts are accepted) and ``root/prompts.jsonl``. Returns ``(base, prompts)``."""
+    import json
+
+    import torch
+
+    from medusa.checkpoint import save_heads
+    from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+
+    base = save_tiny(root / "base", "llama")
+    weight = tiny_model("llama").get_output_embeddings().weight
+    config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=num_heads,
+                               lm_head_fingerprint=lm_head_fingerprint(weight))
+    torch.manual_seed(seed)
+    heads = MedusaHeads(config, weight)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.05)
+    save_heads(heads, root / "heads")
+    path = root / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in prompts) + "\n")
+    return base, path
