@@ -22,7 +22,8 @@ from medusa.verify import greedy_accept, greedy_accept_along_path
 
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
-(lm_head rows along the path included) and the cache compaction."""
+(lm_head rows along the path included) and the cache compaction (with the heads' own context update, if they keep
+one)."""
 
 
 @dataclass
@@ -138,14 +139,13 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
                                 rule, processors, sequence)
         verified = time.perf_counter()
         engine.keep_positions(cache, prefix_len, result.path_nodes)
-        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
         root = result.next_token
         emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
-        sequence = torch.cat([sequence, emitted])
         last_hidden = heads.extend_context(context, hidden[result.path_nodes], emitted)
-        emitted = emitted.tolist()
+        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
+        sequence = torch.cat([sequence, emitted])
         stats.decode_s += time.perf_counter() - start
-        yield _emit(emitted, result.accepted, stats, max_new_tokens, stop)
+        yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop)
 
 
 def acceptance_rule(decoding: Decoding, heads, buffers: TreeBuffers, vocab_size: int, device):
@@ -205,7 +205,8 @@ def _verify_processed(engine, draft: Draft, positions, buffers: TreeBuffers, cac
 
 def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float) -> None:
     """Add one step's parts to ``stats.step_s``: ``marks`` are the clock at its start, after the draft, after the
-    verification and after the compaction; ``forward_s`` is the engine's forward inside the verification."""
+    verification and after the compaction and context update; ``forward_s`` is the engine's forward inside the
+    verification."""
     start, drafted, verified, compacted = marks
     parts = (drafted - start, forward_s, verified - drafted - forward_s, compacted - verified)
     for name, seconds in zip(STEP_PARTS, parts, strict=True):
