@@ -88,8 +88,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     if verify_logits not in ("all", "path"):
         raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
     check_prompts(prompts)
-    if heads is None and tree.depth > 0:
-        raise ValueError(f"tree {tree.name!r} has depth {tree.depth}: drafting needs heads")
+    if heads is None and tree.head_depth > 0:
+        raise ValueError(f"tree {tree.name!r} has heads' nodes down to depth {tree.head_depth}: drafting needs heads")
     if heads is not None:
         tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
     for ids in prompts:
@@ -106,6 +106,7 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         row.prefill_s = stats.prefill_s
     rows = list(range(len(prompts)))  # prompt index of each cache row
     emitted = [[int(r)] for r in roots]
+    sequences = [torch.cat([ids, r[None]]) for ids, r in zip(prompts, roots, strict=True)]  # what lookup copies from
     while True:
         out = [(i, _emit(tokens, len(tokens) - 1, stats.rows[i], max_new_tokens, stop, is_prefill=not stats.forwards))
                for i, tokens in zip(rows, emitted, strict=True)]
@@ -118,9 +119,11 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
             valid_len, roots, last_hidden = valid_len[keep], roots[keep], last_hidden[keep]
             kv_cache.select_rows(cache, keep, int(valid_len.max()))
             rows, contexts = [rows[j] for j in running], [contexts[j] for j in running]
+            sequences = [sequences[j] for j in running]
         start = time.perf_counter()
-        roots, last_hidden, valid_len, emitted = _step(model, heads, contexts, buffers, cache, roots, last_hidden,
-                                                       valid_len, verify_logits)
+        roots, last_hidden, valid_len, emitted = _step(model, heads, contexts, sequences, buffers, cache, roots,
+                                                       last_hidden, valid_len, verify_logits)
+        sequences = [torch.cat([seq, seq.new_tensor(e)]) for seq, e in zip(sequences, emitted, strict=True)]
         elapsed = time.perf_counter() - start
         stats.decode_s += elapsed
         stats.forwards += 1
@@ -155,16 +158,17 @@ def _drafting_input(heads, context, hidden: torch.Tensor, next_tokens: torch.Ten
     return hidden[-1] if heads is None else heads.extend_context(context, hidden, next_tokens)
 
 
-def _step(model, heads, contexts: list, buffers: TreeBuffers, cache, roots: torch.Tensor, last_hidden: torch.Tensor,
-          valid_len: torch.Tensor, verify_logits: str):
-    """Draft, verify and accept one tree per row.
+def _step(model, heads, contexts: list, sequences: list[torch.Tensor], buffers: TreeBuffers, cache,
+          roots: torch.Tensor, last_hidden: torch.Tensor, valid_len: torch.Tensor, verify_logits: str):
+    """Draft, verify and accept one tree per row (``sequences[b]``: row b's prompt and emitted tokens, root last).
 
     Returns:
         ``(roots (B,), drafting inputs (B, H), valid_len (B,), emitted)``; ``emitted[b]``: row b's accepted draft
         tokens then its bonus token (the new root).
     """
     batch = len(roots)
-    tokens = torch.stack([draft_tree(heads, last_hidden[b], roots[b], buffers).tokens for b in range(batch)])  # (B,N)
+    tokens = torch.stack([draft_tree(heads, last_hidden[b], roots[b], buffers, sequence=sequences[b]).tokens
+                          for b in range(batch)])  # (B, N)
     positions = valid_len[:, None] + buffers.depth[None, :]  # (B, N)
     prefix_len = kv_cache.cache_length(cache)
     hidden = kv_cache.forward_rows(model, tokens, positions, valid_len, buffers.ancestor_mask, cache)  # (B, N, H)
@@ -212,7 +216,8 @@ def greedy_accept_rows_along_path(tokens: torch.Tensor, next_token_at, buffers: 
     """:func:`greedy_accept_rows` asking for the base's prediction only along each row's accepted path.
 
     One call per tree level, for the rows whose path still matches (:func:`medusa.verify.greedy_accept_along_path`
-    row by row: siblings are distinct tokens, so at most one child matches).
+    row by row: the heads' siblings are distinct tokens, and a prompt-lookup child, first among its siblings, is
+    taken when it repeats one of them).
 
     Args:
         tokens: ``(B, N)`` long node tokens per row.

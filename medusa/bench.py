@@ -69,11 +69,17 @@ def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> to
 
 
 @torch.inference_mode()
-def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int]) -> list[int]:
-    """Hugging Face ``generate`` with greedy decoding; returns the new token ids (stopping at a stop token)."""
+def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int],
+              prompt_lookup: int = 0) -> list[int]:
+    """Hugging Face ``generate`` with greedy decoding; returns the new token ids (stopping at a stop token).
+
+    ``prompt_lookup`` > 0: Hugging Face's own prompt lookup decoding (``prompt_lookup_num_tokens``), the baseline
+    for our trees' lookup chain."""
     ids = input_ids[None].to(model.device)
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=sorted(stop_token_ids) or None, pad_token_id=next(iter(stop_token_ids), 0))
+                         eos_token_id=sorted(stop_token_ids) or None, pad_token_id=next(iter(stop_token_ids), 0),
+                         **lookup)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -153,6 +159,9 @@ class BenchResult:
     plain_decode_s: float = 0.0
     plain_decode_steps: int = 0
     plain_identical_prompts: int = 0
+    hf_lookup_tokens: int = 0
+    hf_lookup_s: float = 0.0
+    hf_lookup_identical_prompts: int = 0
 
     def to_dict(self, num_heads: int) -> dict:
         steps = max(self.decode_steps, 1)
@@ -187,7 +196,11 @@ class BenchResult:
             "decode_steps": self.decode_steps,
             "accepted_histogram": self.accepted_hist,
             "per_prompt": self.per_prompt,
-        }
+        } | ({} if not self.hf_lookup_s else {
+            "hf_prompt_lookup_tokens_per_s": self.hf_lookup_tokens / self.hf_lookup_s,
+            "speedup_vs_hf_prompt_lookup": medusa_tps / (self.hf_lookup_tokens / self.hf_lookup_s),
+            "hf_prompt_lookup_identical": self.hf_lookup_identical_prompts / max(self.prompts, 1),
+        })
 
 
 def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -> dict:
@@ -214,7 +227,8 @@ def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -
 
 
 def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warmup: int = 1,
-              use_chat_template: bool = True, progress=None, sampling: dict | None = None) -> dict:
+              use_chat_template: bool = True, progress=None, sampling: dict | None = None,
+              hf_prompt_lookup: int = 0) -> dict:
     """Run the comparison over ``prompts`` (see module docstring) and return the JSON-ready result dict.
 
     ``warmup`` prompts are first decoded by both methods untimed. ``progress`` is called with
@@ -222,7 +236,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
     :meth:`MedusaModel.generate` (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``acceptance``);
     when they sample, both methods sample with the same settings (prompt i seeded ``seed + i``), ``identical`` is
     not applicable, and the mean log-probability per token under the base of each method's outputs is reported
-    instead (equal within noise when Medusa's sampling is lossless).
+    instead (equal within noise when Medusa's sampling is lossless). ``hf_prompt_lookup`` > 0 (greedy only) times
+    a fourth method, Hugging Face's prompt lookup decoding with that many tokens.
     """
     tokenizer, base = model.tokenizer, model.base
     stop = model.stop_token_ids()
@@ -232,6 +247,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
     config = resolve_decoding(base.generation_config, **sampling).generation_config
     if config.do_sample:
         hf_settings = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+        if hf_prompt_lookup:
+            raise ValueError("the Hugging Face prompt lookup baseline is greedy only: drop --hf-prompt-lookup")
         return _run_bench_sampling(model, encoded, max_new_tokens, warmup, progress, sampling, seed, hf_settings)
     compile_s = warm_up_engine(model, encoded, max_new_tokens)
     for ids in encoded[:warmup]:
@@ -239,13 +256,17 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         model.generate(ids, max_new_tokens=8)
         model.generate(ids, max_new_tokens=8, tree=PLAIN)
     result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
-    orders = (("hf", "medusa", "plain"), ("medusa", "plain", "hf"), ("plain", "hf", "medusa"))
+    methods = ["hf", "medusa", "plain"] + (["hf_lookup"] if hf_prompt_lookup else [])
+    for ids in encoded[:warmup] if hf_prompt_lookup else ():
+        hf_greedy(base, ids, 8, stop, hf_prompt_lookup)
     for i, ids in enumerate(encoded):
         runs = {}
-        for method in orders[i % 3]:  # rotated, so machine noise hits every method alike
+        shift = i % len(methods)
+        for method in methods[shift:] + methods[:shift]:  # rotated, so machine noise hits every method alike
             start = time.perf_counter()
-            if method == "hf":
-                runs["hf"] = (hf_greedy(base, ids, max_new_tokens, stop), None)
+            if method in ("hf", "hf_lookup"):
+                lookup = hf_prompt_lookup if method == "hf_lookup" else 0
+                runs[method] = (hf_greedy(base, ids, max_new_tokens, stop, lookup), None)
             else:
                 tree = PLAIN if method == "plain" else None
                 runs[method] = model.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, tree=tree)
@@ -257,6 +278,11 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
                   "hf_tokens_per_s": len(reference) / runs["hf_s"],
                   "medusa_tokens_per_s": len(tokens) / runs["medusa_s"],
                   "plain_tokens_per_s": len(plain) / runs["plain_s"]}
+        if hf_prompt_lookup:
+            result.hf_lookup_tokens += len(runs["hf_lookup"][0])
+            result.hf_lookup_s += runs["hf_lookup_s"]
+            result.hf_lookup_identical_prompts += runs["hf_lookup"][0] == reference
+            record["hf_prompt_lookup_s"] = runs["hf_lookup_s"]
         if tokens != reference:
             result.divergences.append(divergence(base, ids.to(base.device), tokens, reference, i))
             record["diverged_at"] = result.divergences[-1]["position"]

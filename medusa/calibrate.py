@@ -5,14 +5,22 @@ held-out base continuations) and what a verify forward over n tokens costs relat
 The tree for each node budget is grown greedily (:func:`medusa.tree.grow_tree`) and the budget with the best
 predicted speedup, expected acceptance length divided by verify cost, is chosen (Medusa report, section 2.1.2 and
 appendix on optimised tree construction).
+
+With prompt lookup (:mod:`medusa.prompt_lookup`) the acceptance length is not a product of per-head accuracies: the
+copied chain and the heads' branches win on different positions. There the tau of each (heads' nodes, lookup
+length) pair is replayed: greedy decoding is deterministic, so the held-out base continuations say exactly which
+tokens each step would accept (:func:`replayed_tau`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from medusa import kv_cache
 from medusa.heads import HydraHeads, MedusaHeads, head_target_offset
+from medusa.prompt_lookup import lookup_draft
 from medusa.tree import Tree, expected_acceptance, grow_tree
 
 
@@ -75,6 +83,77 @@ def rank_accuracy_from_states(heads: MedusaHeads | HydraHeads, states: list[tupl
     return hits / counts[:, None]
 
 
+@dataclass
+class Replay:
+    """What a greedy decode of one held-out sequence would meet at each position (:func:`replay_data`).
+
+    Position i is a step whose last accepted hidden state is at i: the root is token i + 1, the drafts guess tokens
+    i + 2 onwards.
+    """
+
+    start: int
+    """First response position (the prefill's token)."""
+    ranks: list[list[int]]
+    """``ranks[i][k]``: rank of the true token i + k + 2 among head k's candidates at i, on the true path
+    (``top_k`` when not among them or past the end)."""
+    lookup_match: list[int]
+    """``lookup_match[i]``: how many tokens of the prompt-lookup draft at i are right, up to ``max_lookup``."""
+
+
+@torch.inference_mode()
+def replay_data(heads: MedusaHeads | HydraHeads, states: list[tuple[torch.Tensor, int, torch.Tensor]],
+                top_k: int = 10, max_lookup: int = 16, lookup_max_ngram: int = 3) -> list[Replay]:
+    """Per-position head ranks and lookup matches of held-out sequences (from :func:`sequence_states`)."""
+    out = []
+    for tokens, start, hidden in states:
+        ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
+        num_heads, length = ranked.shape[:2]
+        ranks = torch.full((length, num_heads), top_k, dtype=torch.long)
+        for k in range(num_heads):
+            offset = head_target_offset(k)
+            match = (ranked[k, : length - offset] == tokens[offset:, None]).cpu()  # (T - offset, top_k)
+            rank = match.float().argmax(dim=1)  # (T - offset,): first hit, 0 when none
+            ranks[: length - offset, k] = torch.where(match.any(dim=1), rank, top_k)
+        matches = [0] * length
+        ids = tokens.cpu()
+        for i in range(max(start - 1, 0), length - 2):
+            draft = lookup_draft(ids[: i + 2], max_lookup, lookup_max_ngram)
+            truth = ids[i + 2 : i + 2 + max_lookup]
+            agree = (draft[: len(truth)] == truth).long().cumprod(0)
+            matches[i] = int(agree.sum())
+        out.append(Replay(start, ranks.tolist(), matches))
+    return out
+
+
+def replayed_tau(tree: Tree, replays: list[Replay]) -> float:
+    """Mean tokens per verify step of greedy decoding with ``tree`` over held-out base continuations.
+
+    Each step accepts the longest tree path the base agrees with: the heads' nodes whose ranks along the true path
+    are in the tree, or the lookup chain's correct prefix (:func:`medusa.verify.greedy_accept_along_path`), whichever
+    is longer, then the base's own token. Exact for greedy decoding up to the lookup depth ``max_lookup`` the replay
+    data were built with, and up to a path :func:`medusa.verify.greedy_accept_along_path` would take: the
+    prediction of one step holds for the decode.
+
+    Raises:
+        ValueError: no replay has a response to decode.
+    """
+    paths = set(tree.paths)
+    steps = emitted = 0
+    for replay in replays:
+        i, end = replay.start - 1, len(replay.lookup_match) - 1  # end: the last token, the last one to emit
+        while i + 2 <= end:  # a step emits tokens i + 2 .. i + accepted + 2, cut at the end
+            depth = 0
+            while depth < tree.head_depth and tuple(replay.ranks[i][: depth + 1]) in paths:
+                depth += 1
+            accepted = max(depth, min(replay.lookup_match[i], tree.lookup_length))
+            steps += 1
+            emitted += min(accepted + 1, end - i - 1)
+            i += accepted + 1
+    if not steps:
+        raise ValueError("no held-out sequence has a response to replay")
+    return emitted / steps
+
+
 def interpolate_cost(cost_curve: dict[int, float], n: int) -> float:
     """Relative cost of a forward over ``n`` tokens, linearly interpolated in the measured curve."""
     sizes = sorted(k for k in cost_curve if isinstance(k, int))
@@ -88,27 +167,43 @@ def interpolate_cost(cost_curve: dict[int, float], n: int) -> float:
 
 
 def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes: int = 64,
-                level_cost: float = 0.0, name: str = "") -> tuple[Tree, list[dict]]:
-    """Pick the node budget with the best predicted speedup.
+                level_cost: float = 0.0, name: str = "", replays: list[Replay] | None = None,
+                lookup_lengths: tuple[int, ...] = (0,), lookup_max_ngram: int = 3) -> tuple[Tree, list[dict]]:
+    """Pick the node budget (and prompt-lookup length) with the best predicted speedup.
 
     Args:
         accuracy: ``(K, top_k)`` per-head per-rank accuracy (:func:`rank_accuracy`).
         cost_curve: relative verify cost by number of new tokens (1 -> 1.0), e.g. from
             :func:`medusa.bench.verify_cost_curve`.
-        max_nodes: largest budget tried (non-root nodes).
+        max_nodes: largest heads' node budget tried (root and lookup chain excluded).
         level_cost: cost of drafting one tree level (one head call), relative to one single-token base forward;
             a tree of depth D pays it D times per step.
+        replays: held-out replay data (:func:`replay_data`); when given, each candidate is scored by its
+            :func:`replayed_tau` instead of the independent-heads estimate. Needed for lookup lengths above 0.
+        lookup_lengths: prompt-lookup chain lengths tried with every budget.
 
     Returns:
-        ``(tree, table)`` where table lists, per budget, expected tau, relative step cost and predicted speedup.
+        ``(tree, table)`` where table lists, per budget and lookup length, expected tau (independent heads),
+        replayed tau (when replayed), relative step cost and predicted speedup.
+
+    Raises:
+        ValueError: a lookup length above 0 without replay data.
     """
+    if replays is None and any(lookup_lengths):
+        raise ValueError("scoring a prompt-lookup chain needs replay data (replays=)")
     table, best = [], None
     for budget in range(1, max_nodes + 1):
-        tree = grow_tree(accuracy, budget, name=name)
-        tau = expected_acceptance(tree, accuracy)
-        cost = interpolate_cost(cost_curve, tree.num_nodes) + level_cost * tree.depth
-        row = {"nodes": budget, "expected_tau": tau, "relative_cost": cost, "predicted_speedup": tau / cost}
-        table.append(row)
-        if best is None or row["predicted_speedup"] > best[1]["predicted_speedup"]:
-            best = (tree, row)
+        heads_tree = grow_tree(accuracy, budget, name=name)
+        expected = expected_acceptance(heads_tree, accuracy)
+        for length in lookup_lengths:
+            tree = Tree(heads_tree.paths, name, length, lookup_max_ngram)
+            row = {"nodes": budget, "lookup": length, "expected_tau": expected}
+            tau = expected
+            if replays is not None:
+                row["replayed_tau"] = tau = replayed_tau(tree, replays)
+            cost = interpolate_cost(cost_curve, tree.num_nodes) + level_cost * tree.head_depth
+            row.update(relative_cost=cost, predicted_speedup=tau / cost)
+            table.append(row)
+            if best is None or row["predicted_speedup"] > best[1]["predicted_speedup"]:
+                best = (tree, row)
     return best[0], table

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
+    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N",
+                   help="also time Hugging Face generate with its prompt lookup decoding (prompt_lookup_num_tokens "
+                        "N), greedy only; 0: off")
     p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
                    help="batched bench instead: tokens/s of plain, Medusa and HF generate (left padding) decoding "
                         "at each batch size B (e.g. 1 4 16), greedy")
@@ -133,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
     p.add_argument("--top-k", type=int, default=10, help="ranks per head measured (and usable in the tree)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest node budget tried (root excluded)")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest heads' node budget tried (root excluded)")
+    p.add_argument("--lookup-lengths", type=int, nargs="+", default=[0, 2, 4, 6, 8, 10, 12, 16], metavar="N",
+                   help="prompt-lookup chain lengths tried with every budget (0: heads only); each pair is scored "
+                        "by replaying greedy decoding on --data")
     p.add_argument("--cost-prefix", type=int, default=256, help="cached tokens when timing the verify cost")
     p.add_argument("--name", help="tree name (default: output file stem)")
     p.add_argument("--out", required=True, help="tree file to write (JSON); <out>.report.json and .report.png too")
@@ -185,6 +191,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", required=True, help="Medusa heads folder")
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="prompt lookup: a chain of N tokens copied from the context, verified with the heads' tree "
+                        "(overrides the tree file's; 0: none)")
+    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
+                   help="longest context n-gram prompt lookup matches (default: the tree file's, else 3)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
@@ -228,6 +239,9 @@ def _load(args):
     check_dtype(dtype, device)
     model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
                                         adapter=args.adapter)
+    if args.lookup is not None or args.lookup_ngram is not None:
+        length = model.tree.lookup_length if args.lookup is None else args.lookup
+        model.tree = model.tree.with_lookup(length, args.lookup_ngram)
     engine = getattr(args, "engine", None) or DEFAULT_ENGINE
     model.use_engine(engine, **({"max_cache_len": args.max_cache_len} if engine != "eager" else {}))
     return model
@@ -411,7 +425,7 @@ def cmd_bench(args) -> int:
 
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
                        use_chat_template=not args.no_chat_template, progress=progress,
-                       sampling=_sampling_kwargs(args))
+                       sampling=_sampling_kwargs(args), hf_prompt_lookup=args.hf_prompt_lookup)
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
     if args.drift_data:
@@ -481,6 +495,8 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
                 ("plain tokens/s (same engine)", _fmt(r.get("plain_tokens_per_s"))),
                 ("speedup vs plain (same engine)", _fmt(r.get("speedup_vs_plain"))),
+                ("HF prompt lookup tokens/s", _fmt(r.get("hf_prompt_lookup_tokens_per_s", "not timed"))),
+                ("speedup vs HF prompt lookup", _fmt(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
                 ("step ms: draft/forward/accept/cache", _step_text(r.get("step_ms"))),
                 ("step cost / plain step", _fmt(r.get("step_cost_vs_plain"))),
                 ("engine, dtype", f"{_engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
@@ -612,27 +628,36 @@ def cmd_eval_heads(args) -> int:
 
 def cmd_build_tree(args) -> int:
     from medusa.bench import verify_cost_curve
-    from medusa.calibrate import choose_tree, rank_accuracy
+    from medusa.calibrate import choose_tree, rank_accuracy_from_states, replay_data, sequence_states
     from medusa.plots import plot_tree_report
     from medusa.tree import save_tree
 
+    if min(args.lookup_lengths) < 0:
+        raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
+    ngram = args.lookup_ngram or 3
     model = _load(args)
     sequences = _distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    accuracy = rank_accuracy(model.base, model.heads, sequences, args.top_k)
+    states = sequence_states(model.base, sequences)
+    accuracy = rank_accuracy_from_states(model.heads, states, args.top_k)
+    replays = replay_data(model.heads, states, args.top_k, max(args.lookup_lengths), ngram)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits,
                               engine=model.engine)
     level_cost = _level_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
-    tree, table = choose_tree(accuracy, curve, args.max_nodes, level_cost, name=name)
-    best = next(r for r in table if r["nodes"] == len(tree.paths))
-    note = (f"grown from measured per-rank head accuracy on {len(sequences)} held-out sequences and the verify cost "
-            f"curve measured on {_machine()}; expected tau {best['expected_tau']:.2f}, predicted speedup "
-            f"{best['predicted_speedup']:.2f}x over plain decoding")
+    tree, table = choose_tree(accuracy, curve, args.max_nodes, level_cost, name=name, replays=replays,
+                              lookup_lengths=tuple(sorted(set(args.lookup_lengths))), lookup_max_ngram=ngram)
+    best = next(r for r in table if r["nodes"] == len(tree.paths) and r["lookup"] == tree.lookup_length)
+    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
+    note = (f"{len(tree.paths)} heads' nodes{lookup}, from measured per-rank head accuracy and greedy decoding "
+            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on {_machine()}; "
+            f"replayed tau {best['replayed_tau']:.2f}, predicted speedup {best['predicted_speedup']:.2f}x over plain "
+            "decoding")
     save_tree(tree, args.out, note=note)
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
               "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths),
+              "chosen_lookup": tree.lookup_length, "lookup_max_ngram": ngram,
               "dtype": str(model.base.dtype), "engine": model.engine.settings()}
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -643,8 +668,9 @@ def cmd_build_tree(args) -> int:
     if best["predicted_speedup"] < 1:
         print(f"warning: even the best tree is predicted {best['predicted_speedup']:.2f}x of plain decoding on this "
               "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)
-    print(f"chose {len(tree.paths)} nodes: expected tau {best['expected_tau']:.2f}, "
-          f"predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} ({time.perf_counter() - start:.0f} s)")
+    print(f"chose {len(tree.paths)} nodes{lookup}: replayed tau {best['replayed_tau']:.2f} (heads alone, expected "
+          f"{best['expected_tau']:.2f}), predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} "
+          f"({time.perf_counter() - start:.0f} s)")
     return 0
 
 

@@ -8,6 +8,9 @@ batched head call, so a tree of depth D costs D head calls whatever its width.
 
 How the candidates are chosen from a parent's distribution is a function passed in: the top-k for greedy decoding,
 or a sample without replacement for speculative sampling.
+
+A tree with a prompt-lookup chain gets that chain's tokens from the context
+(:func:`medusa.prompt_lookup.lookup_draft`), not from the heads.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.prompt_lookup import lookup_draft
 from medusa.tree import TreeBuffers
 
 # (logits (P, Vh), k) -> (P, k) head-vocabulary ids, one row of candidates per parent.
@@ -41,7 +45,7 @@ class Draft:
 
 
 def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, buffers: TreeBuffers,
-               choose: Chooser = top_k_candidates) -> Draft:
+               choose: Chooser = top_k_candidates, sequence: torch.Tensor | None = None) -> Draft:
     """Fill every tree node with a drafted token, level by level.
 
     Args:
@@ -51,9 +55,14 @@ def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, buffers: TreeBuf
         root: ``()`` long, the base's own next token t+1 (the tree root, not yet in the cache).
         buffers: the tree's index tensors (:func:`medusa.tree.tree_buffers`).
         choose: picks ``k`` candidates per parent from head logits (:func:`top_k_candidates` for greedy).
+        sequence: ``(S,)`` long, the prompt and every emitted token, ``root`` last: what the lookup chain copies
+            from. Needed only when the tree has one.
 
     Returns:
-        The :class:`Draft`: node tokens and, per level, the logits and candidates they came from.
+        The :class:`Draft`: node tokens and, per heads' level, the logits and candidates they came from.
+
+    Raises:
+        ValueError: the tree has a lookup chain and no ``sequence`` is given.
     """
     tokens = torch.empty(len(buffers.depth), dtype=torch.long, device=root.device)  # (N,)
     tokens[0] = root
@@ -66,4 +75,9 @@ def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, buffers: TreeBuf
         tokens[buffers.level_children[d]] = heads.to_base_ids(picked)
         level_logits.append(logits)
         level_candidates.append(candidates)
+    lookup = buffers.lookup_nodes
+    if lookup is not None and len(lookup):
+        if sequence is None:
+            raise ValueError("the tree has a prompt-lookup chain: drafting it needs the context (sequence=)")
+        tokens[lookup] = lookup_draft(sequence, len(lookup), buffers.lookup_max_ngram)
     return Draft(tokens, level_logits, level_candidates)

@@ -133,7 +133,7 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
     while not stats.stopped_by:
         start = time.perf_counter()
         prefix_len = engine.cache_length(cache)
-        draft = draft_tree(heads, last_hidden, root, buffers, rule.choose)
+        draft = draft_tree(heads, last_hidden, root, buffers, rule.choose, sequence)
         drafted = time.perf_counter()
         result, hidden = verify(engine, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
                                 rule, processors, sequence)

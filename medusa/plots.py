@@ -102,47 +102,60 @@ def _bench_caption(result: dict) -> str:
 
 
 def plot_tree_report(report: dict, path: str | Path) -> Path:
-    """Three panels from a ``medusa build-tree`` report: expected tau, the verify cost, the predicted speedup.
+    """Three panels from a ``medusa build-tree`` report: tau, the verify cost, the predicted speedup.
 
-    The x axis of the first and last panels is the node budget (draft nodes, root excluded); the verify forward of a
-    tree with b nodes carries b + 1 tokens. The chosen budget is marked in all three.
+    The x axis of the first and last panels is the heads' node budget (draft nodes, root excluded), one line per
+    prompt-lookup length tried (reports from before lookup have one line, length 0); the verify forward of a tree
+    with b heads' nodes and a lookup chain of L carries b + L + 1 tokens. The chosen tree is marked in all three.
 
     Args:
-        report: the ``<tree>.report.json`` (``table``, ``cost_curve``, ``level_cost``, ``chosen_nodes``).
+        report: the ``<tree>.report.json`` (``table``, ``cost_curve``, ``level_cost``, ``chosen_nodes``,
+            optionally ``chosen_lookup``).
         path: PNG to write.
 
     Returns:
         ``path``.
     """
     plt = pyplot()
-    table, chosen = report["table"], report["chosen_nodes"]
-    budgets = [r["nodes"] for r in table]
-    best = next(r for r in table if r["nodes"] == chosen)
+    table, chosen, chosen_lookup = report["table"], report["chosen_nodes"], report.get("chosen_lookup", 0)
+    best = next(r for r in table if r["nodes"] == chosen and r.get("lookup", 0) == chosen_lookup)
+    lengths = sorted({r.get("lookup", 0) for r in table})
     fig, (ax_tau, ax_cost, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.2))
 
-    ax_tau.plot(budgets, [r["expected_tau"] for r in table], marker=".", color="tab:blue")
-    ax_tau.set(xlabel="tree nodes (draft tokens, root excluded)", ylabel="expected tau (tokens / verify forward)",
-               title="Expected acceptance length")
+    def tau_of(row):
+        return row.get("replayed_tau", row["expected_tau"])
+
+    for length in lengths:
+        rows = [r for r in table if r.get("lookup", 0) == length]
+        budgets = [r["nodes"] for r in rows]
+        label = f"lookup {length}" if length else "heads only"
+        ax_tau.plot(budgets, [tau_of(r) for r in rows], marker=".", label=label)
+        ax_speed.plot(budgets, [r["predicted_speedup"] for r in rows], marker=".", label=label)
+    replayed = "replayed_tau" in best
+    ax_tau.set(xlabel="heads' tree nodes (root excluded)",
+               ylabel=f"{'replayed' if replayed else 'expected'} tau (tokens / verify forward)",
+               title="Acceptance length")
+    ax_tau.legend(fontsize="small")
 
     curve = {int(k): v for k, v in report["cost_curve"].items() if k.isdigit()}
     sizes = sorted(curve)
     ax_cost.plot(sizes, [curve[n] for n in sizes], marker="o", color="tab:red", label="measured forward cost")
-    ax_cost.plot([b + 1 for b in budgets], [r["relative_cost"] for r in table], color="tab:gray",
-                 linestyle=":", label=f"step cost used (+ {report.get('level_cost', 0):.2f} per tree level)")
-    ax_cost.axvline(chosen + 1, color="black", linestyle="--", label=f"chosen: {chosen} nodes + root")
+    tokens = chosen + chosen_lookup + 1
+    ax_cost.axvline(tokens, color="black", linestyle="--", label=f"chosen: {tokens} tokens")
     one_token_ms = 1000 * report["cost_curve"].get("one_token_s", float("nan"))
     ax_cost.set(xscale="log", xlabel="tokens in one verify forward (nodes + root)",
-                ylabel="cost (× one-token forward)", title=f"Verify cost (one token = {one_token_ms:.0f} ms)")
+                ylabel="cost (× one-token forward)",
+                title=f"Verify cost (one token = {one_token_ms:.0f} ms; + {report.get('level_cost', 0):.2f} a level)")
     ax_cost.set_xticks(sizes, [str(n) for n in sizes])
     ax_cost.legend()
 
-    ax_speed.plot(budgets, [r["predicted_speedup"] for r in table], marker=".", color="tab:green")
     ax_speed.axhline(1.0, color="gray", linewidth=0.8)
-    ax_speed.set(xlabel="tree nodes (draft tokens, root excluded)", ylabel="predicted speedup (× plain decoding)",
+    ax_speed.set(xlabel="heads' tree nodes (root excluded)", ylabel="predicted speedup (× plain decoding)",
                  title="Predicted speedup = tau / cost")
     for ax in (ax_tau, ax_speed):
         ax.axvline(chosen, color="black", linestyle="--")
-    ax_speed.annotate(f"chosen: {chosen} nodes\ntau {best['expected_tau']:.2f}, {best['predicted_speedup']:.2f}x",
+    lookup = f" + lookup {chosen_lookup}" if chosen_lookup else ""
+    ax_speed.annotate(f"chosen: {chosen} nodes{lookup}\ntau {tau_of(best):.2f}, {best['predicted_speedup']:.2f}x",
                       xy=(chosen, best["predicted_speedup"]), xytext=(0.45, 0.88), textcoords="axes fraction",
                       arrowprops={"arrowstyle": "->"})
     return _save(fig, path)

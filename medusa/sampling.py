@@ -63,12 +63,14 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 class _TreeWalk:
-    """Per-node lookups for walking a tree one node at a time: depth, slot among its level's parents, children
-    ``(rank, node)`` in rank order."""
+    """Per-node lookups for walking a tree one node at a time: depth, slot among its level's parents, the heads'
+    children ``(rank, node)`` in rank order, and the prompt-lookup child (on the root and along the chain)."""
 
     def __init__(self, buffers: TreeBuffers):
         self.buffers = buffers
         self.depth = buffers.depth.tolist()
+        chain = buffers.lookup_nodes.tolist() if buffers.lookup_nodes is not None else []
+        self.lookup_child: dict[int, int] = dict(zip(([0] + chain)[:-1], chain, strict=True))
         self.slot: dict[int, int] = {}
         self.kids: dict[int, list[tuple[int, int]]] = {}
         for d, parents in enumerate(buffers.level_parents):
@@ -127,6 +129,11 @@ class RejectionSampling:
     The ratio must use the q the candidates were drawn from: deterministic top-k candidates scored against a
     softmax q are not exact (kept as a control in the tests).
 
+    A prompt-lookup child (:mod:`medusa.prompt_lookup`) is tried first at its parent, as a draft from a one-hot q:
+    accepted with probability ``r(x)``, else ``r <- r`` without x, renormalised (the same lemma). The copied token
+    depends only on the context, not on the heads' draws, so the heads' candidates after it are tested as before,
+    against that residual.
+
     Args:
         buffers: the tree's index tensors.
         head_to_base: ``(Vh,)`` long base ids of the head vocabulary.
@@ -156,6 +163,14 @@ class RejectionSampling:
         node, path, level_q = 0, [0], {}
         while True:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
+            if (lookup := self.walk.lookup_child.get(node)) is not None:
+                # A copied token is a draft from q = one-hot: accept it with probability r(x), else r <- r without x.
+                x = int(draft.tokens[lookup])
+                if float(torch.rand((), generator=self.generator, device=p.device)) < float(p[x]):
+                    node = lookup
+                    path.append(node)
+                    continue
+                p = residual(p, torch.nn.functional.one_hot(draft.tokens[lookup], p.shape[-1]).to(p.dtype))
             kids = self.walk.kids.get(node)
             if kids:
                 d = self.walk.depth[node]
@@ -223,7 +238,10 @@ class TypicalAcceptance:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
             entropy = torch.special.entr(p).sum()
             threshold = torch.clamp(self.delta * torch.exp(-entropy), max=self.epsilon)
-            child = next((c for _, c in self.walk.kids.get(node, ()) if p[draft.tokens[c]] > threshold), None)
+            kids = [c for _, c in self.walk.kids.get(node, ())]
+            if (lookup := self.walk.lookup_child.get(node)) is not None:
+                kids.insert(0, lookup)  # the copied token first, as in greedy acceptance
+            child = next((c for c in kids if p[draft.tokens[c]] > threshold), None)
             if child is None:
                 nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
                 return Acceptance(len(path) - 1, nodes, sample(p, self.generator))

@@ -6,9 +6,19 @@ produced t+1), depth-2 nodes head 1's, and so on. The root (depth 0, index 0) is
 last. Every prefix of a path must be in the tree. (Medusa report, Cai et al. 2024, section 2.1.2, "tree attention";
 the same layout as the research code's ``medusa_choices``.)
 
+A tree may also carry a prompt-lookup chain (``lookup_length`` > 0): that many more nodes, a chain hanging from the
+root after the heads' nodes, whose tokens are copied from the context by :mod:`medusa.prompt_lookup` (the tokens
+that followed the latest earlier occurrence of the context's last n-gram; prompt lookup decoding, Saxena 2023). It
+is verified in the same forward as the heads' nodes, so it costs ``lookup_length`` more tree tokens and no model
+call; it pays where the base copies its context, which the heads cannot see.
+
 File format (JSON)::
 
-    {"name": "...", "paths": [[0], [1], [0, 0], ...], "note": "optional free text"}
+    {"name": "...", "paths": [[0], [1], [0, 0], ...], "note": "optional free text",
+     "prompt_lookup": {"length": 6, "max_ngram": 3}}   # optional
+
+Node order: the root (0), the heads' nodes by depth then rank (1 .. len(paths)), then the lookup chain from depth 1
+down (len(paths) + 1 .. len(paths) + lookup_length).
 """
 
 from __future__ import annotations
@@ -31,8 +41,16 @@ class Tree:
 
     paths: tuple[Path_, ...]
     name: str = ""
+    lookup_length: int = 0
+    """Nodes of the prompt-lookup chain (0: none)."""
+    lookup_max_ngram: int = 3
+    """Longest context n-gram the lookup matches (it falls back to shorter ones, down to 1)."""
 
     def __post_init__(self):
+        for field_name, least in (("lookup_length", 0), ("lookup_max_ngram", 1)):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"tree {self.name!r}: {field_name} must be an int >= {least}, got {value!r}")
         seen = set()
         for path in self.paths:
             if not path:
@@ -48,7 +66,12 @@ class Tree:
 
     @property
     def depth(self) -> int:
-        """Deepest level (number of heads the tree needs)."""
+        """Deepest node, the lookup chain included (the most draft tokens one step can accept)."""
+        return max(self.head_depth, self.lookup_length)
+
+    @property
+    def head_depth(self) -> int:
+        """Deepest heads' node (number of heads the tree needs)."""
         return max((len(p) for p in self.paths), default=0)
 
     @property
@@ -58,25 +81,33 @@ class Tree:
 
     @property
     def num_nodes(self) -> int:
-        """Nodes in one verification forward, the root included."""
-        return len(self.paths) + 1
+        """Nodes in one verification forward, the root and the lookup chain included."""
+        return len(self.paths) + 1 + self.lookup_length
 
     def check_fits(self, num_heads: int, top_k: int) -> None:
         """Raise ``ValueError`` if the tree is deeper than ``num_heads`` or wider than ``top_k``."""
-        if self.depth > num_heads:
-            raise ValueError(f"tree {self.name!r} has depth {self.depth} but the model has only {num_heads} heads")
+        if self.head_depth > num_heads:
+            raise ValueError(f"tree {self.name!r} has depth {self.head_depth} but the model has only {num_heads} "
+                             "heads")
         if self.top_k > top_k:
             raise ValueError(
                 f"tree {self.name!r} uses rank {self.top_k - 1} but only top-{top_k} candidates are drawn"
             )
 
     @classmethod
-    def from_paths(cls, paths, name: str = "") -> Tree:
+    def from_paths(cls, paths, name: str = "", lookup_length: int = 0, lookup_max_ngram: int = 3) -> Tree:
         """Build from any iterable of rank sequences (sorted by depth, then lexicographically)."""
+        paths = list(paths)
         tuples = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
-        if len(tuples) != len(list(paths)):
+        if len(tuples) != len(paths):
             raise ValueError(f"tree {name!r}: duplicate paths")
-        return cls(tuple(tuples), name)
+        return cls(tuple(tuples), name, lookup_length, lookup_max_ngram)
+
+    def with_lookup(self, length: int, max_ngram: int | None = None) -> Tree:
+        """The same heads' nodes with a prompt-lookup chain of ``length`` nodes (0 removes it)."""
+        max_ngram = self.lookup_max_ngram if max_ngram is None else max_ngram
+        name = self.name.split("+lookup")[0] + (f"+lookup{length}" if length else "")
+        return Tree(self.paths, name, length, max_ngram)
 
     @classmethod
     def chain(cls, depth: int) -> Tree:
@@ -95,16 +126,21 @@ def load_tree(path: str | Path) -> Tree:
     data = read_json(path, "tree file")
     if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
         raise ValueError(f"tree file {path} must be a JSON object with a 'paths' list")
-    unknown = set(data) - {"name", "paths", "note"}
+    unknown = set(data) - {"name", "paths", "note", "prompt_lookup"}
     if unknown:
         raise ValueError(f"tree file {path}: unknown keys {sorted(unknown)}")
+    lookup = data.get("prompt_lookup", {"length": 0})
+    if not isinstance(lookup, dict) or set(lookup) - {"length", "max_ngram"} or "length" not in lookup:
+        raise ValueError(f"tree file {path}: 'prompt_lookup' must be an object with 'length' and optionally "
+                         f"'max_ngram', got {lookup!r}")
     for node in data["paths"]:
         if not isinstance(node, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in node):
             raise ValueError(f"tree file {path}: every path must be a list of integer ranks, got {node!r}")
     if not isinstance(data.get("name", ""), str):
         raise ValueError(f"tree file {path}: 'name' must be a string, got {data['name']!r}")
     try:
-        return Tree.from_paths(data["paths"], name=data.get("name", path.stem))
+        return Tree.from_paths(data["paths"], name=data.get("name", path.stem), lookup_length=lookup["length"],
+                               lookup_max_ngram=lookup.get("max_ngram", 3))
     except ValueError as e:
         raise ValueError(f"tree file {path}: {e}") from e
 
@@ -112,6 +148,8 @@ def load_tree(path: str | Path) -> Tree:
 def save_tree(tree: Tree, path: str | Path, note: str = "") -> None:
     """Write a tree file (see module docstring)."""
     data = {"name": tree.name, "paths": [list(p) for p in tree.paths]}
+    if tree.lookup_length:
+        data["prompt_lookup"] = {"length": tree.lookup_length, "max_ngram": tree.lookup_max_ngram}
     if note:
         data["note"] = note
     Path(path).write_text(json.dumps(data) + "\n")
@@ -121,8 +159,8 @@ def save_tree(tree: Tree, path: str | Path, note: str = "") -> None:
 class TreeBuffers:
     """Index tensors of a tree, built once per (tree, device).
 
-    N = tree.num_nodes (root at index 0), D = tree.depth, P = number of leaves. Nodes are ordered by depth, so the
-    nodes of one level are contiguous.
+    N = tree.num_nodes (root at index 0), D = tree.depth, P = number of leaves. The heads' nodes are ordered by depth,
+    so the heads' nodes of one level are contiguous; the lookup chain's nodes follow them.
     """
 
     depth: torch.Tensor
@@ -144,7 +182,11 @@ class TreeBuffers:
     level_top_k: tuple[int, ...]
     """Per level d < D: candidates needed per parent (largest child rank + 1)."""
     children: tuple[tuple[int, ...], ...] = ()
-    """Per node, the indices of its children (for walking the tree one node at a time)."""
+    """Per node, the indices of its children (for walking the tree one node at a time); a lookup child first."""
+    lookup_nodes: torch.Tensor | None = None
+    """(L,) long: the prompt-lookup chain's nodes from depth 1 down (empty: no chain)."""
+    lookup_max_ngram: int = 3
+    """Longest context n-gram the lookup matches."""
 
 
 def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -152,6 +194,7 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
     index = {p: i + 1 for i, p in enumerate(tree.paths)}
     index[()] = 0
     n, depth_max = tree.num_nodes, tree.depth
+    lookup = list(range(len(tree.paths) + 1, n))  # the lookup chain, depth 1 .. lookup_length
     depth = torch.zeros(n, dtype=torch.long)
     ancestor = torch.eye(n, dtype=torch.bool)
     ancestor[:, 0] = True
@@ -162,16 +205,25 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
         for d in range(1, len(path) + 1):
             ancestor[i, index[path[:d]]] = True
             node_paths[i, d] = index[path[:d]]
+    for d, i in enumerate(lookup, start=1):
+        depth[i] = d
+        ancestor[i, lookup[:d]] = True
+        node_paths[i, 1 : d + 1] = torch.tensor(lookup[:d])
     parents = {p[:-1] for p in tree.paths}
-    leaves = [p for p in tree.paths if p not in parents] or [()]
+    leaves = [index[p] for p in tree.paths if p not in parents]
+    # The lookup leaf first: of two equally long accepted paths, the one that can go deeper is taken.
+    leaves = ([lookup[-1]] if lookup else []) + leaves or [0]
     retrieve = torch.full((len(leaves), depth_max + 1), -1, dtype=torch.long)
     for row, leaf in enumerate(leaves):
-        retrieve[row, : len(leaf) + 1] = node_paths[index[leaf], : len(leaf) + 1]
+        retrieve[row, : int(depth[leaf]) + 1] = node_paths[leaf, : int(depth[leaf]) + 1]
     children = [[] for _ in range(n)]
+    # The lookup children first (see medusa.verify.greedy_accept_along_path).
+    for parent, child in zip(([0] + lookup)[:-1], lookup, strict=True):
+        children[parent].append(child)
     for path in tree.paths:
         children[index[path[:-1]]].append(index[path])
     level_parents, level_children, child_slot, child_rank, level_top_k = [], [], [], [], []
-    for d in range(depth_max):
+    for d in range(tree.head_depth):
         expanding = sorted(index[p] for p in parents if len(p) == d)
         slot = {node: s for s, node in enumerate(expanding)}
         kids = [p for p in tree.paths if len(p) == d + 1]
@@ -182,7 +234,8 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
         level_top_k.append(max(p[-1] for p in kids) + 1)
     return TreeBuffers(depth.to(device), ancestor.to(device), retrieve.to(device), node_paths.to(device),
                        tuple(level_parents), tuple(level_children), tuple(child_slot), tuple(child_rank),
-                       tuple(level_top_k), tuple(tuple(c) for c in children))
+                       tuple(level_top_k), tuple(tuple(c) for c in children),
+                       torch.tensor(lookup, dtype=torch.long, device=device), tree.lookup_max_ngram)
 
 
 def grow_tree(accuracy: torch.Tensor, num_nodes: int, name: str = "") -> Tree:

@@ -58,20 +58,26 @@ def greedy_accept_along_path(tree_tokens: torch.Tensor, next_token_at: Callable[
 
     The same acceptance rule, but the base's logits are needed at ``accepted + 1`` nodes instead of all N: on a CPU,
     where a one-row lm_head product takes a matrix-vector path about twice as fast as a several-row one, this is
-    cheaper than scoring every node at once. Sibling candidates are distinct tokens (one head's top-k), so at most
-    one child can match.
+    cheaper than scoring every node at once. The heads' sibling candidates are distinct tokens (one head's top-k), so
+    at most one of them matches. A prompt-lookup node may repeat a heads' node (same tokens from the root down):
+    such twins hold the same hidden state, so the walk asks the base once for all of them and follows the children
+    of every twin; it accepts the longest path of the tree read as a trie of token sequences, never shorter than
+    :func:`greedy_accept`'s, at one lm_head row per accepted node.
 
     Args:
         tree_tokens: ``(N,)`` long node tokens.
         next_token_at: node index -> ``()`` long, the base's greedy next token after that node.
         buffers: the tree's index tensors.
+
+    Returns:
+        The accepted path; of twins, the first in ``buffers.children`` order (a lookup node) stands in the path
+        (their cached keys and values are the same).
     """
-    node, path = 0, [0]
+    twins, path = [0], [0]
     while True:
-        predicted = next_token_at(node)
-        match = next((c for c in buffers.children[node] if tree_tokens[c] == predicted), None)
-        if match is None:
+        predicted = next_token_at(twins[0])
+        twins = [c for node in twins for c in buffers.children[node] if tree_tokens[c] == predicted]
+        if not twins:
             nodes = torch.tensor(path, dtype=torch.long, device=tree_tokens.device)
             return Acceptance(len(path) - 1, nodes, predicted)
-        node = match
-        path.append(node)
+        path.append(twins[0])

@@ -48,6 +48,26 @@ def test_bench_writes_required_fields_and_matches_hf(setup, tmp_path):
     assert {"load_1min", "cores", "threads", "warning"} <= set(result["load"])
 
 
+def test_bench_with_a_lookup_chain_and_the_hf_prompt_lookup_baseline(setup, tmp_path, capsys):
+    root, base, prompts = setup
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "2", "--max-new-tokens", "16", "--lookup", "4", "--lookup-ngram", "2",
+                 "--hf-prompt-lookup", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tree"].endswith("+lookup4") and result["tree_nodes"] == Tree.chain(3).num_nodes + 4
+    assert result["identical"] == 1.0 and result["hf_prompt_lookup_identical"] == 1.0
+    assert result["hf_prompt_lookup_tokens_per_s"] > 0 and result["speedup_vs_hf_prompt_lookup"] > 0
+    assert len(result["accepted_histogram"]) == 5  # 0 .. 4 drafts accepted: the chain is the deepest branch
+    assert "HF prompt lookup tokens/s" in capsys.readouterr().out
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "1", "--lookup", "-1"]) == 2
+    assert "lookup_length must be an int >= 0" in capsys.readouterr().err
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--limit", "1", "--do-sample", "--hf-prompt-lookup", "3"]) == 2
+    assert "greedy only" in capsys.readouterr().err
+
+
 def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     root, base, prompts = setup
@@ -135,13 +155,34 @@ def test_build_tree_writes_a_valid_tree(setup, tmp_path):
     data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = tmp_path / "tree.json"
     assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
-                 "--top-k", "4", "--max-nodes", "8", "--cost-prefix", "16", "--out", str(out)]) == 0
+                 "--top-k", "4", "--max-nodes", "8", "--cost-prefix", "16", "--lookup-lengths", "0",
+                 "--out", str(out)]) == 0
     tree = load_tree(out)
-    assert 1 <= len(tree.paths) <= 8 and tree.depth <= 3 and tree.top_k <= 4
+    assert 1 <= len(tree.paths) <= 8 and tree.depth <= 3 and tree.top_k <= 4 and tree.lookup_length == 0
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert len(report["accuracy"]) == 3 and len(report["table"]) == 8
     if importlib.util.find_spec("matplotlib"):
         assert out.with_suffix(".report.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_build_tree_adds_a_lookup_chain_where_the_base_copies_its_context(setup, tmp_path):
+    """Held-out answers that repeat their prompt: the replayed tau of a lookup chain wins over random heads."""
+    root, base, _ = setup
+    data = tmp_path / "held.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (8,), generator=gen).tolist() for _ in range(4)]
+    records = [{"id": str(i), "prompt_ids": p, "response_ids": p * 3} for i, p in enumerate(prompts)]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "tree.json"
+    assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
+                 "--top-k", "4", "--max-nodes", "4", "--cost-prefix", "16", "--lookup-lengths", "0", "4",
+                 "--out", str(out), "--no-plot"]) == 0
+    tree = load_tree(out)
+    assert tree.lookup_length == 4 and tree.num_nodes == len(tree.paths) + 5
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert len(report["table"]) == 8 and report["chosen_lookup"] == 4
+    chosen = next(r for r in report["table"] if r["nodes"] == len(tree.paths) and r["lookup"] == 4)
+    assert chosen["replayed_tau"] > 4  # every copied token is right: 5 tokens a step until the answer's end
 
 
 def test_missing_base_folder_is_a_clear_error(setup, capsys):

@@ -31,6 +31,10 @@ DRAWS = 20_000
 
 @pytest.fixture(scope="module")
 def base_logits():
+    return tabulated_base_logits()
+
+
+def tabulated_base_logits():
     """Raw base logits after prompt + root + y1 + y2: ``(V,)``, ``(V, V)``, ``(V, V, V)``, lm_head scaled x1.5."""
     model = tiny_model("llama", vocab_size=V)
     prefix = torch.tensor(PROMPT + [ROOT])

@@ -1,0 +1,54 @@
+"""Prompt lookup: draft tokens copied from the context (pure tensor code).
+
+Prompt lookup decoding (Saxena 2023; Hugging Face's ``prompt_lookup_num_tokens``, vLLM's n-gram proposer): find the
+latest earlier occurrence of the context's last n tokens and propose the tokens that followed it. A small chat model
+repeats its prompt and its own answer often (names, code, lists, phrasing), and its Medusa heads, which read one
+hidden state and the tokens after it, cannot see that context. Here the copied tokens are one more branch of the
+candidate tree (:class:`medusa.tree.Tree` ``lookup_length``), a chain from the root verified in the same forward as
+the heads' nodes, so a step accepts whichever branch the base agrees with for longer. It costs no model call; its
+price is the chain's tokens in the verify forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> torch.Tensor:
+    """Propose the ``length`` tokens that follow the context, copied from the context itself.
+
+    The pattern is the context's last n tokens, n from ``max_ngram`` down to 1; the first n with an earlier
+    occurrence (the latest one) wins, and the tokens after that occurrence are proposed. Where the copy runs into the
+    end of the context it continues with its own proposal (a repeated span keeps repeating). Without any match (the
+    last token is new) the last token is proposed ``length`` times: a fixed-shape tree needs tokens there, and the
+    base will simply reject them.
+
+    Args:
+        sequence: ``(S,)`` long, the prompt and every emitted token, the tree root (the base's latest token) last.
+        length: tokens to propose.
+        max_ngram: longest pattern tried.
+
+    Returns:
+        ``(length,)`` long token ids, on ``sequence``'s device.
+
+    Raises:
+        ValueError: ``sequence`` is empty or not 1-D, or ``length`` < 0 or ``max_ngram`` < 1.
+    """
+    if sequence.ndim != 1 or len(sequence) == 0:
+        raise ValueError(f"sequence must be a non-empty 1-D tensor of token ids, got shape {tuple(sequence.shape)}")
+    if length < 0 or max_ngram < 1:
+        raise ValueError(f"length must be >= 0 and max_ngram >= 1, got {length} and {max_ngram}")
+    size = len(sequence)
+    out = sequence.new_full((length,), int(sequence[-1]))
+    if length == 0:
+        return out
+    for n in range(min(max_ngram, size - 1), 0, -1):
+        windows = sequence[: size - 1].unfold(0, n, 1)  # (size - n, n): windows with at least one token after them
+        hits = (windows == sequence[size - n :]).all(dim=1).nonzero()
+        if len(hits):
+            start = int(hits[-1]) + n  # first copied position
+            period = size - start  # the copy repeats with this period once it reaches the end of the context
+            copied = sequence[start:]
+            reps = -(-length // period)
+            return copied.repeat(reps)[:length]
+    return out

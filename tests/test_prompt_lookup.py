@@ -1,0 +1,230 @@
+"""Prompt lookup: drafts copied from the context, verified as one more branch of the tree.
+
+What must hold: the copied draft is the continuation of the latest earlier occurrence of the longest matching
+n-gram; the chain's nodes are laid out as a chain from the root; greedy decoding with a lookup chain is still
+exactly the base's greedy decoding (five architectures, both verify modes, one row or a batch, with and without
+heads); speculative sampling with a copied token stays exact; and the replayed tau that build-tree optimises is the
+tau decoding then measures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_decoding import ARCHS, WIDE_TREE, hf_greedy, random_heads
+from test_sampling import (
+    DRAWS,
+    TREE,
+    V,
+    chi_square_p,
+    make_heads,
+    processed,
+    rejection_rule,
+    table_logits_at,
+    tabulated_base_logits,
+)
+from tiny import tiny_model
+
+from medusa.batch import batch_generate
+from medusa.calibrate import Replay, choose_tree, replay_data, replayed_tau, sequence_states
+from medusa.draft import draft_tree
+from medusa.generate import medusa_generate
+from medusa.prompt_lookup import lookup_draft
+from medusa.sampling import RejectionSampling
+from medusa.tree import Tree, load_tree, save_tree, tree_buffers
+from medusa.verify import greedy_accept, greedy_accept_along_path
+
+T = torch.tensor
+
+
+def test_lookup_copies_after_the_latest_occurrence_of_the_longest_ngram():
+    # "1 2 3" occurs at 0 (followed by 4 5) and "3" alone at 7 (followed by 8): the 3-gram wins over the later 1-gram.
+    assert lookup_draft(T([1, 2, 3, 4, 5, 9, 9, 3, 8, 1, 2, 3]), 2).tolist() == [4, 5]
+    # Two occurrences of "1 2": the latest one's continuation (7), not the first's (6).
+    assert lookup_draft(T([1, 2, 6, 0, 1, 2, 7, 0, 1, 2]), 1).tolist() == [7]
+    # max_ngram 1 looks at the last token only: its latest earlier occurrence is at 7, followed by 8.
+    assert lookup_draft(T([1, 2, 3, 4, 5, 9, 9, 3, 8, 1, 2, 3]), 2, max_ngram=1).tolist() == [8, 1]
+
+
+def test_lookup_repeats_a_span_that_reaches_the_end_and_pads_without_a_match():
+    # "7 8" matched at 0; the copy 7 8 reaches the end and continues with itself.
+    assert lookup_draft(T([7, 8, 7, 8]), 5).tolist() == [7, 8, 7, 8, 7]
+    assert lookup_draft(T([1, 2, 3]), 3).tolist() == [3, 3, 3]  # the last token is new: no match
+    assert lookup_draft(T([5]), 2).tolist() == [5, 5]
+    assert lookup_draft(T([1, 2, 1]), 0).tolist() == []
+
+
+@pytest.mark.parametrize("sequence, length, ngram", [(T([], dtype=torch.long), 2, 3), (T([[1, 2]]), 2, 3),
+                                                      (T([1, 2]), -1, 3), (T([1, 2]), 2, 0)])
+def test_lookup_bad_input_is_named(sequence, length, ngram):
+    with pytest.raises(ValueError, match="sequence|length|max_ngram"):
+        lookup_draft(sequence, length, ngram)
+
+
+def test_lookup_chain_layout():
+    tree = Tree.from_paths([[0], [1], [0, 0]], "t", lookup_length=3)
+    assert (tree.num_nodes, tree.depth, tree.head_depth) == (7, 3, 2)
+    b = tree_buffers(tree)
+    chain = b.lookup_nodes.tolist()
+    assert chain == [4, 5, 6] and b.depth[chain].tolist() == [1, 2, 3]
+    # Each chain node sees the root and the chain above it, nothing of the heads' nodes.
+    assert b.ancestor_mask[6].nonzero().flatten().tolist() == [0, 4, 5, 6]
+    assert not b.ancestor_mask[chain][:, 1:4].any() and not b.ancestor_mask[1:4][:, chain].any()
+    assert b.children[0][0] == 4 and b.children[4] == (5,) and b.children[6] == ()
+    assert b.retrieve_index[0].tolist() == [0, 4, 5, 6]
+    # The heads draft only their own levels.
+    assert len(b.level_parents) == 2 and all(int(c.max()) <= 3 for c in b.level_children)
+
+
+def test_tree_file_round_trip_and_bad_lookup_fields(tmp_path):
+    tree = Tree.from_paths([[0], [1]], "t", lookup_length=6, lookup_max_ngram=2)
+    save_tree(tree, tmp_path / "t.json")
+    assert load_tree(tmp_path / "t.json") == tree
+    assert load_tree(tmp_path / "t.json").check_fits(1, 2) is None  # the chain needs no head
+    for bad in ({"length": -1}, {"max_ngram": 2}, {"length": 2, "max_ngram": 0}, {"length": 2, "extra": 1},
+                {"length": "6"}, [6]):
+        (tmp_path / "b.json").write_text(json.dumps({"paths": [[0]], "prompt_lookup": bad}))
+        with pytest.raises(ValueError, match="prompt_lookup|lookup_length|lookup_max_ngram"):
+            load_tree(tmp_path / "b.json")
+
+
+def test_drafting_a_lookup_chain_needs_the_context():
+    buffers = tree_buffers(Tree.chain(0).with_lookup(2))
+    with pytest.raises(ValueError, match="needs the context"):
+        draft_tree(None, torch.zeros(4), T(3), buffers)
+    draft = draft_tree(None, torch.zeros(4), T(3), buffers, sequence=T([3, 4, 5, 3]))
+    assert draft.tokens.tolist() == [3, 4, 5]
+
+
+def test_walk_follows_the_children_of_twin_nodes():
+    """A lookup node repeating a heads' node: the heads' child below the twin is still reachable, and the walk
+    accepts as much as the all-nodes rule."""
+    tree = Tree.from_paths([[0], [0, 0]], "t", lookup_length=2)  # heads: 1 -> 2; lookup: 3 -> 4
+    buffers = tree_buffers(tree)
+    tokens = T([9, 5, 6, 5, 7])  # lookup copies 5 then 7; the heads drafted 5 then 6
+    base_next = {0: 5, 1: 6, 3: 6, 2: 8, 4: 1}  # the base: 9 -> 5 -> 6 -> 8 (7 is wrong)
+    result = greedy_accept_along_path(tokens, lambda node: T(base_next[node]), buffers)
+    assert result.accepted == 2 and tokens[result.path_nodes].tolist() == [9, 5, 6] and int(result.next_token) == 8
+    logits = torch.full((5, 10), -1.0)
+    logits[torch.arange(5), T([base_next[n] for n in range(5)])] = 1.0
+    assert greedy_accept(tokens, logits, buffers).accepted == 2
+
+
+LOOKUP_TREES = [Tree.chain(3).with_lookup(4), WIDE_TREE.with_lookup(6), Tree.chain(0).with_lookup(5)]
+
+
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_a_lookup_chain_is_the_base_greedy(arch, verify_logits):
+    model = tiny_model(arch)
+    # A prompt that repeats itself, so the copied chain is accepted on some steps.
+    ids = torch.randint(3, 300, (10,), generator=torch.Generator().manual_seed(0)).repeat(2)
+    reference = hf_greedy(model, ids, 40)
+    heads = random_heads(model, head_type="hydra")
+    for tree in LOOKUP_TREES:
+        out, stats = medusa_generate(model, heads, ids, tree, 40, verify_logits=verify_logits)
+        assert out == reference, (arch, tree.name)
+        assert stats.new_tokens == 40
+
+
+def test_lookup_accepts_a_repeating_answer():
+    """This tiny Gemma 3 answers the prompt by repeating one token: the copied chain (which continues a span that
+    reaches the end of the context) is right every step, so each verify forward emits the chain and the bonus."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(3))
+    reference = hf_greedy(model, ids, 40)
+    assert len(set(reference[2:])) == 1  # the premise: greedy text that repeats
+    out, stats = medusa_generate(model, random_heads(model), ids, Tree.chain(0).with_lookup(6), 40)
+    assert out == reference
+    assert stats.accepted_per_step[1:-1] == [6] * (len(stats.accepted_per_step) - 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_batched_lookup_equals_one_at_a_time(arch):
+    model = tiny_model(arch)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).repeat(2) for n in (5, 9, 7)]
+    heads = random_heads(model, head_type="hydra")
+    tree = WIDE_TREE.with_lookup(4)
+    for verify_logits in ("all", "path"):
+        batched, _ = batch_generate(model, heads, prompts, tree, 24, verify_logits=verify_logits)
+        assert batched == [hf_greedy(model, p, 24) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_replayed_tau_is_the_tau_decoding_measures(arch):
+    """build-tree scores trees by replaying greedy decoding on held-out base continuations: on the base's own
+    greedy text that replay must predict the decode's tau exactly."""
+    model = tiny_model(arch)
+    heads = random_heads(model, head_type="hydra")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (8,), generator=gen).repeat(2) for _ in range(3)]
+    answers = [hf_greedy(model, p, 30) for p in prompts]
+    states = sequence_states(model, [(p.tolist() + a, len(p)) for p, a in zip(prompts, answers, strict=True)])
+    replays = replay_data(heads, states, top_k=4, max_lookup=8)
+    for tree in (Tree.from_paths([[0], [1], [0, 0]]), Tree.from_paths([[0], [1], [0, 0]]).with_lookup(5),
+                 Tree.chain(0).with_lookup(8)):
+        steps = emitted = 0
+        for prompt in prompts:
+            _, stats = medusa_generate(model, heads, prompt, tree, 30, verify_logits="path")
+            steps, emitted = steps + stats.decode_steps, emitted + stats.decode_tokens
+        assert replayed_tau(tree, replays) == pytest.approx(emitted / steps), tree.name
+
+
+def test_replayed_tau_counts_the_longer_branch_and_stops_at_the_end():
+    # Tokens 0..7, response from 1: decoding emits tokens 2..7 after the prefill. At i = 0 the heads are right for
+    # one token and the copy for three; at i = 5 the copy would run past the last token.
+    ranks = [[0, 5]] + [[5, 5]] * 7
+    replay = Replay(start=1, ranks=ranks, lookup_match=[3, 0, 0, 0, 0, 2, 0, 0])
+    heads = Tree.from_paths([[0], [0, 0]])
+    assert replayed_tau(heads, [replay]) == pytest.approx(6 / 5)  # 2 + 1 + 1 + 1 + 1
+    assert replayed_tau(heads.with_lookup(2), [replay]) == pytest.approx(6 / 4)  # 3 + 1 + 1 + 1
+    assert replayed_tau(heads.with_lookup(3), [replay]) == pytest.approx(6 / 3)  # 4 + 1 + 1 (cut at the end)
+    with pytest.raises(ValueError, match="no held-out sequence"):
+        replayed_tau(heads, [Replay(start=7, ranks=ranks, lookup_match=[0] * 8)])
+    with pytest.raises(ValueError, match="needs replay data"):
+        choose_tree(torch.full((2, 2), 0.5), {1: 1.0, 8: 1.2}, max_nodes=2, lookup_lengths=(0, 4))
+    tree, table = choose_tree(torch.full((2, 2), 0.5), {1: 1.0, 8: 1.0}, max_nodes=2, replays=[replay],
+                              lookup_lengths=(0, 3))
+    # At equal cost the 3-token chain (tau 2.0 with one node, above) beats every heads-only tree here.
+    assert tree.lookup_length == 3 and len(table) == 4
+
+
+@pytest.fixture(scope="module")
+def base_logits():
+    return tabulated_base_logits()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("copied", ["likely", "unlikely"])
+@pytest.mark.parametrize("kind", ["random", "base"])
+def test_rejection_sampling_with_a_copied_chain_is_exact(base_logits, kind, copied):
+    """A copied token is a draft from a one-hot q; tried first, then the heads' candidates on the residual."""
+    tables = processed({"temperature": 1.0}, base_logits)
+    p1, p2 = (torch.softmax(t, dim=-1) for t in tables[:2])
+    x = int(p1.argmax()) if copied == "likely" else int(p1.argmin())
+    y = int(p2[x].argmax()) if copied == "likely" else int(p2[x].argmin())
+    tree = Tree(TREE.paths, "t", lookup_length=2)
+    buffers = tree_buffers(tree)
+    context = T([1, 2, 11, x, y, 3, 11])  # the root 11 last: the lookup copies x, y
+    base_rule = rejection_rule({"temperature": 1.0})
+    rule = RejectionSampling(buffers, base_rule.head_to_base, V, base_rule.draft_warp, base_rule.generator)
+    heads = make_heads(kind, base_logits)
+    probs = [torch.softmax(t, dim=-1) for t in tables]
+    gen = torch.Generator().manual_seed(2)
+    samples = torch.empty(DRAWS, 3, dtype=torch.long)
+    accepted_copy = 0
+    for i in range(DRAWS):
+        draft = draft_tree(heads, torch.zeros(4), T(11), buffers, rule.choose, sequence=context)
+        assert draft.tokens[buffers.lookup_nodes].tolist() == [x, y]
+        result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
+        accepted_copy += int(result.path_nodes[-1]) in buffers.lookup_nodes.tolist()
+        emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(result.next_token)]
+        while len(emitted) < 3:
+            emitted.append(int(torch.multinomial(probs[len(emitted)][tuple(emitted)], 1, generator=gen)))
+        samples[i] = T(emitted[:3])
+    assert chi_square_p(samples, tables) > 0.01
+    if copied == "likely":
+        assert accepted_copy > DRAWS * float(p1[x]) * 0.9  # the copied chain is really taken
