@@ -32,7 +32,7 @@ from medusa.calibrate import Replay, choose_tree, replay_data, replayed_tau, seq
 from medusa.draft import draft_tree
 from medusa.generate import medusa_generate
 from medusa.prompt_lookup import lookup_draft
-from medusa.sampling import RejectionSampling
+from medusa.sampling import RejectionSampling, TypicalAcceptance
 from medusa.tree import Tree, load_tree, save_tree, tree_buffers
 from medusa.verify import greedy_accept, greedy_accept_along_path
 
@@ -228,3 +228,22 @@ def test_rejection_sampling_with_a_copied_chain_is_exact(base_logits, kind, copi
     assert chi_square_p(samples, tables) > 0.01
     if copied == "likely":
         assert accepted_copy > DRAWS * float(p1[x]) * 0.9  # the copied chain is really taken
+
+
+def test_typical_acceptance_tries_the_copied_token_first(base_logits):
+    """The copied chain is walked like the heads' nodes: its token is taken when it passes the threshold, before
+    the heads' candidates; a copied token below it falls back to the heads' children."""
+    tables = processed({"temperature": 0.7}, base_logits)
+    p1 = torch.softmax(tables[0], dim=-1)
+    order = p1.argsort(descending=True).tolist()
+    tree = Tree(TREE.paths, "t", lookup_length=2)
+    buffers = tree_buffers(tree)
+    heads = make_heads("base", base_logits)
+    for copied, expect_chain in ((order[0], True), (order[-1], False)):
+        rule = TypicalAcceptance(buffers, epsilon=0.3, delta=0.09, generator=torch.Generator().manual_seed(0))
+        draft = draft_tree(heads, torch.zeros(4), T(11), buffers, rule.choose, sequence=T([11, copied, 3, 11]))
+        result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
+        on_chain = result.accepted > 0 and int(result.path_nodes[1]) == int(buffers.lookup_nodes[0])
+        assert on_chain == expect_chain
+        if not expect_chain:  # the heads' rank-0 child (the base's own top token here) passes instead
+            assert result.accepted > 0 and int(result.path_nodes[1]) in buffers.children[0][1:]
