@@ -195,7 +195,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="prompt lookup: a chain of N tokens copied from the context, verified with the heads' tree "
                         "(overrides the tree file's; 0: none)")
     p.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
-                   help="longest context n-gram prompt lookup matches (default: the tree file's, else 3)")
+                   help="longest context n-gram prompt lookup matches (default: the tree file's, else 3; "
+                        "build-tree: 3)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
@@ -237,6 +238,7 @@ def _load(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
     check_dtype(dtype, device)
+    _check_lookup_flags(args)
     model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
                                         adapter=args.adapter)
     if args.lookup is not None or args.lookup_ngram is not None:
@@ -245,6 +247,21 @@ def _load(args):
     engine = getattr(args, "engine", None) or DEFAULT_ENGINE
     model.use_engine(engine, **({"max_cache_len": args.max_cache_len} if engine != "eager" else {}))
     return model
+
+
+def _check_lookup_flags(args) -> None:
+    """Refuse bad prompt-lookup flags by their names, before any model loads."""
+    if args.lookup is not None and args.lookup < 0:
+        raise ValueError(f"--lookup must be >= 0, got {args.lookup}")
+    if args.lookup_ngram is not None and args.lookup_ngram < 1:
+        raise ValueError(f"--lookup-ngram must be >= 1, got {args.lookup_ngram}")
+    if getattr(args, "hf_prompt_lookup", 0) < 0:
+        raise ValueError(f"--hf-prompt-lookup must be >= 0, got {args.hf_prompt_lookup}")
+    if getattr(args, "lookup_lengths", None) is not None:  # build-tree
+        if args.lookup is not None:
+            raise ValueError("build-tree chooses the lookup chain itself: pass --lookup-lengths, not --lookup")
+        if min(args.lookup_lengths) < 0:
+            raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
 
 
 def cmd_prepare(args) -> int:
@@ -632,8 +649,6 @@ def cmd_build_tree(args) -> int:
     from medusa.plots import plot_tree_report
     from medusa.tree import save_tree
 
-    if min(args.lookup_lengths) < 0:
-        raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
     ngram = args.lookup_ngram or 3
     model = _load(args)
     sequences = _distilled_sequences(args.data, args.limit)

@@ -106,8 +106,7 @@ class Tree:
     def with_lookup(self, length: int, max_ngram: int | None = None) -> Tree:
         """The same heads' nodes with a prompt-lookup chain of ``length`` nodes (0 removes it)."""
         max_ngram = self.lookup_max_ngram if max_ngram is None else max_ngram
-        name = self.name.split("+lookup")[0] + (f"+lookup{length}" if length else "")
-        return Tree(self.paths, name, length, max_ngram)
+        return Tree(self.paths, f"{self.name.split('+lookup')[0]}+lookup{length}", length, max_ngram)
 
     @classmethod
     def chain(cls, depth: int) -> Tree:
@@ -133,6 +132,10 @@ def load_tree(path: str | Path) -> Tree:
     if not isinstance(lookup, dict) or set(lookup) - {"length", "max_ngram"} or "length" not in lookup:
         raise ValueError(f"tree file {path}: 'prompt_lookup' must be an object with 'length' and optionally "
                          f"'max_ngram', got {lookup!r}")
+    for key, least in (("length", 0), ("max_ngram", 1)):
+        value = lookup.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"tree file {path}: 'prompt_lookup.{key}' must be an int >= {least}, got {value!r}")
     for node in data["paths"]:
         if not isinstance(node, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in node):
             raise ValueError(f"tree file {path}: every path must be a list of integer ranks, got {node!r}")

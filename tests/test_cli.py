@@ -60,9 +60,15 @@ def test_bench_with_a_lookup_chain_and_the_hf_prompt_lookup_baseline(setup, tmp_
     assert result["hf_prompt_lookup_tokens_per_s"] > 0 and result["speedup_vs_hf_prompt_lookup"] > 0
     assert len(result["accepted_histogram"]) == 5  # 0 .. 4 drafts accepted: the chain is the deepest branch
     assert "HF prompt lookup tokens/s" in capsys.readouterr().out
-    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
-                 "--limit", "1", "--lookup", "-1"]) == 2
-    assert "lookup_length must be an int >= 0" in capsys.readouterr().err
+    for flags, message in ((["--lookup", "-1"], "--lookup must be >= 0, got -1"),
+                           (["--lookup-ngram", "0"], "--lookup-ngram must be >= 1, got 0"),
+                           (["--hf-prompt-lookup", "-1"], "--hf-prompt-lookup must be >= 0, got -1")):
+        assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                     "--limit", "1"] + flags) == 2
+        assert message in capsys.readouterr().err
+    assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(prompts),
+                 "--lookup", "2", "--out", str(tmp_path / "t.json")]) == 2
+    assert "pass --lookup-lengths, not --lookup" in capsys.readouterr().err
     assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
                  "--limit", "1", "--do-sample", "--hf-prompt-lookup", "3"]) == 2
     assert "greedy only" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_usage_lists_the_whole_path():
     assert [c for c in commands if c.startswith(NEEDS_REFERENCE)] == [c for c in commands if "prepare-model" in c
                                                                        or "configs/smollm2" in c]
     verbs = [shlex.split(c, comments=True)[1] for c in commands if not c.startswith(NEEDS_REFERENCE)]
-    assert verbs == ["distill", "train", "build-tree", "generate", "generate", "held-out-prompts", "bench",
+    assert verbs == ["distill", "train", "build-tree", "generate", "generate", "generate", "held-out-prompts", "bench",
                      "eval-heads", "plot"]
 
 

@@ -214,7 +214,7 @@ def test_shipped_tree_files_are_valid():
         pytest.skip(f"no tree files in {TREE_DIR}")
     for path in files:
         tree = load_tree(path)
-        assert tree.paths, path
+        assert tree.paths or tree.lookup_length, path  # a tree drafts something
         buffers = tree_buffers(tree)
         assert buffers.ancestor_mask.shape == (tree.num_nodes, tree.num_nodes), path
         assert (buffers.retrieve_index[:, 0] == 0).all(), path
