@@ -187,6 +187,9 @@ class BenchResult:
             "true_divergences": len(self.divergences) - ties,
             "divergences": self.divergences,
             "per_head_accept": per_head,
+            # Steps that kept a draft at depth d = 1 .. tree depth (from a head or from a prompt-lookup chain).
+            "per_depth_accept": [sum(c for a, c in enumerate(self.accepted_hist) if a >= d) / steps
+                                 for d in range(1, len(self.accepted_hist))],
             "baseline_tokens_per_s": base_tps,
             "medusa_tokens_per_s": medusa_tps,
             "plain_tokens_per_s": plain_tps if self.plain_s else None,

@@ -58,7 +58,9 @@ def test_bench_with_a_lookup_chain_and_the_hf_prompt_lookup_baseline(setup, tmp_
     assert result["tree"].endswith("+lookup4") and result["tree_nodes"] == Tree.chain(3).num_nodes + 4
     assert result["identical"] == 1.0 and result["hf_prompt_lookup_identical"] == 1.0
     assert result["hf_prompt_lookup_tokens_per_s"] > 0 and result["speedup_vs_hf_prompt_lookup"] > 0
-    assert len(result["accepted_histogram"]) == 5  # 0 .. 4 drafts accepted: the chain is the deepest branch
+    hist = result["accepted_histogram"]
+    assert len(hist) == 5  # 0 .. 4 drafts accepted: the chain is the deepest branch
+    assert result["per_depth_accept"] == pytest.approx([sum(hist[d:]) / sum(hist) for d in range(1, 5)])
     assert "HF prompt lookup tokens/s" in capsys.readouterr().out
     for flags, message in ((["--lookup", "-1"], "--lookup must be >= 0, got -1"),
                            (["--lookup-ngram", "0"], "--lookup-ngram must be >= 1, got 0"),

@@ -32,9 +32,13 @@ def bench_result(per_prompt: bool = True) -> dict:
     return result
 
 
+@pytest.mark.parametrize("deeper_than_heads", [True, False])
 @pytest.mark.parametrize("per_prompt", [True, False])
-def test_bench_plot_is_a_png(tmp_path, per_prompt):
-    assert_png(plot_bench(bench_result(per_prompt), tmp_path / "bench.png"))
+def test_bench_plot_is_a_png(tmp_path, per_prompt, deeper_than_heads):
+    result = bench_result(per_prompt)
+    if deeper_than_heads:  # a tree with a prompt-lookup chain: drafts kept at depths 4 and 5 too
+        result["accepted_histogram"] = [5, 4, 1, 0, 0, 2]
+    assert_png(plot_bench(result, tmp_path / "bench.png"))
 
 
 def test_tree_report_plot_is_a_png(tmp_path):
@@ -42,6 +46,15 @@ def test_tree_report_plot_is_a_png(tmp_path):
               "predicted_speedup": (1 + 0.1 * n) / (1 + 0.05 * n)} for n in range(1, 9)]
     report = {"cost_curve": {"1": 1.0, "2": 1.2, "4": 1.3, "8": 1.5, "one_token_s": 0.05}, "head_cost": 0.02,
               "table": table, "chosen_nodes": 8, "accuracy": [[0.3, 0.1]]}
+    assert_png(plot_tree_report(report, tmp_path / "tree.report.png"))
+
+
+def test_tree_report_plot_with_lookup_lengths_is_a_png(tmp_path):
+    table = [{"nodes": n, "lookup": length, "expected_tau": 1 + 0.1 * n, "replayed_tau": 1 + 0.1 * n + 0.1 * length,
+              "relative_cost": 1 + 0.05 * (n + length), "predicted_speedup": 1.0 + 0.01 * (n + length)}
+             for length in (0, 4) for n in range(1, 5)]
+    report = {"cost_curve": {"1": 1.0, "2": 1.2, "4": 1.3, "8": 1.5, "one_token_s": 0.05}, "level_cost": 0.02,
+              "table": table, "chosen_nodes": 4, "chosen_lookup": 4, "accuracy": [[0.3, 0.1]]}
     assert_png(plot_tree_report(report, tmp_path / "tree.report.png"))
 
 
