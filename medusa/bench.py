@@ -165,8 +165,8 @@ class BenchResult:
 
     def to_dict(self, num_heads: int) -> dict:
         steps = max(self.decode_steps, 1)
-        # Head k's draft was accepted when at least k+1 drafts were accepted in a step.
-        per_head = [sum(c for a, c in enumerate(self.accepted_hist) if a > k) / steps for k in range(num_heads)]
+        per_depth = kept_by_depth(self.accepted_hist)
+        per_head = (per_depth + [0.0] * num_heads)[:num_heads]  # head k drafts depth k + 1
         base_tps = self.baseline_tokens / self.baseline_s if self.baseline_s else float("nan")
         medusa_tps = self.medusa_tokens / self.medusa_s if self.medusa_s else float("nan")
         plain_tps = self.plain_tokens / self.plain_s if self.plain_s else float("nan")
@@ -187,9 +187,7 @@ class BenchResult:
             "true_divergences": len(self.divergences) - ties,
             "divergences": self.divergences,
             "per_head_accept": per_head,
-            # Steps that kept a draft at depth d = 1 .. tree depth (from a head or from a prompt-lookup chain).
-            "per_depth_accept": [sum(c for a, c in enumerate(self.accepted_hist) if a >= d) / steps
-                                 for d in range(1, len(self.accepted_hist))],
+            "per_depth_accept": per_depth,
             "baseline_tokens_per_s": base_tps,
             "medusa_tokens_per_s": medusa_tps,
             "plain_tokens_per_s": plain_tps if self.plain_s else None,
@@ -204,6 +202,13 @@ class BenchResult:
             "speedup_vs_hf_prompt_lookup": medusa_tps / (self.hf_lookup_tokens / self.hf_lookup_s),
             "hf_prompt_lookup_identical": self.hf_lookup_identical_prompts / max(self.prompts, 1),
         })
+
+
+def kept_by_depth(accepted_hist: list[int]) -> list[float]:
+    """Fraction of steps that kept a draft at depth d = 1 .. len - 1 (a head's or a prompt-lookup chain's), from
+    ``accepted_hist[a]`` = steps that accepted ``a`` drafts: a step keeps depth d when it accepted at least d."""
+    steps = max(sum(accepted_hist), 1)
+    return [sum(accepted_hist[d:]) / steps for d in range(1, len(accepted_hist))]
 
 
 def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -> dict:
@@ -256,12 +261,12 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
     compile_s = warm_up_engine(model, encoded, max_new_tokens)
     for ids in encoded[:warmup]:
         hf_greedy(base, ids, 8, stop)
+        if hf_prompt_lookup:
+            hf_greedy(base, ids, 8, stop, hf_prompt_lookup)
         model.generate(ids, max_new_tokens=8)
         model.generate(ids, max_new_tokens=8, tree=PLAIN)
     result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
     methods = ["hf", "medusa", "plain"] + (["hf_lookup"] if hf_prompt_lookup else [])
-    for ids in encoded[:warmup] if hf_prompt_lookup else ():
-        hf_greedy(base, ids, 8, stop, hf_prompt_lookup)
     for i, ids in enumerate(encoded):
         runs = {}
         shift = i % len(methods)

@@ -64,21 +64,48 @@ def rank_accuracy(model, heads: MedusaHeads | HydraHeads, sequences: list[tuple[
 def rank_accuracy_from_states(heads: MedusaHeads | HydraHeads, states: list[tuple[torch.Tensor, int, torch.Tensor]],
                               top_k: int = 10) -> torch.Tensor:
     """:func:`rank_accuracy` from precomputed :func:`sequence_states` (the base runs once for many heads)."""
-    num_heads = heads.config.num_heads
+    return _accuracy_of_ranks([(true_ranks(heads, tokens, hidden, top_k), start) for tokens, start, hidden in states],
+                              top_k)
+
+
+def rank_accuracy_from_replays(replays: list[Replay], top_k: int = 10) -> torch.Tensor:
+    """:func:`rank_accuracy` from :func:`replay_data` built with the same ``top_k`` (no second pass of the heads)."""
+    return _accuracy_of_ranks([(torch.tensor(r.ranks, dtype=torch.long), r.start) for r in replays], top_k)
+
+
+@torch.inference_mode()
+def true_ranks(heads: MedusaHeads | HydraHeads, tokens: torch.Tensor, hidden: torch.Tensor,
+               top_k: int) -> torch.Tensor:
+    """``(T, K)`` long: [t, k] = rank of the true token t + k + 2 among head k's ``top_k`` candidates at position t
+    (on the true path, for Hydra heads); ``top_k`` when it is not among them or lies past the end.
+
+    Args:
+        tokens: ``(T,)`` long token ids; hidden: ``(T, H)`` the base's last hidden states over them.
+    """
+    ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
+    num_heads, length = ranked.shape[:2]
+    ranks = torch.full((length, num_heads), top_k, dtype=torch.long)
+    for k in range(num_heads):
+        offset = head_target_offset(k)
+        match = (ranked[k, : length - offset] == tokens[offset:, None]).cpu()  # (T - offset, top_k)
+        rank = match.float().argmax(dim=1)  # (T - offset,): first hit, 0 when none
+        ranks[: length - offset, k] = torch.where(match.any(dim=1), rank, top_k)
+    return ranks
+
+
+def _accuracy_of_ranks(sequences: list[tuple[torch.Tensor, int]], top_k: int) -> torch.Tensor:
+    """``(K, top_k)`` per-rank hit rates from each sequence's :func:`true_ranks` ``(T, K)`` and response start; only
+    targets inside the response count (position t of head k targets t + k + 2)."""
+    num_heads = sequences[0][0].shape[1] if sequences else 0
     hits = torch.zeros(num_heads, top_k)
     counts = torch.zeros(num_heads)
-    for tokens, start, hidden in states:
-        ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
+    for ranks, start in sequences:
         for k in range(num_heads):
             offset = head_target_offset(k)
-            # Hidden state at t predicts t + offset; only targets inside the response count.
-            t = torch.arange(max(start - offset, 0), len(tokens) - offset, device=tokens.device)
-            if len(t) == 0:
-                continue
-            match = ranked[k, t] == tokens[t + offset, None]  # (n, top_k)
-            hits[k] += match.float().sum(0).cpu()
-            counts[k] += len(t)
-    if counts.min() == 0:
+            rows = ranks[max(start - offset, 0) : max(len(ranks) - offset, 0), k]  # (n,)
+            hits[k] += torch.bincount(rows, minlength=top_k + 1)[:top_k].float()
+            counts[k] += len(rows)
+    if not sequences or counts.min() == 0:
         raise ValueError("no held-out sequence is long enough to measure every head")
     return hits / counts[:, None]
 
@@ -106,14 +133,8 @@ def replay_data(heads: MedusaHeads | HydraHeads, states: list[tuple[torch.Tensor
     """Per-position head ranks and lookup matches of held-out sequences (from :func:`sequence_states`)."""
     out = []
     for tokens, start, hidden in states:
-        ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
-        num_heads, length = ranked.shape[:2]
-        ranks = torch.full((length, num_heads), top_k, dtype=torch.long)
-        for k in range(num_heads):
-            offset = head_target_offset(k)
-            match = (ranked[k, : length - offset] == tokens[offset:, None]).cpu()  # (T - offset, top_k)
-            rank = match.float().argmax(dim=1)  # (T - offset,): first hit, 0 when none
-            ranks[: length - offset, k] = torch.where(match.any(dim=1), rank, top_k)
+        ranks = true_ranks(heads, tokens, hidden, top_k)  # (T, K)
+        length = len(tokens)
         matches = [0] * length
         ids = tokens.cpu()
         for i in range(max(start - 1, 0), length - 2):

@@ -646,7 +646,7 @@ def cmd_eval_heads(args) -> int:
 
 def cmd_build_tree(args) -> int:
     from medusa.bench import verify_cost_curve
-    from medusa.calibrate import choose_tree, rank_accuracy_from_states, replay_data, sequence_states
+    from medusa.calibrate import choose_tree, rank_accuracy_from_replays, replay_data, sequence_states
     from medusa.plots import plot_tree_report
     from medusa.tree import save_tree
 
@@ -655,9 +655,9 @@ def cmd_build_tree(args) -> int:
     sequences = _distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    states = sequence_states(model.base, sequences)
-    accuracy = rank_accuracy_from_states(model.heads, states, args.top_k)
-    replays = replay_data(model.heads, states, args.top_k, max(args.lookup_lengths), ngram)
+    replays = replay_data(model.heads, sequence_states(model.base, sequences), args.top_k, max(args.lookup_lengths),
+                          ngram)
+    accuracy = rank_accuracy_from_replays(replays, args.top_k)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits,
                               engine=model.engine)
     level_cost = _level_cost(model, curve["one_token_s"])

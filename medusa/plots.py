@@ -62,15 +62,16 @@ def plot_bench(result: dict, path: str | Path) -> Path:
                 ylim=(0, 115 * max(hist) / steps or 1))
     ax_hist.legend()
 
-    # Depth d: a head's draft (head d-1) or the d-th copied token of a prompt-lookup chain.
-    accept = [sum(hist[d:]) / steps for d in range(1, len(hist))]
-    labels = ("draft depth d (token t+d+1; heads' nodes or the copied chain)",
-              "verify forwards that kept a draft at depth d (%)", "Drafts kept by depth")
+    from medusa.bench import kept_by_depth
+
+    accept = kept_by_depth(hist)  # depth d: head d-1's draft or the d-th copied token of a prompt-lookup chain
     ticks = list(range(1, len(accept) + 1))
     bars = ax_heads.bar(ticks, [100 * a for a in accept],
                         color=[HEAD_COLORS[k % len(HEAD_COLORS)] for k in range(len(accept))])
     ax_heads.bar_label(bars, fmt="%.0f%%")
-    ax_heads.set(xlabel=labels[0], ylabel=labels[1], title=labels[2], xticks=ticks, ylim=(0, 100))
+    ax_heads.set(xlabel="draft depth d (token t+d+1; heads' nodes or the copied chain)",
+                 ylabel="verify forwards that kept a draft at depth d (%)", title="Drafts kept by depth",
+                 xticks=ticks, ylim=(0, 100))
 
     rows = result.get("per_prompt") or [{"prompt": "all", "hf_tokens_per_s": result["baseline_tokens_per_s"],
                                          "medusa_tokens_per_s": result["medusa_tokens_per_s"]}]

@@ -26,16 +26,19 @@ def base_weight(seed=0, vocab=V, hidden=H):
     return torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
 
 
-def trained_heads(weight, share=True, token_map=None, num_heads=3, num_layers=2):
+def trained_heads(weight, share=True, token_map=None, num_heads=3, num_layers=2, scale=0.1, base_name=None):
+    """Medusa heads for ``weight`` whose every trainable tensor is moved by ``scale`` noise (a stand-in for
+    training); ``base_name`` goes into the config's ``base_model_name_or_path``."""
     config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=num_heads,
                                num_layers=num_layers, share_lm_head=share,
                                head_vocab_size=None if token_map is None else len(token_map),
-                               lm_head_fingerprint=lm_head_fingerprint(weight))
+                               lm_head_fingerprint=lm_head_fingerprint(weight),
+                               **({"base_model_name_or_path": base_name} if base_name else {}))
     heads = MedusaHeads(config, weight, token_map)
     torch.manual_seed(1)
-    with torch.no_grad():  # stand-in for training: every trainable tensor moves away from its initial value
+    with torch.no_grad():
         for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+            p.add_(torch.randn_like(p) * scale)
     return heads
 
 

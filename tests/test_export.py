@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import test_checkpoint as checkpoint_helpers
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,19 +31,12 @@ H, V, K, L = 16, 64, 3, 2
 
 
 def base_weight(seed=0):
-    return torch.randn(V, H, generator=torch.Generator().manual_seed(seed))
+    return checkpoint_helpers.base_weight(seed, V, H)
 
 
 def trained_heads(weight, share=True, token_map=None, num_heads=K, num_layers=L):
-    config = MedusaHeadsConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers,
-                               share_lm_head=share, head_vocab_size=None if token_map is None else len(token_map),
-                               lm_head_fingerprint=lm_head_fingerprint(weight), base_model_name_or_path="tiny-base")
-    heads = MedusaHeads(config, weight, token_map)
-    torch.manual_seed(1)
-    with torch.no_grad():  # stand-in for training: every trainable tensor moves away from its initial value
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return heads
+    return checkpoint_helpers.trained_heads(weight, share, token_map, num_heads, num_layers, scale=0.3,
+                                            base_name="tiny-base")
 
 
 def medusa_v1_folder(path: Path, num_heads=K, num_layers=L, config_heads=None, config_layers=None, pt=False,

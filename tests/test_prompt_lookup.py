@@ -28,7 +28,15 @@ from test_sampling import (
 from tiny import tiny_model
 
 from medusa.batch import batch_generate
-from medusa.calibrate import Replay, choose_tree, replay_data, replayed_tau, sequence_states
+from medusa.calibrate import (
+    Replay,
+    choose_tree,
+    rank_accuracy_from_replays,
+    rank_accuracy_from_states,
+    replay_data,
+    replayed_tau,
+    sequence_states,
+)
 from medusa.draft import draft_tree
 from medusa.generate import medusa_generate
 from medusa.prompt_lookup import lookup_draft
@@ -164,6 +172,7 @@ def test_replayed_tau_is_the_tau_decoding_measures(arch):
     answers = [hf_greedy(model, p, 30) for p in prompts]
     states = sequence_states(model, [(p.tolist() + a, len(p)) for p, a in zip(prompts, answers, strict=True)])
     replays = replay_data(heads, states, top_k=4, max_lookup=8)
+    assert torch.equal(rank_accuracy_from_replays(replays, 4), rank_accuracy_from_states(heads, states, 4))
     for tree in (Tree.from_paths([[0], [1], [0, 0]]), Tree.from_paths([[0], [1], [0, 0]]).with_lookup(5),
                  Tree.chain(0).with_lookup(8)):
         steps = emitted = 0
