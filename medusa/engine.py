@@ -7,6 +7,10 @@ cache, logits_for)``, ``keep_positions(cache, prefix_len, keep)`` and ``lm_logit
 - ``eager``: transformers' ``DynamicCache``, grown by concatenation and cut after each tree (:mod:`medusa.kv_cache`).
 - ``static``: a cache preallocated for prompt + budget + tree, written in place; the accepted path is moved down by
   one gather per layer; masks written into buffers kept per step size (:mod:`medusa.static_cache`).
+- ``onednn``: ``static`` with the base's linear layers and lm_head run on oneDNN prepacked copies of their weights
+  (:mod:`medusa.onednn`), on a CPU: a verify step over 11 tokens about 1.3x cheaper, a plain step 1.1x, and the
+  lm_head cheap enough to score every tree node at once. Elsewhere (a GPU, or a CPU dtype oneDNN cannot run) it runs
+  as ``static`` and says so (a warning on a CPU, since one was expected to pay there).
 - ``compiled``: ``static`` with fixed shapes (attention reads all slots of a capacity rounded up to
   :data:`CAPACITY_BUCKET`, so one compilation serves many prompts) and the decoder stack under ``torch.compile``:
   CPU inductor with weight freezing (constant-folded, prepacked weights), CUDA graphs (``reduce-overhead``) on a
@@ -22,12 +26,12 @@ import warnings
 
 import torch
 
-from medusa import kv_cache, static_cache
+from medusa import kv_cache, onednn, static_cache
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("eager", "static", "compiled")
-DEFAULT_ENGINE = "static"
+ENGINES = ("eager", "static", "onednn", "compiled")
+DEFAULT_ENGINE = "onednn"
 """The engine used when none is named (the measured comparison is in README, "Decode engines")."""
 CAPACITY_BUCKET = 256
 """The compiled engine's cache capacity is rounded up to a multiple of this (shapes, hence compilations, shared)."""
@@ -113,6 +117,48 @@ class StaticEngine(EagerEngine):
 
     def settings(self) -> dict:
         return {"engine": self.name, "max_cache_len": self.max_cache_len}
+
+
+class OneDNNEngine(StaticEngine):
+    """:class:`StaticEngine` whose forwards run the base's linear layers and lm_head on oneDNN prepacked weights.
+
+    See :mod:`medusa.onednn`. Where those cannot run (:func:`medusa.onednn.onednn_unavailable`) it is exactly
+    :class:`StaticEngine`; :attr:`fallback_reason` says why, and on a CPU a ``RuntimeWarning`` says it too.
+    """
+
+    name = "onednn"
+
+    def __init__(self, model, max_cache_len: int | None = None):
+        super().__init__(model, max_cache_len)
+        self.fallback_reason = onednn.onednn_unavailable(model)
+        self.packed = None
+        if self.fallback_reason is None:
+            self.packed = onednn.packed_linears(model, kv_cache.decoder_of(model))
+        elif model.device.type == "cpu":
+            warnings.warn(f"engine 'onednn' runs as 'static': {self.fallback_reason}", RuntimeWarning, stacklevel=3)
+
+    @property
+    def packs_lm_head(self) -> bool:
+        """Whether the lm_head runs on its prepacked copy (then scoring every tree node at once is cheapest)."""
+        return self.packed is not None
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+        if self.packed is None:
+            return super()._forward(input_ids, positions, tree_mask, cache, logits_for)
+        with self.packed.swapped():
+            _, hidden = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
+                                             slice(0, 0))
+        selected = hidden if logits_for is None else hidden[logits_for]
+        return self.lm_logits_rows(selected), hidden
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return super().lm_logits_rows(hidden)
+        return kv_cache.soft_cap(self.model, self.packed.lm_head_product(hidden))
+
+    def settings(self) -> dict:
+        return {"engine": self.name, "max_cache_len": self.max_cache_len, "packed": self.packed is not None,
+                "fallback_reason": self.fallback_reason, "pack_rows": onednn.PACK_ROWS}
 
 
 class CompiledEngine(StaticEngine):
@@ -232,6 +278,8 @@ def make_engine(name: str, model, max_cache_len: int | None = None, **options):
         return EagerEngine(model)
     if name == "static":
         return StaticEngine(model, max_cache_len)
+    if name == "onednn":
+        return OneDNNEngine(model, max_cache_len)
     if name == "compiled":
         return CompiledEngine(model, max_cache_len, **options)
     raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")

@@ -18,7 +18,7 @@ from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.logits_process import Decoding, resolve_decoding
 from medusa.sampling import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from medusa.tree import Tree, TreeBuffers, tree_buffers
-from medusa.verify import greedy_accept, greedy_accept_along_path
+from medusa.verify import greedy_accept_along_path
 
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
@@ -93,8 +93,9 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         max_new_tokens: generation budget.
         stop_token_ids: stop after emitting any of these (included in the output).
         stats: filled in as decoding proceeds, when given.
-        verify_logits: ``"all"`` scores every tree node with the lm_head in one product (best on a GPU);
-            ``"path"`` scores one node at a time along the accepted path (cheaper on a CPU, see
+        verify_logits: ``"all"`` scores every tree node with the lm_head in one product (best on a GPU, and with
+            the ``onednn`` engine's prepacked lm_head on a CPU); ``"path"`` scores one node at a time along the
+            accepted path (cheaper with MKL's matrix-vector kernel on a CPU, see
             :func:`medusa.verify.greedy_accept_along_path`). Both accept exactly the same tokens.
         decoding: generation settings and acceptance rule (:func:`medusa.logits_process.resolve_decoding`);
             ``None``: plain greedy, no logits processor.
@@ -175,7 +176,9 @@ def _verify(engine, draft: Draft, positions, buffers, cache, verify_logits: str,
     tokens = draft.tokens
     if verify_logits == "all":
         logits, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
-        return greedy_accept(tokens, logits, buffers), hidden
+        predicted = logits.argmax(dim=-1)  # (N,)
+        # The walk, not greedy_accept: it also follows a prompt-lookup node's twin (same tokens, same prediction).
+        return greedy_accept_along_path(tokens, predicted.__getitem__, buffers), hidden
     _, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
 
     def next_token_at(node: int) -> torch.Tensor:

@@ -141,7 +141,12 @@ def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Ten
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The base's own logits from last hidden states ``(..., H)`` -> ``(..., V)``, with its final soft-capping."""
-    logits = model.get_output_embeddings()(hidden)
+    return soft_cap(model, model.get_output_embeddings()(hidden))
+
+
+def soft_cap(model, logits: torch.Tensor) -> torch.Tensor:
+    """The base's final logit soft-capping (Gemma 2: ``cap * tanh(logits / cap)``) applied to raw lm_head logits;
+    ``logits`` unchanged when the base has none."""
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -172,10 +177,7 @@ def lm_logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
     logits = hidden @ cached[2]  # (M, V)
     if getattr(head, "bias", None) is not None:
         logits = logits + head.bias
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return soft_cap(model, logits)
 
 
 def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:

@@ -61,15 +61,19 @@ class MedusaModel(nn.Module):
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         self.tokenizer = tokenizer
         self.tree = tree or Tree.chain(heads.config.num_heads)
-        # One lm_head row at a time along the accepted path is cheaper on a CPU (matrix-vector kernels), one product
-        # over all tree nodes is cheaper on an accelerator; both accept the same tokens (medusa.generate).
-        self.verify_logits = "path" if base.device.type == "cpu" else "all"
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
-        self.engine = make_engine(DEFAULT_ENGINE, base)
+        self.use_engine(DEFAULT_ENGINE)
 
     def use_engine(self, name: str, **options) -> None:
-        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it)."""
+        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it).
+
+        Also sets :attr:`verify_logits`: one lm_head product over all tree nodes on an accelerator or with a
+        prepacked lm_head (the ``onednn`` engine), else on a CPU one lm_head row at a time along the accepted path
+        (MKL's matrix-vector kernel beats its few-row product there). Both accept the same tokens.
+        """
         self.engine = make_engine(name, self.base, **options)
+        cpu = self.base.device.type == "cpu"
+        self.verify_logits = "all" if not cpu or getattr(self.engine, "packs_lm_head", False) else "path"
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
@@ -181,8 +185,9 @@ class MedusaModel(nn.Module):
             raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
                                       f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
-        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop,
-                              self.verify_logits)
+        # Batched decoding runs the base's own modules (no engine): on a CPU, lm_head rows along the paths.
+        verify_logits = "path" if self.device.type == "cpu" else "all"
+        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits)
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 BASE=models/smollm2-135m-instruct
 SHIPPED=checkpoints/smollm2-135m-instruct-hydra
 OUT=outputs/quickstart
-README_BENCH=docs/results/bench-smollm2-135m-hydra-lookup-cpu.json
+README_BENCH=docs/results/bench-smollm2-135m-hydra-lookup-onednn-cpu.json
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"

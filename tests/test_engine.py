@@ -1,4 +1,4 @@
-"""Decode engines (eager, static, compiled) give the base's greedy tokens; the preallocated cache compacts exactly."""
+"""Decode engines (eager, static, onednn, compiled) give the base's greedy tokens; the cache compacts exactly."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def ids_of(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", ["eager", "static"])
+@pytest.mark.parametrize("name", ["eager", "static", "onednn"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engines_give_base_greedy_tokens(arch, name):
     model = tiny_model(arch)
@@ -112,7 +112,7 @@ def test_prompt_plus_budget_beyond_max_cache_len_is_a_clear_error():
 
 def test_unknown_engine_and_bad_dtype_are_clear_errors():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="unknown engine 'turbo': choose one of eager, static, compiled"):
+    with pytest.raises(ValueError, match="unknown engine 'turbo': choose one of eager, static, onednn, compiled"):
         engines.make_engine("turbo", model)
     with pytest.raises(ValueError, match="not a floating-point dtype"):
         engines.check_dtype(torch.int8, "cpu")
@@ -172,7 +172,7 @@ def cli_setup(tmp_path_factory):
     return root, base, prompts
 
 
-@pytest.mark.parametrize("name", ["eager", "static"])
+@pytest.mark.parametrize("name", ["eager", "static", "onednn"])
 def test_bench_reports_plain_baseline_step_parts_and_engine(cli_setup, tmp_path, name):
     import json
 
@@ -199,7 +199,7 @@ def test_cli_refuses_an_unknown_engine_and_a_dtype_the_device_cannot_run(cli_set
     root, base, prompts = cli_setup
     args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hi", "--max-new-tokens", "4"]
     assert main([*args, "--engine", "turbo"]) == 2
-    assert "unknown engine 'turbo': choose one of eager, static, compiled" in capsys.readouterr().err
+    assert "unknown engine 'turbo': choose one of eager, static, onednn, compiled" in capsys.readouterr().err
 
     def no_kernels(*a, **k):
         raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
