@@ -240,13 +240,13 @@ def _load(args):
     dtype = getattr(torch, DTYPES[args.dtype])
     check_dtype(dtype, device)
     _check_lookup_flags(args)
+    engine = getattr(args, "engine", None) or DEFAULT_ENGINE
+    options = {"max_cache_len": args.max_cache_len} if engine != "eager" else {}
     model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
-                                        adapter=args.adapter)
+                                        adapter=args.adapter, engine=engine, **options)
     if args.lookup is not None or args.lookup_ngram is not None:
         length = model.tree.lookup_length if args.lookup is None else args.lookup
         model.tree = model.tree.with_lookup(length, args.lookup_ngram)
-    engine = getattr(args, "engine", None) or DEFAULT_ENGINE
-    model.use_engine(engine, **({"max_cache_len": args.max_cache_len} if engine != "eager" else {}))
     return model
 
 

@@ -55,14 +55,15 @@ class MedusaModel(nn.Module):
         tokenizer: optional, used for stop tokens and by the CLI.
     """
 
-    def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None):
+    def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None,
+                 engine: str = DEFAULT_ENGINE, **engine_options):
         super().__init__()
         self.base = base
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         self.tokenizer = tokenizer
         self.tree = tree or Tree.chain(heads.config.num_heads)
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
-        self.use_engine(DEFAULT_ENGINE)
+        self.use_engine(engine, **engine_options)
 
     def use_engine(self, name: str, **options) -> None:
         """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it).
@@ -71,6 +72,7 @@ class MedusaModel(nn.Module):
         prepacked lm_head (the ``onednn`` engine), else on a CPU one lm_head row at a time along the accepted path
         (MKL's matrix-vector kernel beats its few-row product there). Both accept the same tokens.
         """
+        self.engine = None  # the previous engine (and a packed copy only it used) is freed first
         self.engine = make_engine(name, self.base, **options)
         cpu = self.base.device.type == "cpu"
         self.verify_logits = "all" if not cpu or getattr(self.engine, "packs_lm_head", False) else "path"
@@ -78,7 +80,8 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attn_implementation: str | None = None, adapter: str | Path | None = None) -> MedusaModel:
+                        attn_implementation: str | None = None, adapter: str | Path | None = None,
+                        engine: str = DEFAULT_ENGINE, **engine_options) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
 
         ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are
@@ -109,7 +112,7 @@ class MedusaModel(nn.Module):
             model = merge_adapter(model, adapter).eval()
         loaded = load_heads(heads, model.get_output_embeddings().weight,
                             embed_weight=model.get_input_embeddings().weight)
-        return cls(model, loaded, tree, tokenizer)
+        return cls(model, loaded, tree, tokenizer, engine, **engine_options)
 
     @property
     def device(self) -> torch.device:

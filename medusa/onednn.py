@@ -20,6 +20,7 @@ Cost: the copies take as much memory as the weights they copy (about 540 MB for 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -53,23 +54,35 @@ def onednn_unavailable(model) -> str | None:
     return None
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``nn.Linear``'s own (not a router or quantized subclass)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 class _Packed:
     """One linear module's reordered weight, remade when the module's weight changes."""
 
-    def __init__(self, module: nn.Linear):
+    def __init__(self, module: nn.Linear, local: threading.local | None = None):
         self.module = module
-        self.weight = None
-        self.version = -1
+        self.local = local  # the PackedLinears' per-thread count of open swapped() blocks (no cycle to it)
+        self.key = None
         self.packed = None
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         weight = self.module.weight
-        if weight is not self.weight or weight._version != self.version:
+        # data_ptr/dtype/device: `.data = ...` and `.to(dtype)` keep the Parameter and its _version.
+        key = (id(weight), weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        if force or key != self.key:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-            self.weight, self.version = weight, weight._version
+            self.key = key
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.module.bias
+        module = self.module
+        # Another thread's plain use of the base, or a forward that needs gradients: the module's own product.
+        if (self.local is not None and not getattr(self.local, "depth", 0)) or (
+                torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
+            return nn.Linear.forward(module, x)
+        bias = module.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none",
                                                   [], "")
 
@@ -88,15 +101,21 @@ class PackedLinears:
     def __init__(self, decoder: nn.Module, lm_head: nn.Module):
         if not isinstance(lm_head, nn.Linear):
             raise TypeError(f"oneDNN packing needs an nn.Linear lm_head, got {type(lm_head).__name__}")
-        self.layers = [_Packed(m) for m in decoder.modules() if isinstance(m, nn.Linear)]
+        self._lock = threading.Lock()
+        self._depth = 0  # swapped() blocks open, all threads
+        self._local = threading.local()  # .depth: this thread's open blocks
+        self.layers = [_Packed(m, self._local) for m in decoder.modules() if _plain_linear(m)]
         self.lm_head = _Packed(lm_head)
+        self.dtype = lm_head.weight.dtype
+        self._saved: list = []
         self.refresh()
 
-    def refresh(self) -> None:
-        """Reorder again every weight replaced or changed in place since the last call (cheap when none was)."""
+    def refresh(self, force: bool = False) -> None:
+        """Reorder again every weight replaced or changed in place since the last call (cheap when none was).
+        A change through ``weight.data`` is invisible (no version bump): ``force`` repacks everything."""
         for packed in self.layers:
-            packed.refresh()
-        self.lm_head.refresh()
+            packed.refresh(force)
+        self.lm_head.refresh(force)
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -104,19 +123,27 @@ class PackedLinears:
 
         Not for training: the reordered product has no backward.
         """
-        self.refresh()
-        # A module's own instance-level forward (a hook library's wrapper) is put back afterwards, not dropped.
-        saved = [packed.module.__dict__.get("forward") for packed in self.layers]
-        for packed in self.layers:
-            packed.module.forward = packed  # an instance attribute, shadowing nn.Linear.forward
+        with self._lock:
+            if self._depth == 0:
+                self.refresh()
+                # A module's own instance-level forward (a hook library's wrapper) is put back afterwards.
+                self._saved = [packed.module.__dict__.get("forward") for packed in self.layers]
+                for packed in self.layers:
+                    packed.module.forward = packed  # an instance attribute, shadowing nn.Linear.forward
+            self._depth += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
-            for packed, own in zip(self.layers, saved, strict=True):
-                if own is None:
-                    del packed.module.forward
-                else:
-                    packed.module.forward = own
+            self._local.depth -= 1
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for packed, own in zip(self.layers, self._saved, strict=True):
+                        if own is None:
+                            del packed.module.forward
+                        else:
+                            packed.module.forward = own
 
     def lm_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``: ``(..., H)`` -> ``(..., V)`` raw logits (bias included, no soft-capping)."""
@@ -124,13 +151,18 @@ class PackedLinears:
         return self.lm_head(hidden)
 
 
-_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its PackedLinears
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weakref to its PackedLinears
 
 
 def packed_linears(model, decoder: nn.Module) -> PackedLinears:
-    """The :class:`PackedLinears` of ``model`` (decoder stack ``decoder``), made at the first call and shared by every
-    engine of that model afterwards (one copy of the weights, reordered once; dropped with the model)."""
-    packed = _BY_MODEL.get(model)
-    if packed is None:
-        packed = _BY_MODEL[model] = PackedLinears(decoder, model.get_output_embeddings())
+    """The :class:`PackedLinears` of ``model`` (decoder stack ``decoder``), shared by the engines of that model that
+    are alive (dropped with the last of them). A new engine repacks every weight (changes through ``.data``, as peft's
+    merge makes, are invisible otherwise) and gets a new PackedLinears when the lm_head module was replaced."""
+    ref = _BY_MODEL.get(model)
+    packed = ref() if ref is not None else None
+    if packed is None or packed.lm_head.module is not model.get_output_embeddings():
+        packed = PackedLinears(decoder, model.get_output_embeddings())
+        _BY_MODEL[model] = weakref.ref(packed)
+    else:
+        packed.refresh(force=True)
     return packed
