@@ -101,7 +101,8 @@ def sum_logprob(model, input_ids: torch.Tensor, continuation: list[int]) -> floa
     """Sum of the base's log-probabilities (raw logits, temperature 1) of ``continuation`` after the prompt."""
     if not continuation:
         return 0.0
-    ids = torch.cat([input_ids, torch.tensor(continuation, dtype=torch.long)])[None].to(model.device)
+    tail = torch.tensor(continuation, dtype=torch.long, device=input_ids.device)
+    ids = torch.cat([input_ids, tail])[None].to(model.device)
     logprobs = torch.log_softmax(model(ids).logits[0, len(input_ids) - 1 : -1].float(), dim=-1)  # (n, V)
     return float(logprobs.gather(1, ids[0, len(input_ids):, None]).sum())
 
@@ -115,7 +116,8 @@ def top2_gap(model, input_ids: torch.Tensor, continuation: list[int], position: 
 @torch.inference_mode()
 def top2(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> tuple[float, float]:
     """:func:`top2_gap` and the top logit: ``(top logit, top-1 minus top-2)``."""
-    ids = torch.cat([input_ids, torch.tensor(continuation[:position], dtype=torch.long)])[None].to(model.device)
+    tail = torch.tensor(continuation[:position], dtype=torch.long, device=input_ids.device)
+    ids = torch.cat([input_ids, tail])[None].to(model.device)
     logits = model(ids).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0]), float(top[0] - top[1])

@@ -537,7 +537,26 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
     column = max(len(v) for _, v in mine + [("", "this run")])
     lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
     lines += [f"{k:<{width}}  {v:<{column}}  {theirs.get(k, '')}" for k, v in mine]
+    same = _same_prompts_text(result, reference)
+    if same:
+        lines.append(f"{'reference, same prompts only':<{width}}  {'':<{column}}  {same}")
     return "\n".join(lines)
+
+
+def _same_prompts_text(result: dict, reference: dict) -> str | None:
+    """The reference's tau and speedup over just the prompts this run decoded, when it decoded a subset of the
+    reference's prompts (same indices, same token counts); ``None`` otherwise. A subset's tau can differ a lot from
+    the whole set's (prompts differ in how much the base repeats itself)."""
+    ours, theirs = result.get("per_prompt") or [], {p["prompt"]: p for p in reference.get("per_prompt") or []}
+    if not ours or len(ours) >= len(theirs):
+        return None
+    picked = [theirs.get(p["prompt"]) for p in ours]
+    if any(t is None or t["tokens"] != p["tokens"] for t, p in zip(picked, ours, strict=True)):
+        return None
+    tokens = sum(t["tokens"] for t in picked)
+    steps = sum(t["tokens"] / t["tau"] for t in picked)
+    speedup = sum(t["hf_s"] for t in picked) / sum(t["medusa_s"] for t in picked)
+    return f"tau {tokens / steps:.3f}, speedup {speedup:.3f}x ({len(picked)} of its {len(theirs)} prompts)"
 
 
 def _prediction_text(prediction: dict | None) -> str:
@@ -558,9 +577,10 @@ def _step_text(step_ms: dict | None) -> str:
 def _engine_text(engine: dict | None) -> str:
     if not engine:
         return "not recorded"
-    if engine.get("engine") == "compiled" and not engine.get("compiled"):
-        return f"compiled -> static ({engine.get('fallback_reason')})"
-    return engine["engine"]
+    name = engine.get("engine")
+    if (name == "compiled" and not engine.get("compiled")) or (name == "onednn" and not engine.get("packed")):
+        return f"{name} -> static ({engine.get('fallback_reason')})"
+    return name
 
 
 def _load_text(load: dict | None) -> str:

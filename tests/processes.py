@@ -16,8 +16,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a launcher command (``accelerate launch``, ``torch.distributed.run``) to the end; asserts it succeeded.
+def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 480) -> subprocess.CompletedProcess:
+    """Run a launcher command (``accelerate launch``, ``torch.distributed.run``) to the end; asserts it succeeded
+    (an ``AssertionError`` with the tail of its stderr when it failed or ran past ``timeout`` seconds).
 
     On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
     own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
@@ -29,10 +30,11 @@ def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float 
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
-            proc.communicate(timeout=60)
+            stdout, stderr = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=60)
-        raise
+            stdout, stderr = proc.communicate(timeout=60)
+        raise AssertionError(f"{' '.join(map(str, cmd[:4]))} ... ran past {timeout:.0f} s (a loaded machine?); "
+                             f"its stderr ends:\n{(stderr or '')[-4000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

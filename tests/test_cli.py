@@ -92,8 +92,12 @@ def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
                  "--limit", "1", "--max-new-tokens", "8", "--compare", str(out)]) == 0
-    header = capsys.readouterr().out.splitlines()[0].split()
-    assert header == ["this", "run", str(out)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["this", "run", str(out)]
+    # One of the reference's two prompts decoded: the reference's figures over that prompt alone are shown too.
+    first = json.loads(out.read_text())["per_prompt"][0]
+    same = next(line for line in lines if line.startswith("reference, same prompts only"))
+    assert f"tau {first['tau']:.3f}, speedup {first['hf_s'] / first['medusa_s']:.3f}x (1 of its 2 prompts)" in same
 
 
 def test_bench_plot_needs_out(setup, capsys):

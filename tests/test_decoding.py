@@ -18,8 +18,8 @@ WIDE_TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 
 def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     # No EOS: min_new_tokens would suppress it and make HF's greedy differ from the true argmax sequence.
     model.generation_config.eos_token_id = None
-    out = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
-                         do_sample=False)
+    out = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=ids.device),
+                         max_new_tokens=n, do_sample=False)
     return out[0, len(ids):].tolist()
 
 
@@ -77,7 +77,7 @@ def random_heads(model, num_heads=3, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
     for p in heads.parameters():
         p.data.normal_(0, 0.05)
-    return heads
+    return heads.to(weight.device)  # drawn on the CPU: the same heads whatever the model's device
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])

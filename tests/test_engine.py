@@ -236,3 +236,20 @@ def test_gpu_bench_script_runs_its_code_paths_on_cpu(tmp_path):
     assert set(result["step_ms"]["static"]) == {"1", "4"}
     assert set(result["medusa"]["static"]) == {"4", "8"}
     assert result["plain"]["eager"]["tau"] == 1.0
+
+
+def test_attention_kernel_ab_script_runs_on_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "gpu_sdpa_ab.py"
+    spec = importlib.util.spec_from_file_location("gpu_sdpa_ab", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main(["--device", "cpu", "--shape", "tiny", "--new-tokens", "6",
+                          "--out", str(tmp_path / "ab.json")])
+    assert result["settings"]["static-default-sdpa"]["cuda_sdpa_backends"] is None
+    assert "CUDNN_ATTENTION" not in result["settings"]["static-no-cudnn"]["cuda_sdpa_backends"]
+    assert {f"{e}/{t}/round{r}" for e in ("static-default-sdpa", "static-no-cudnn", "eager")
+            for t in ("plain", "tree16", "tree64") for r in (0, 1)} <= set(result)
+    assert result["eager/plain/round0"]["tau"] == 1.0

@@ -99,7 +99,7 @@ def tiny_hydra_for(model, num_heads=3, seed=1, prefix_window=0):
 
 def train_on_greedy(model, heads, ids, steps=80):
     """Fit the heads to the base's own greedy continuation of ``ids`` (teacher loss), as training would."""
-    sequence = torch.tensor(ids.tolist() + hf_greedy(model, ids, 60))[None]  # (1, T)
+    sequence = torch.tensor(ids.tolist() + hf_greedy(model, ids, 60), device=ids.device)[None]  # (1, T)
     with torch.no_grad():
         hidden = kv_cache.decoder_of(model)(input_ids=sequence).last_hidden_state  # (1, T, H)
         teacher = hidden @ model.get_output_embeddings().weight.T  # (1, T, V)
