@@ -553,9 +553,15 @@ def _same_prompts_text(result: dict, reference: dict) -> str | None:
     picked = [theirs.get(p["prompt"]) for p in ours]
     if any(t is None or t["tokens"] != p["tokens"] for t, p in zip(picked, ours, strict=True)):
         return None
-    tokens = sum(t["tokens"] for t in picked)
-    steps = sum(t["tokens"] / t["tau"] for t in picked)
-    speedup = sum(t["hf_s"] for t in picked) / sum(t["medusa_s"] for t in picked)
+    # As the bench's tau: decode tokens (the prefill's token excluded) over decode steps; a prompt the prefill alone
+    # answered (tau NaN) has neither.
+    decoded = [(t["tokens"] - 1, (t["tokens"] - 1) / t["tau"]) for t in picked if t["tokens"] > 1 and t["tau"] > 0]
+    tokens, steps = sum(d for d, _ in decoded), sum(s for _, s in decoded)
+    hf_tokens = sum(t.get("hf_tokens_per_s", 0.0) * t["hf_s"] for t in picked) or sum(t["tokens"] for t in picked)
+    medusa_s, hf_s = sum(t["medusa_s"] for t in picked), sum(t["hf_s"] for t in picked)
+    if not steps or not medusa_s or not hf_s:
+        return None
+    speedup = (sum(t["tokens"] for t in picked) / medusa_s) / (hf_tokens / hf_s)  # tokens/s over tokens/s
     return f"tau {tokens / steps:.3f}, speedup {speedup:.3f}x ({len(picked)} of its {len(theirs)} prompts)"
 
 

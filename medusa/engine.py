@@ -20,12 +20,14 @@ cache, logits_for)``, ``keep_positions(cache, prefix_len, keep)`` and ``lm_logit
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import warnings
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from medusa import kv_cache, onednn, static_cache
 
@@ -36,6 +38,39 @@ DEFAULT_ENGINE = "onednn"
 """The engine used when none is named (the measured comparison is in README, "Decode engines")."""
 CAPACITY_BUCKET = 256
 """The compiled engine's cache capacity is rounded up to a multiple of this (shapes, hence compilations, shared)."""
+
+_B = torch.backends.cuda
+_SDPA_FLAGS = {  # kernel -> (is it enabled, enable it): torch's process-wide switches
+    SDPBackend.CUDNN_ATTENTION: (_B.cudnn_sdp_enabled, _B.enable_cudnn_sdp),
+    SDPBackend.FLASH_ATTENTION: (_B.flash_sdp_enabled, _B.enable_flash_sdp),
+    SDPBackend.EFFICIENT_ATTENTION: (_B.mem_efficient_sdp_enabled, _B.enable_mem_efficient_sdp),
+    SDPBackend.MATH: (_B.math_sdp_enabled, _B.enable_math_sdp)}
+_sdpa_lock = threading.Lock()
+_sdpa_state = {"depth": 0, "saved": None}  # open attention_backends() blocks (all threads), the flags they replaced
+
+
+@contextlib.contextmanager
+def attention_backends(allowed):
+    """Narrow the process's (global) scaled-dot-product-attention kernels to ``allowed`` for the block: the kernels
+    enabled now and in ``allowed`` (all enabled now when none is). Counted across threads: the first block in saves
+    the flags, the last one out restores them, so overlapping blocks never leave them changed; a caller's own
+    narrower choice (``sdpa_kernel``) is kept."""
+    with _sdpa_lock:
+        if _sdpa_state["depth"] == 0:
+            saved = {b: enabled() for b, (enabled, _) in _SDPA_FLAGS.items()}
+            keep = {b for b, on in saved.items() if on and b in allowed} or {b for b, on in saved.items() if on}
+            for b, (_, enable) in _SDPA_FLAGS.items():
+                enable(b in keep)
+            _sdpa_state["saved"] = saved
+        _sdpa_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _sdpa_lock:
+            _sdpa_state["depth"] -= 1
+            if _sdpa_state["depth"] == 0:
+                for b, on in _sdpa_state["saved"].items():
+                    _SDPA_FLAGS[b][1](on)
 
 
 class EagerEngine:
@@ -62,7 +97,7 @@ class EagerEngine:
         times itself (:attr:`last_forward_s`)."""
         start = time.perf_counter()
         if self.sdpa_backends is not None and self.model.device.type == "cuda":
-            with sdpa_kernel(list(self.sdpa_backends)):
+            with attention_backends(self.sdpa_backends):
                 out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
         else:
             out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
@@ -94,9 +129,9 @@ class StaticEngine(EagerEngine):
 
     name = "static"
     fixed_shape = False
-    # On CUDA, not cuDNN's attention: it builds an execution plan for every new key length (about 1.3 ms of CPU per
-    # layer and step, measured on an H200 with a 7B shape: a plain step of 56 ms against 23 ms at a fixed length),
-    # and this cache's visible length grows by the accepted tokens every step.
+    # On CUDA, not cuDNN's attention: it builds an execution plan for every new key length (1.28 ms of CPU per layer
+    # and step on an H200 with a 7B shape: a plain step of 56 ms against 23 ms at a fixed length;
+    # docs/results/gpu-h200-profile-plain-decoding.txt), and this cache's visible length grows every step.
     sdpa_backends = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
     def __init__(self, model, max_cache_len: int | None = None):
@@ -259,6 +294,7 @@ class CompiledEngine(StaticEngine):
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
         self.decoder = None
+        self.sdpa_backends = StaticEngine.sdpa_backends  # uncompiled: key lengths vary again, as in static
         warnings.warn(f"engine 'compiled' runs as 'static' (uncompiled): {reason}", RuntimeWarning, stacklevel=3)
 
     def settings(self) -> dict:

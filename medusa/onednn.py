@@ -67,6 +67,7 @@ class _Packed:
         self.local = local  # the PackedLinears' per-thread count of open swapped() blocks (no cycle to it)
         self.key = None
         self.packed = None
+        self.own = None  # the module's own instance-level forward, if any, while swapped (the fallback runs it)
 
     def refresh(self, force: bool = False) -> None:
         weight = self.module.weight
@@ -81,7 +82,7 @@ class _Packed:
         # Another thread's plain use of the base, or a forward that needs gradients: the module's own product.
         if (self.local is not None and not getattr(self.local, "depth", 0)) or (
                 torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
-            return nn.Linear.forward(module, x)
+            return self.own(x) if self.own is not None else nn.Linear.forward(module, x)
         bias = module.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none",
                                                   [], "")
@@ -128,7 +129,8 @@ class PackedLinears:
                 self.refresh()
                 # A module's own instance-level forward (a hook library's wrapper) is put back afterwards.
                 self._saved = [packed.module.__dict__.get("forward") for packed in self.layers]
-                for packed in self.layers:
+                for packed, own in zip(self.layers, self._saved, strict=True):
+                    packed.own = own
                     packed.module.forward = packed  # an instance attribute, shadowing nn.Linear.forward
             self._depth += 1
         self._local.depth = getattr(self._local, "depth", 0) + 1

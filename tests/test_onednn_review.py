@@ -145,3 +145,36 @@ def test_choosing_another_engine_does_not_keep_a_packed_copy_or_warn_about_onedn
     if isinstance(live, weakref.ref):
         live = live()
     assert live is None
+
+
+# review of bd285a9 -----------------------------------------------------------------------------------------------
+def test_another_threads_plain_forward_keeps_a_modules_own_forward_wrapper():
+    """While one thread is inside swapped(), another thread's plain forward falls back to nn.Linear.forward, not to
+    the module's own instance-level forward (accelerate's hooks, a user's wrapper): it silently skips it."""
+    import threading
+
+    model = tiny_model("llama")
+    layer = linears(model)[0]
+    plain = layer.forward
+    layer.forward = lambda x: plain(x) * 0.5  # an instance-level wrapper, as hook libraries install
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        expected = layer(x)
+    packed = onednn.packed_linears(model, kv_cache.decoder_of(model))
+    inside, done = threading.Event(), threading.Event()
+
+    def hold():
+        with packed.swapped():
+            inside.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(30)
+    try:
+        with torch.no_grad():
+            got = layer(x)
+    finally:
+        done.set()
+        holder.join(30)
+    torch.testing.assert_close(got, expected)
