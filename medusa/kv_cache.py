@@ -153,6 +153,12 @@ def soft_cap(model, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def weight_version(weight: torch.Tensor) -> int | None:
+    """``weight``'s in-place version counter, or ``None`` for an inference tensor (made under
+    ``torch.inference_mode()``), which keeps none: a copy of it is then remade only when the tensor is replaced."""
+    return None if weight.is_inference() else weight._version
+
+
 # id(lm_head weight) -> (a weak reference to it, its version counter, a transposed (H, V) copy); see lm_logits_rows.
 _TRANSPOSED: dict[int, tuple] = {}
 
@@ -168,10 +174,10 @@ def lm_logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
     head = model.get_output_embeddings()
     weight = head.weight
     cached = _TRANSPOSED.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+    if cached is None or cached[0]() is not weight or cached[1] != weight_version(weight):
         key = id(weight)
         # Dropped with the weight (a model freed); made again when the weight changes in place.
-        cached = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), weight._version,
+        cached = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), weight_version(weight),
                   weight.detach().T.contiguous())  # (H, V)
         _TRANSPOSED[key] = cached
     logits = hidden @ cached[2]  # (M, V)

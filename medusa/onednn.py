@@ -27,6 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from medusa import kv_cache
+
 PACK_ROWS = 16
 """The number of rows oneDNN is told to expect when reordering (any number of rows works; 11-16 measured best)."""
 
@@ -72,7 +74,7 @@ class _Packed:
     def refresh(self, force: bool = False) -> None:
         weight = self.module.weight
         # data_ptr/dtype/device: `.data = ...` and `.to(dtype)` keep the Parameter and its _version.
-        key = (id(weight), weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        key = (id(weight), kv_cache.weight_version(weight), weight.data_ptr(), weight.dtype, weight.device)
         if force or key != self.key:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self.key = key

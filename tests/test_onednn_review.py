@@ -11,7 +11,9 @@ from tiny import tiny_model
 
 from medusa import engine as engines
 from medusa import kv_cache, onednn
+from medusa.generate import medusa_generate
 from medusa.model import MedusaModel
+from medusa.tree import Tree
 
 pytestmark = pytest.mark.skipif(onednn.onednn_unavailable(tiny_model("llama")) is not None,
                                 reason="oneDNN prepacked fp32 linear layers unavailable in this torch build")
@@ -178,3 +180,16 @@ def test_another_threads_plain_forward_keeps_a_modules_own_forward_wrapper():
         done.set()
         holder.join(30)
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", ["static", "onednn"])
+@pytest.mark.parametrize("verify_logits", ["all", "path"])
+def test_a_model_made_under_inference_mode_decodes(name, verify_logits):
+    """Inference tensors keep no version counter: the lm_head copy and the oneDNN copies must not ask for one."""
+    with torch.inference_mode():
+        model = tiny_model("llama")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, ids, 16)
+    out, _ = medusa_generate(model, random_heads(model), ids, Tree.chain(3), 16, verify_logits=verify_logits,
+                             engine=engines.make_engine(name, model))
+    assert out == reference
