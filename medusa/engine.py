@@ -188,14 +188,14 @@ class OneDNNEngine(StaticEngine):
         """Whether the lm_head runs on its prepacked copy (then scoring every tree node at once is cheapest)."""
         return self.packed is not None
 
-    def _usable(self) -> bool:
+    def uses_packed(self) -> bool:
         """Packed, and the model still has the dtype, device and lm_head module it was packed with."""
         head = self.model.get_output_embeddings()
         return (self.packed is not None and head is self.packed.lm_head.module
                 and head.weight.dtype == self.packed.dtype and head.weight.device.type == "cpu")
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
-        if not self._usable():
+        if not self.uses_packed():
             return super()._forward(input_ids, positions, tree_mask, cache, logits_for)
         with self.packed.swapped():
             _, hidden = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
@@ -204,7 +204,7 @@ class OneDNNEngine(StaticEngine):
         return self.lm_logits_rows(selected), hidden
 
     def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._usable():
+        if not self.uses_packed():
             return super().lm_logits_rows(hidden)
         return kv_cache.soft_cap(self.model, self.packed.lm_head_product(hidden))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,9 +189,12 @@ class MedusaModel(nn.Module):
             raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
                                       f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
-        # Batched decoding runs the base's own modules (no engine): on a CPU, lm_head rows along the paths.
+        # Batched decoding keeps its own cache (no engine), but runs the base's linear layers on the onednn engine's
+        # prepacked weights when there are some; on a CPU, lm_head rows along the paths.
         verify_logits = "path" if self.device.type == "cpu" else "all"
-        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits)
+        packed = self.engine.packed if getattr(self.engine, "uses_packed", lambda: False)() else None
+        with packed.swapped() if packed is not None else contextlib.nullcontext():
+            return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits)
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,27 @@ def test_onednn_engine_decodes_the_base_greedy_tokens_and_leaves_hf_generate_alo
     assert medusa.verify_logits == "path"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_decoding_runs_on_the_packed_weights_and_stays_exact(arch, monkeypatch):
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = None
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 20, 13)]
+    references = [hf_greedy(model, p, 24) for p in prompts]
+    medusa = MedusaModel(model, random_heads(model), engine="onednn")
+    calls = []
+    packed_call = onednn._Packed.__call__
+    monkeypatch.setattr(onednn._Packed, "__call__", lambda self, x: calls.append(1) or packed_call(self, x))
+    for tree in (None, medusa.tree.chain(0)):  # Medusa and plain batched decoding
+        calls.clear()
+        outs, _ = medusa.generate_batch(prompts, max_new_tokens=24, tree=tree, stop_token_ids=set())
+        assert outs == references
+        assert calls  # the base's linear layers ran on the oneDNN copies
+    assert not any("forward" in m.__dict__ for m in model.modules())  # put back afterwards
+    medusa.use_engine("static")
+    calls.clear()
+    assert medusa.generate_batch(prompts, max_new_tokens=24, stop_token_ids=set())[0] == references and not calls
+
+
 def test_onednn_engine_runs_as_static_with_a_warning_naming_why(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(onednn, "onednn_unavailable", lambda m: "no oneDNN (test)")
