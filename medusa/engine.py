@@ -96,10 +96,8 @@ class EagerEngine:
         """One forward over ``(N,)`` new tokens (:func:`medusa.kv_cache.forward`): ``(logits (M, V), hidden (N, H))``;
         times itself (:attr:`last_forward_s`)."""
         start = time.perf_counter()
-        if self.sdpa_backends is not None and self.model.device.type == "cuda":
-            with attention_backends(self.sdpa_backends):
-                out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
-        else:
+        backends = self.sdpa_backends if self.model.device.type == "cuda" else None
+        with attention_backends(backends) if backends is not None else contextlib.nullcontext():
             out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
         if self.sync_timing and self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
