@@ -1,4 +1,4 @@
-"""The README's Usage commands, run in order through the CLI on a tiny random model.
+"""The README's Usage commands, run in order through the CLI on a tiny random model, and its Python API block.
 
 Only the two lines that need the reference model (``prepare-model`` and the reference training config) are left
 out; every other line runs as written, with ``DIR`` and ``my_chats.jsonl`` pointing at tiny stand-ins and a few
@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny
+from tiny import save_cli_files, save_tiny
 
 from medusa.cli import main
 
@@ -74,3 +74,23 @@ def test_usage_commands_run_in_order(tmp_path, monkeypatch, capsys):
                      "trees/x.report.json", "trees/x.report.png", "prompts.jsonl", "bench.json", "bench.png"):
         assert (tmp_path / produced).stat().st_size > 0, produced
     assert json.loads((tmp_path / "bench.json").read_text())["identical"] == 1.0
+
+
+def python_api_block() -> str:
+    """The README's Python API code block."""
+    section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python", 1)[1].split("```", 1)[0]
+
+
+def test_python_api_block_runs(tmp_path):
+    base, _ = save_cli_files(tmp_path, [{"prompt": "hello"}])
+    code = python_api_block()
+    for shipped, stand_in in (("models/smollm2-135m-instruct", base), ("checkpoints/smollm2-135m-instruct-hydra",
+                                                                        tmp_path / "heads")):
+        assert f'"{shipped}"' in code
+        code = code.replace(f'"{shipped}"', repr(str(stand_in)))
+    code = code.replace("max_new_tokens=128", "max_new_tokens=6")
+    names: dict = {}
+    exec(compile(code, "README.md:Python API", "exec"), names)
+    assert len(names["outputs"]) == 2 and all(names["outputs"])
+    assert names["model"].engine is not None and names["stats"].new_tokens > 0
