@@ -1,83 +1,120 @@
-"""Drafting a candidate tree from the heads, one level at a time (pure tensor code).
+"""Medusa and Hydra heads as a drafter: the tree drafted from the heads, one level at a time (pure tensor code).
 
-Level d holds the nodes at depth d + 1. Their tokens are the top candidates of head d at each depth-d node that has
-children (its parent): for Medusa heads the same distribution at every parent (a head reads only the hidden state,
-Medusa report, Cai et al. 2024, section 2.1.2); for Hydra heads the distribution of head d given the tokens on the
-path from the root down to that parent (Ankner et al. 2024, section 3). Every parent of a level goes into one
-batched head call, so a tree of depth D costs D head calls whatever its width.
+Level d holds the nodes at depth d + 1. Their tokens are candidates of head d at each depth-d node that has children
+(its parent): for Medusa heads the same distribution at every parent (a head reads only the hidden state, Medusa
+report, Cai et al. 2024, section 2.1.2); for Hydra heads the distribution of head d given the tokens on the path from
+the root down to that parent (Ankner et al. 2024, section 3). Every parent of a level goes into one batched head
+call, so a tree of depth D costs D head calls whatever its width.
 
-How the candidates are chosen from a parent's distribution is a function passed in: the top-k for greedy decoding,
-or a sample without replacement for speculative sampling.
-
-A tree with a prompt-lookup chain gets that chain's tokens from the context
-(:func:`medusa.prompt_lookup.lookup_draft`), not from the heads.
+How the candidates are drawn from a parent's distribution is the acceptance rule's
+:class:`medusa.drafters.base.DraftSampler`: the top-k for greedy decoding, a sample without replacement for
+speculative sampling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from medusa.prompt_lookup import lookup_draft
-from medusa.tree import TreeBuffers
-
-# (logits (P, Vh), k) -> (P, k) head-vocabulary ids, one row of candidates per parent.
-Chooser = Callable[[torch.Tensor, int], torch.Tensor]
+from medusa.drafters.base import DraftSampler, DraftTree, Draws, TopK, register_drafter
+from medusa.tree import Tree, TreeBuffers, tree_buffers
 
 
-def top_k_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The greedy chooser: each parent's ``k`` most likely head-vocabulary ids, best first. ``(P, Vh) -> (P, k)``."""
-    return logits.topk(k, dim=-1).indices
-
-
-@dataclass
-class Draft:
-    """A drafted tree."""
-
-    tokens: torch.Tensor
-    """(N,) long base token ids of every node; node 0 is the root (the base's own last token)."""
-    level_logits: list[torch.Tensor]
-    """Per level d: ``(P_d, Vh)`` head d's logits at the level's parents (``buffers.level_parents[d]``)."""
-    level_candidates: list[torch.Tensor]
-    """Per level d: ``(P_d, k_d)`` the head-vocabulary ids chosen at each parent, in rank order."""
-
-
-def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, buffers: TreeBuffers,
-               choose: Chooser = top_k_candidates, sequence: torch.Tensor | None = None) -> Draft:
-    """Fill every tree node with a drafted token, level by level.
+def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, layout: TreeBuffers,
+               sampler: DraftSampler | None = None, vocab: torch.Tensor | None = None) -> DraftTree:
+    """Fill every heads' node of ``layout`` with a drafted token, level by level.
 
     Args:
         heads: :class:`medusa.heads.MedusaHeads` or :class:`medusa.heads.HydraHeads` (anything with
             ``draft_logits(k, hidden, path_tokens)`` and ``to_base_ids``).
-        hidden: ``(H,)`` the base's last hidden state at the last accepted position t.
+        hidden: ``(H,)`` the heads' drafting input at the last accepted position t (the base's last hidden state, or
+            what the heads' own attention layer made of it).
         root: ``()`` long, the base's own next token t+1 (the tree root, not yet in the cache).
-        buffers: the tree's index tensors (:func:`medusa.tree.tree_buffers`).
-        choose: picks ``k`` candidates per parent from head logits (:func:`top_k_candidates` for greedy).
-        sequence: ``(S,)`` long, the prompt and every emitted token, ``root`` last: what the lookup chain copies
-            from. Needed only when the tree has one.
+        layout: a heads' tree layout (:func:`medusa.tree.tree_buffers` of a tree without a lookup chain).
+        sampler: draws ``k`` candidates per parent (default :class:`medusa.drafters.base.TopK`).
+        vocab: ``(Vh,)`` base ids of the head vocabulary (default: ``heads.to_base_ids`` of every head id).
 
     Returns:
-        The :class:`Draft`: node tokens and, per heads' level, the logits and candidates they came from.
+        The :class:`medusa.drafters.base.DraftTree`: node tokens and, per level, where its candidates came from.
+    """
+    sampler = sampler or TopK()
+    if vocab is None:
+        vocab = heads.to_base_ids(torch.arange(heads.head_vocab_size, device=root.device))  # (Vh,)
+    tokens = torch.empty(len(layout.depth), dtype=torch.long, device=root.device)  # (N,)
+    tokens[0] = root
+    draws = []
+    for d, parents in enumerate(layout.level_parents):
+        paths = tokens[layout.node_paths[parents, : d + 1]]  # (P_d, d+1): root .. parent
+        logits = heads.draft_logits(d, hidden, paths)  # (P_d, Vh)
+        candidates, q = sampler.draw(logits, layout.level_top_k[d])  # (P_d, k_d), (P_d, Vh) or None
+        picked = candidates[layout.child_slot[d], layout.child_rank[d]]  # (C_d,)
+        tokens[layout.level_children[d]] = vocab[picked]
+        draws.append(Draws(parents, logits, candidates, layout.level_children[d], layout.child_slot[d],
+                           layout.child_rank[d], q, vocab))
+    return DraftTree(tokens, layout, draws)
+
+
+@dataclass
+class HeadsState:
+    """One sequence's drafting state: the heads' own context (their attention layer's cache, if any) and the
+    drafting input it gives."""
+
+    context: object
+    hidden: torch.Tensor | None = None
+    """``(H,)`` what the next tree is drafted from."""
+
+
+@register_drafter("heads")
+class HeadsDrafter:
+    """Medusa or Hydra heads proposing the nodes of a fixed tree of ranks (:class:`medusa.tree.Tree`, its heads'
+    paths; a lookup chain is another drafter, see :mod:`medusa.drafters.composite`).
+
+    Training: the heads' decayed per-head loss over the frozen base's hidden states (:mod:`medusa.losses`, the
+    trainer in ``train/``); saved and loaded as a heads folder (:mod:`medusa.checkpoint`).
+
+    Args:
+        heads: the heads, on the base's device and dtype.
+        tree: which ranks of which heads make the tree (its lookup chain, if any, is ignored here).
 
     Raises:
-        ValueError: the tree has a lookup chain and no ``sequence`` is given.
+        ValueError: the tree is deeper than the heads or wider than their vocabulary.
     """
-    tokens = torch.empty(len(buffers.depth), dtype=torch.long, device=root.device)  # (N,)
-    tokens[0] = root
-    level_logits, level_candidates = [], []
-    for d, parents in enumerate(buffers.level_parents):
-        paths = tokens[buffers.node_paths[parents, : d + 1]]  # (P_d, d+1): root .. parent
-        logits = heads.draft_logits(d, hidden, paths)  # (P_d, Vh)
-        candidates = choose(logits, buffers.level_top_k[d])  # (P_d, k_d)
-        picked = candidates[buffers.child_slot[d], buffers.child_rank[d]]  # (C_d,)
-        tokens[buffers.level_children[d]] = heads.to_base_ids(picked)
-        level_logits.append(logits)
-        level_candidates.append(candidates)
-    lookup = buffers.lookup_nodes
-    if lookup is not None and len(lookup):
-        if sequence is None:
-            raise ValueError("the tree has a prompt-lookup chain: drafting it needs the context (sequence=)")
-        tokens[lookup] = lookup_draft(sequence, len(lookup), buffers.lookup_max_ngram)
-    return Draft(tokens, level_logits, level_candidates)
+
+    trainable = True
+    training_objective = "medusa.losses.medusa_loss: sum_k decay^k L_k over the heads' targets t+k+2"
+
+    def __init__(self, heads, tree: Tree):
+        heads_tree = Tree(tree.paths, tree.name)
+        heads_tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+        self.heads, self.tree = heads, heads_tree
+        self._layouts: dict[torch.device, tuple[TreeBuffers, torch.Tensor]] = {}
+        self.max_nodes = heads_tree.num_nodes
+        self.max_depth = heads_tree.depth
+
+    def _layout(self, device: torch.device) -> tuple[TreeBuffers, torch.Tensor]:
+        if device not in self._layouts:
+            vocab = self.heads.to_base_ids(torch.arange(self.heads.head_vocab_size, device=device))  # (Vh,)
+            self._layouts[device] = (tree_buffers(self.tree, device), vocab)
+        return self._layouts[device]
+
+    def new_state(self) -> HeadsState:
+        return HeadsState(self.heads.new_context())
+
+    def start(self, state: HeadsState, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
+
+    def propose(self, state: HeadsState, root: torch.Tensor, sequence: torch.Tensor,
+                sampler: DraftSampler) -> DraftTree:
+        layout, vocab = self._layout(root.device)
+        return draft_tree(self.heads, state.hidden, root, layout, sampler, vocab)
+
+    def update(self, state: HeadsState, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
+
+    def save(self, out_dir) -> None:
+        """Write the heads folder (:func:`medusa.checkpoint.save_heads`)."""
+        from medusa.checkpoint import save_heads
+
+        save_heads(self.heads, out_dir)

@@ -86,6 +86,10 @@ class EagerEngine:
         self.sync_timing = False
         """Wait for the device at the end of each forward so :attr:`last_forward_s` is its true cost (CUDA)."""
 
+    @property
+    def scores_all_nodes(self) -> bool:  # TEMPORARY until the engines branch lands
+        return self.model.device.type != "cpu" or getattr(self, "packed", None) is not None
+
     def new_cache(self, capacity: int):
         return kv_cache.new_cache()
 

@@ -1,7 +1,9 @@
-"""The Medusa generation loop: prefill, then draft -> verify -> accept steps, yielding tokens as they are accepted.
+"""The generation loop: prefill, then draft -> verify -> accept steps, yielding tokens as they are accepted.
 
-One generator (:func:`medusa_steps`) is the core; :func:`medusa_generate` collects it and streaming callers iterate
-it directly. Batch size 1 (as in the Medusa and EAGLE reference implementations).
+One generator (:func:`decode_steps`) is the core, over any drafter (:mod:`medusa.drafters`), engine
+(:mod:`medusa.engine`) and acceptance rule (:mod:`medusa.sampling`); :func:`medusa_steps` is the same for heads and a
+tree file, :func:`medusa_generate` collects it and streaming callers iterate it directly. Batch size 1 (as in the
+Medusa and EAGLE reference implementations); several prompts: :mod:`medusa.batch`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa import kv_cache
-from medusa.draft import Draft, draft_tree
+from medusa.drafters import DraftTree
+from medusa.drafters.composite import tree_drafter
 from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.logits_process import Decoding, resolve_decoding
-from medusa.sampling import GreedyAcceptance, RejectionSampling, TypicalAcceptance
-from medusa.tree import Tree, TreeBuffers, tree_buffers
-from medusa.verify import greedy_accept_along_path
+from medusa.sampling import acceptance_rule
+from medusa.tree import Tree
+from medusa.verify import Acceptance
 
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
@@ -80,88 +83,90 @@ def check_context(model, prompt_len: int, max_new_tokens: int, tree_depth: int) 
 
 
 @torch.inference_mode()
-def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
+def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
                  stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
-                 verify_logits: str = "all", decoding: Decoding | None = None, engine=None) -> Iterator[Step]:
-    """Medusa decoding, one :class:`Step` per base forward: greedy, or sampling (see :mod:`medusa.sampling`).
+                 decoding: Decoding | None = None, engine=None, scores_all_nodes: bool | None = None
+                 ) -> Iterator[Step]:
+    """Speculative decoding, one :class:`Step` per base forward: draft -> verify -> accept -> compact -> update.
+
+    Each step the drafter proposes a tree below the base's latest token (:mod:`medusa.drafters.base`), the engine
+    runs the base once over every node with tree attention, the acceptance rule keeps the longest path the base
+    agrees with (:mod:`medusa.verify`, :mod:`medusa.sampling`), the cache keeps only that path, and the drafter is told
+    what was accepted. Greedy: exactly the base's greedy tokens; rejection sampling: exactly the base's distribution.
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
-        heads: :class:`medusa.heads.MedusaHeads` or :class:`medusa.heads.HydraHeads` on the same device and dtype.
+        drafter: proposes each step's tree (:class:`medusa.drafters.base.Drafter`).
         input_ids: ``(T,)`` long prompt ids.
-        tree: candidate tree; must fit the heads (depth <= K).
         max_new_tokens: generation budget.
         stop_token_ids: stop after emitting any of these (included in the output).
         stats: filled in as decoding proceeds, when given.
-        verify_logits: ``"all"`` scores every tree node with the lm_head in one product (best on a GPU, and with
-            the ``onednn`` engine's prepacked lm_head on a CPU); ``"path"`` scores one node at a time along the
-            accepted path (cheaper with MKL's matrix-vector kernel on a CPU, see
-            :func:`medusa.verify.greedy_accept_along_path`). Both accept exactly the same tokens.
         decoding: generation settings and acceptance rule (:func:`medusa.logits_process.resolve_decoding`);
             ``None``: plain greedy, no logits processor.
         engine: where the KV cache lives and how a forward runs (:func:`medusa.engine.make_engine`);
             ``None``: the default engine for ``model``.
+        scores_all_nodes: score every node with the lm_head in one product (``True``) or one node at a time along
+            the accepted path (``False``); both accept the same tokens. ``None``: what the engine declares cheaper
+            (:attr:`medusa.engine.Engine.scores_all_nodes`).
 
     Raises:
-        ValueError: the tree does not fit the heads, or the prompt does not fit the context.
+        ValueError: the prompt and budget do not fit the context.
     """
     stats = stats if stats is not None else GenerationStats()
     stop = stop_token_ids or set()
-    if verify_logits not in ("all", "path"):
-        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
-    tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
-    check_context(model, len(input_ids), max_new_tokens, tree.depth)
+    check_context(model, len(input_ids), max_new_tokens, drafter.max_depth)
     device = input_ids.device
-    buffers = tree_buffers(tree, device)
     decoding = decoding if decoding is not None else resolve_decoding()
     processors = decoding.processors(len(input_ids), max_new_tokens, stop, device)
-    rule = acceptance_rule(decoding, heads, buffers, model.config.get_text_config(decoder=True).vocab_size, device)
-    # Plain greedy keeps the vectorised all-node acceptance; anything else walks the tree with processed logits.
-    verify = _verify if isinstance(rule, GreedyAcceptance) and not processors else _verify_processed
+    rule = acceptance_rule(decoding, model.config.get_text_config(decoder=True).vocab_size, device)
     engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
-    cache = engine.new_cache(len(input_ids) + max_new_tokens + len(buffers.depth))
+    all_nodes = engine.scores_all_nodes if scores_all_nodes is None else scores_all_nodes
+    cache = engine.new_cache(len(input_ids) + max_new_tokens + drafter.max_nodes)
     start = time.perf_counter()
     positions = torch.arange(len(input_ids), device=device)
     logits, hidden = engine.forward(input_ids, positions, kv_cache.causal_mask(len(input_ids), device), cache,
                                     logits_for=slice(-1, None))
     root = rule.next_token(_processed(processors, input_ids, logits[-1]))
     sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
-    context = heads.new_context()  # the heads' own state (their attention layer's cache), if they keep one
-    last_hidden = heads.extend_context(context, hidden, sequence[1:])  # (H,) drafting input
+    state = drafter.new_state()
+    drafter.start(state, hidden, sequence[1:])
     stats.prefill_s = time.perf_counter() - start
-    step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
-    yield step
+    yield _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
     while not stats.stopped_by:
         start = time.perf_counter()
         prefix_len = engine.cache_length(cache)
-        draft = draft_tree(heads, last_hidden, root, buffers, rule.choose, sequence)
+        draft = drafter.propose(state, root, sequence, rule.sampler)
         drafted = time.perf_counter()
-        result, hidden = verify(engine, draft, prefix_len + buffers.depth, buffers, cache, verify_logits,
-                                rule, processors, sequence)
+        result, hidden = verify(engine, draft, prefix_len, cache, rule, processors, sequence, all_nodes)
         verified = time.perf_counter()
         engine.keep_positions(cache, prefix_len, result.path_nodes)
         root = result.next_token
         emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
-        last_hidden = heads.extend_context(context, hidden[result.path_nodes], emitted)
+        drafter.update(state, draft, result.path_nodes, hidden[result.path_nodes], emitted)
         _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
         sequence = torch.cat([sequence, emitted])
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop)
 
 
-def acceptance_rule(decoding: Decoding, heads, buffers: TreeBuffers, vocab_size: int, device):
-    """The acceptance rule for ``decoding`` (picked once per decode call), with its own seeded generator."""
-    if not decoding.do_sample:
-        return GreedyAcceptance(buffers)
-    generator = torch.Generator(device=device)
-    if decoding.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(decoding.seed)
-    if decoding.acceptance == "typical":
-        return TypicalAcceptance(buffers, decoding.typical_epsilon, decoding.typical_delta, generator)
-    head_to_base = heads.to_base_ids(torch.arange(heads.head_vocab_size, device=device))  # (Vh,)
-    return RejectionSampling(buffers, head_to_base, vocab_size, decoding.draft_warp(), generator)
+def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
+                 stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
+                 verify_logits: str | None = None, decoding: Decoding | None = None, engine=None) -> Iterator[Step]:
+    """:func:`decode_steps` with the drafter a tree describes (:func:`medusa.drafters.tree_drafter`: ``heads`` on
+    the tree's heads' nodes, plus its prompt-lookup chain).
+
+    ``verify_logits`` (``"all"`` / ``"path"``, kept for callers of earlier releases) is ``scores_all_nodes``
+    True / False; ``None``: the engine's choice.
+
+    Raises:
+        ValueError: the tree does not fit the heads, the prompt does not fit the context, or a bad
+            ``verify_logits``.
+    """
+    if verify_logits not in (None, "all", "path"):
+        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
+    all_nodes = None if verify_logits is None else verify_logits == "all"
+    return decode_steps(model, tree_drafter(heads, tree), input_ids, max_new_tokens, stop_token_ids, stats,
+                        decoding, engine, all_nodes)
 
 
 def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -171,39 +176,29 @@ def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Ten
     return processors(ids[None], logits[None].float().clone())[0]  # (V,)
 
 
-def _verify(engine, draft: Draft, positions, buffers, cache, verify_logits: str, rule, processors, sequence):
-    """One tree forward and plain greedy acceptance (no processor); returns ``(Acceptance, hidden (N, H))``."""
-    tokens = draft.tokens
-    if verify_logits == "all":
-        logits, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache)  # (N, V), (N, H)
-        predicted = logits.argmax(dim=-1)  # (N,)
-        # The walk, not greedy_accept: it also follows a prompt-lookup node's twin (same tokens, same prediction).
-        return greedy_accept_along_path(tokens, predicted.__getitem__, buffers), hidden
-    _, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache, logits_for=slice(0, 0))
+def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, sequence: torch.Tensor,
+           all_nodes: bool) -> tuple[Acceptance, torch.Tensor]:
+    """One forward of the base over the drafted tree, then ``rule`` accepts a path; returns ``(Acceptance, hidden
+    (N, H))``.
 
-    def next_token_at(node: int) -> torch.Tensor:
-        return engine.lm_logits_rows(hidden[node : node + 1])[0].argmax()
-
-    return greedy_accept_along_path(tokens, next_token_at, buffers), hidden
-
-
-def _verify_processed(engine, draft: Draft, positions, buffers: TreeBuffers, cache, verify_logits: str, rule,
-                      processors, sequence: torch.Tensor):
-    """One tree forward, then ``rule`` walks the tree asking for the base's processed logits node by node.
-
+    With ``all_nodes`` every node's logits come from one lm_head product, else one row at a time as the rule walks.
     At node n the processors see ``sequence`` (prompt and emitted tokens, the root last) followed by the path below
     the root down to n: the input ids ``generate`` would have at that point.
     """
-    tokens = draft.tokens
-    rows = None if verify_logits == "all" else slice(0, 0)
-    logits, hidden = engine.forward(tokens, positions, buffers.ancestor_mask, cache, logits_for=rows)
+    tokens, layout = draft.tokens, draft.layout
+    rows = None if all_nodes else slice(0, 0)
+    logits, hidden = engine.forward(tokens, prefix_len + layout.depth, layout.ancestor_mask, cache,
+                                    logits_for=rows)  # (N or 0, V), (N, H)
 
     def logits_at(node: int) -> torch.Tensor:
         raw = logits[node] if rows is None else engine.lm_logits_rows(hidden[node : node + 1])[0]  # (V,)
-        path = tokens[buffers.node_paths[node, 1 : int(buffers.depth[node]) + 1]]  # below the root, down to node
+        if not processors:
+            return raw
+        path = tokens[layout.node_paths[node, 1 : int(layout.depth[node]) + 1]]  # below the root, down to node
         return _processed(processors, torch.cat([sequence, path]), raw)
 
-    return rule.accept(draft, logits_at), hidden
+    predicted = logits.argmax(dim=-1) if rows is None and not processors else None  # (N,)
+    return rule.accept(draft, logits_at, predicted), hidden
 
 
 def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float) -> None:
@@ -236,7 +231,7 @@ def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int,
 
 
 def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
-                    stop_token_ids: set[int] | None = None, verify_logits: str = "all",
+                    stop_token_ids: set[int] | None = None, verify_logits: str | None = None,
                     decoding: Decoding | None = None, engine=None) -> tuple[list[int], GenerationStats]:
     """Run :func:`medusa_steps` to the end; returns ``(new_token_ids, stats)``."""
     stats = GenerationStats()

@@ -14,7 +14,8 @@ from medusa.adapter import check_adapter_folder, merge_adapter
 from medusa.batch import BatchStats, batch_generate
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.engine import DEFAULT_ENGINE, make_engine
-from medusa.generate import GenerationStats, Step, medusa_steps
+from medusa.drafters.composite import tree_drafter
+from medusa.generate import GenerationStats, Step, decode_steps
 from medusa.heads import HydraHeads, MedusaHeads
 from medusa.logits_process import resolve_decoding
 from medusa.tree import Tree, load_tree
@@ -54,16 +55,20 @@ class MedusaModel(nn.Module):
         heads: heads trained for this base (same device and dtype as the base after construction).
         tree: default candidate tree; ``None`` means the top-1 chain over all heads.
         tokenizer: optional, used for stop tokens and by the CLI.
+        engine: the decode engine's name (:func:`medusa.engine.make_engine`; ``engine_options`` go to it).
+        drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads on ``tree`` (with its
+            prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
     """
 
     def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None,
-                 engine: str = DEFAULT_ENGINE, **engine_options):
+                 engine: str = DEFAULT_ENGINE, drafter=None, **engine_options):
         super().__init__()
         self.base = base
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         self.tokenizer = tokenizer
         self.tree = tree or Tree.chain(heads.config.num_heads)
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
+        self.drafter = drafter if drafter is not None else tree_drafter(self.heads, self.tree)
         self.use_engine(engine, **engine_options)
 
     def use_engine(self, name: str, **options) -> None:
@@ -141,8 +146,8 @@ class MedusaModel(nn.Module):
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
         decoding = resolve_decoding(self.base.generation_config, do_sample, temperature, top_k, top_p, seed,
                                     acceptance, typical_epsilon, typical_delta, **settings)
-        return medusa_steps(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, stats,
-                            self.verify_logits, decoding, self.engine)
+        drafter = self.drafter if tree is None else tree_drafter(self.heads, tree)
+        return decode_steps(self.base, drafter, ids, max_new_tokens, stop, stats, decoding, self.engine)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
                  stop_token_ids: set[int] | None = None, do_sample: bool | None = None,

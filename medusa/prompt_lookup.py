@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from medusa.drafters.base import DraftTree, register_drafter
+from medusa.tree import Tree, tree_buffers
+
 
 def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> torch.Tensor:
     """Propose the ``length`` tokens that follow the context, copied from the context itself.
@@ -52,3 +55,45 @@ def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tor
             reps = -(-length // period)
             return copied.repeat(reps)[:length]
     return out
+
+
+@register_drafter("lookup")
+class PromptLookupDrafter:
+    """Prompt lookup as a drafter: a chain of ``length`` tokens copied from the context (:func:`lookup_draft`),
+    deterministic (q is one-hot), no model call, no state, nothing trained or saved: its settings live in the tree
+    file (``prompt_lookup``, :mod:`medusa.tree`).
+
+    Raises:
+        ValueError: ``length`` < 1 or ``max_ngram`` < 1.
+    """
+
+    trainable = False
+    training_objective = None
+
+    def __init__(self, length: int, max_ngram: int = 3):
+        if length < 1 or max_ngram < 1:
+            raise ValueError(f"prompt lookup needs length >= 1 and max_ngram >= 1, got {length} and {max_ngram}")
+        self.length, self.max_ngram = length, max_ngram
+        self.max_nodes, self.max_depth = length + 1, length
+        self._layouts: dict[torch.device, tuple] = {}
+
+    def _layout(self, device: torch.device):
+        if device not in self._layouts:
+            layout = tree_buffers(Tree((), "lookup", self.length, self.max_ngram), device)
+            self._layouts[device] = (layout, torch.arange(1, self.length + 1, device=device))
+        return self._layouts[device]
+
+    def new_state(self) -> None:
+        return None
+
+    def start(self, state, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        pass
+
+    def propose(self, state, root: torch.Tensor, sequence: torch.Tensor, sampler) -> DraftTree:
+        layout, chain = self._layout(root.device)
+        tokens = torch.cat([root[None], lookup_draft(sequence, self.length, self.max_ngram)])  # (L+1,)
+        return DraftTree(tokens, layout, copied=chain)
+
+    def update(self, state, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        pass

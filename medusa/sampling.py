@@ -1,50 +1,87 @@
 """Acceptance rules for a drafted tree: greedy, lossless speculative sampling, and Medusa's typical acceptance.
 
-Pure tensor code. Each rule is an object the generation loop builds once, before decoding starts, with the same
-interface:
+Pure tensor code. An acceptance rule is picked once per decode call (:func:`acceptance_rule`, from the registry
+:func:`register_acceptance`) and has the same interface (:class:`AcceptanceRule`):
 
-- ``choose(logits (P, Vh), k) -> (P, k)``: how candidates are drafted at each tree parent (:func:`medusa.draft.
-  draft_tree`);
+- ``sampler``: how the drafter must draw candidates for this rule (:mod:`medusa.drafters.base`: the top-k, or a
+  sample without replacement from q); the rule never draws drafts itself;
 - ``next_token(logits (V,)) -> ()``: the base's own token from processed logits (the prefill token);
-- ``accept(draft, logits_at) -> Acceptance``: walk the tree from the root. ``logits_at(node)`` returns the base's
-  processed logits ``(V,)`` after that node (every generation setting already applied for the node's own prefix);
-  only the nodes on the walk are asked for.
+- ``accept(draft, logits_at, predicted=None) -> Acceptance``: walk the tree from the root. ``logits_at(node)``
+  returns the base's processed logits ``(V,)`` after that node (every generation setting already applied for the
+  node's own prefix); only the nodes on the walk are asked for. ``predicted`` ``(N,)``, when the base's greedy token
+  at every node is already known (all nodes scored, no logits processor), lets greedy acceptance run vectorised.
 
-Tree layout (:class:`medusa.tree.TreeBuffers`): a parent's children are its candidates of ranks ``0..k-1`` that the
-tree keeps, in rank order. Heads may have a truncated vocabulary: ``head_to_base`` ``(Vh,)`` maps head-vocabulary
-ids to base ids, and the draft distribution q is zero outside it.
+Where the drafts came from is in the :class:`medusa.drafters.base.DraftTree`: per group of siblings, the parent, the
+candidates in draw order and the distribution q they were drawn from (over a possibly truncated vocabulary, mapped to
+base ids by ``Draws.vocab``; q is zero outside it); copied nodes are deterministic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from medusa.draft import Draft, top_k_candidates
-from medusa.tree import TreeBuffers
-from medusa.verify import Acceptance, greedy_accept_along_path
+from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
+from medusa.logits_process import Decoding
+from medusa.verify import Acceptance, greedy_accept, greedy_accept_along_path
+
+__all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
+           "register_acceptance", "residual", "sample", "sample_without_replacement"]
 
 LogitsAt = Callable[[int], torch.Tensor]
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``k`` distinct ids per row, in draw order, drawn one after another without replacement from ``probs``.
+class AcceptanceRule(Protocol):
+    """How a drafted tree is accepted (see module docstring).
 
-    The exponential race (Efraimidis and Spirakis 2006; the Gumbel-top-k trick, Kool et al. 2019): with
-    ``E_i ~ Exp(1)`` independent, the ids sorted by ``probs_i / E_i`` descending are distributed as sequential draws
-    where the j-th id is drawn from ``probs`` renormalised without the first j-1. Ids with probability 0 sort last;
-    when a row has fewer than ``k`` positive entries its trailing ids are not draws (callers check ``probs > 0``).
-
-    Args:
-        probs: ``(P, V)`` non-negative rows (need not be normalised).
-        k: ids per row (at most V).
-
-    Returns:
-        ``(P, k)`` long ids.
+    Attributes:
+        lossless: the output is distributed exactly as the base's (greedy: the base's greedy tokens).
+        sampler: how the drafter draws candidates for this rule.
     """
-    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / race).topk(k, dim=-1).indices  # (P, k)
+
+    name: str
+    lossless: bool
+    sampler: DraftSampler
+
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None
+               ) -> Acceptance: ...
+
+
+_RULES: dict[str, Callable] = {}
+
+
+def register_acceptance(name: str):
+    """Decorator: make an acceptance rule findable by ``name``; the decorated callable is
+    ``(decoding, vocab_size, generator) -> rule``."""
+
+    def register(factory):
+        _RULES[name] = factory
+        return factory
+
+    return register
+
+
+def acceptance_rule(decoding: Decoding, vocab_size: int, device) -> AcceptanceRule:
+    """The rule ``decoding`` asks for (greedy when not sampling, else ``decoding.acceptance``), with its own seeded
+    generator.
+
+    Raises:
+        ValueError: no rule of that name is registered.
+    """
+    if not decoding.do_sample:
+        return _RULES["greedy"](decoding, vocab_size, None)
+    if decoding.acceptance not in _RULES:
+        raise ValueError(f"unknown acceptance rule {decoding.acceptance!r}: choose one of {sorted(_RULES)}")
+    generator = torch.Generator(device=device)
+    if decoding.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(decoding.seed)
+    return _RULES[decoding.acceptance](decoding, vocab_size, generator)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -62,45 +99,60 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return left / total if total > 0 else p
 
 
-class _TreeWalk:
-    """Per-node lookups for walking a tree one node at a time: depth, slot among its level's parents, the heads'
-    children ``(rank, node)`` in rank order, and the prompt-lookup child (on the root and along the chain)."""
+class _Walk:
+    """Per-node lookups for walking a drafted tree one node at a time: the copied children of each node (walk
+    order), and each node's groups of drawn children ``(draws index, parent slot, [(rank, child)] in rank order)``.
 
-    def __init__(self, buffers: TreeBuffers):
-        self.buffers = buffers
-        self.depth = buffers.depth.tolist()
-        chain = buffers.lookup_nodes.tolist() if buffers.lookup_nodes is not None else []
-        self.lookup_child: dict[int, int] = dict(zip(([0] + chain)[:-1], chain, strict=True))
-        self.slot: dict[int, int] = {}
-        self.kids: dict[int, list[tuple[int, int]]] = {}
-        for d, parents in enumerate(buffers.level_parents):
-            for s, node in enumerate(parents.tolist()):
-                self.slot[node] = s
-            children = buffers.level_children[d].tolist()
-            for child, slot, rank in zip(children, buffers.child_slot[d].tolist(), buffers.child_rank[d].tolist(),
-                                         strict=True):
-                self.kids.setdefault(parents[slot].item(), []).append((rank, child))
-        for kids in self.kids.values():
-            kids.sort()
+    Built from a draft's index structure, which a drafter keeps the same for the same layout object; cached per
+    layout by the rules below."""
+
+    def __init__(self, draft: DraftTree):
+        layout = draft.layout
+        self.copied: dict[int, list[int]] = {}
+        if draft.copied is not None and len(draft.copied):
+            walk_rank = layout.walk_rank.tolist()
+            parents = layout.parents.tolist()
+            for node in sorted(draft.copied.tolist(), key=walk_rank.__getitem__):
+                self.copied.setdefault(parents[node], []).append(node)
+        self.groups: dict[int, list[tuple[int, int, list[tuple[int, int]]]]] = {}
+        for g, draws in enumerate(draft.draws):
+            kids: dict[int, list[tuple[int, int]]] = {}
+            for child, slot, rank in zip(draws.nodes.tolist(), draws.slot.tolist(), draws.rank.tolist(), strict=True):
+                kids.setdefault(slot, []).append((rank, child))
+            for slot, node in enumerate(draws.parents.tolist()):
+                if slot in kids:
+                    self.groups.setdefault(node, []).append((g, slot, sorted(kids[slot])))
+
+
+class _WalkCache:
+    def __init__(self):
+        self._walks: dict[int, tuple] = {}
+
+    def walk(self, draft: DraftTree) -> _Walk:
+        key = id(draft.layout)
+        hit = self._walks.get(key)
+        if hit is None or hit[0] is not draft.layout:
+            hit = self._walks[key] = (draft.layout, _Walk(draft))  # the layout is kept: its id stays its own
+        return hit[1]
 
 
 class GreedyAcceptance:
-    """Greedy decoding: top-k candidates, accept the child equal to the base's argmax (Medusa report, section 2.3).
-
-    The emitted tokens are exactly the base's greedy tokens under the same logits processors.
+    """Greedy decoding: top-k candidates, accept the child equal to the base's argmax (Medusa report, section 2.3;
+    :mod:`medusa.verify`). The emitted tokens are exactly the base's greedy tokens under the same logits processors.
     """
 
-    def __init__(self, buffers: TreeBuffers):
-        self.buffers = buffers
-
-    choose = staticmethod(top_k_candidates)
+    name = "greedy"
+    lossless = True
+    sampler = TopK()
 
     @staticmethod
     def next_token(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax()
 
-    def accept(self, draft: Draft, logits_at: LogitsAt) -> Acceptance:
-        return greedy_accept_along_path(draft.tokens, lambda node: logits_at(node).argmax(), self.buffers)
+    def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
+        if predicted is not None:
+            return greedy_accept(draft.tokens, predicted, draft.layout)
+        return greedy_accept_along_path(draft.tokens, lambda node: logits_at(node).argmax(), draft.layout)
 
 
 class RejectionSampling:
@@ -108,7 +160,7 @@ class RejectionSampling:
     replacement (SpecInfer, Miao et al. 2024, section 4.2, multi-step speculative sampling; EAGLE's multi-draft
     verification, Li et al. 2024; Sequoia, Chen et al. 2024, section 3.2, sampling without replacement).
 
-    Drafting (``choose``): at every tree parent, the candidates ``x_1 .. x_k`` are drawn one after another without
+    Drafting (:attr:`sampler`, done by the drafter): at every tree parent, the candidates ``x_1 .. x_k`` are drawn one after another without
     replacement from the heads' processed distribution q (``draft_warp`` then softmax): ``x_i ~ q_i``, q with
     ``x_1 .. x_{i-1}`` removed and renormalised.
 
@@ -129,72 +181,74 @@ class RejectionSampling:
     The ratio must use the q the candidates were drawn from: deterministic top-k candidates scored against a
     softmax q are not exact (kept as a control in the tests).
 
-    A prompt-lookup child (:mod:`medusa.prompt_lookup`) is tried first at its parent, as a draft from a one-hot q:
-    accepted with probability ``r(x)``, else ``r <- r`` without x, renormalised (the same lemma). The copied token
-    depends only on the context, not on the heads' draws, so the heads' candidates after it are tested as before,
-    against that residual.
+    A copied child (prompt lookup, :mod:`medusa.prompt_lookup`) is tried first at its parent, as a draft from a
+    one-hot q: accepted with probability ``r(x)``, else ``r <- r`` without x, renormalised (the same lemma). The copied
+    token depends only on the context, not on the drawn candidates, so those are tested after it as before, against
+    that residual; several groups of candidates drawn independently at one parent are tested one group after another
+    the same way.
+
+    The q of each drawn candidate is the one its drafter drew it from (:attr:`medusa.drafters.base.Draws.q`): the
+    drafter draws with :attr:`sampler`, this rule only reads.
 
     Args:
-        buffers: the tree's index tensors.
-        head_to_base: ``(Vh,)`` long base ids of the head vocabulary.
         vocab_size: V, the base vocabulary.
         draft_warp: head logits ``(P, Vh)`` -> processed logits (temperature, top-k, top-p); any q keeps the output
             exact, a q close to p accepts more.
         generator: the decode call's random generator.
     """
 
-    def __init__(self, buffers: TreeBuffers, head_to_base: torch.Tensor, vocab_size: int,
-                 draft_warp: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None):
-        self.walk = _TreeWalk(buffers)
-        self.head_to_base, self.vocab_size = head_to_base, vocab_size
-        self.draft_warp, self.generator = draft_warp, generator
+    name = "rejection"
+    lossless = True
 
-    def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """q: ``(P, Vh)`` head logits -> ``(P, Vh)`` probabilities the candidates are drawn from."""
-        return torch.softmax(self.draft_warp(logits.float()), dim=-1)
-
-    def choose(self, logits: torch.Tensor, k: int) -> torch.Tensor:
-        return sample_without_replacement(self.draft_probs(logits), k, self.generator)
+    def __init__(self, vocab_size: int, draft_warp: Callable[[torch.Tensor], torch.Tensor],
+                 generator: torch.Generator | None):
+        self.vocab_size, self.generator = vocab_size, generator
+        self.sampler = SampleWithoutReplacement(draft_warp, generator)
+        self._walks = _WalkCache()
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
-    def accept(self, draft: Draft, logits_at: LogitsAt) -> Acceptance:
-        node, path, level_q = 0, [0], {}
+    def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
+        walk = self._walks.walk(draft)
+        node, path = 0, [0]
         while True:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
-            if (lookup := self.walk.lookup_child.get(node)) is not None:
+            child = None
+            for copied in walk.copied.get(node, ()):
                 # A copied token is a draft from q = one-hot: accept it with probability r(x), else r <- r without x.
-                x = int(draft.tokens[lookup])
+                x = int(draft.tokens[copied])
                 if float(torch.rand((), generator=self.generator, device=p.device)) < float(p[x]):
-                    node = lookup
-                    path.append(node)
-                    continue
-                p = residual(p, torch.nn.functional.one_hot(draft.tokens[lookup], p.shape[-1]).to(p.dtype))
-            kids = self.walk.kids.get(node)
-            if kids:
-                d = self.walk.depth[node]
-                if d not in level_q:  # the same computation as at drafting time, so the same q
-                    level_q[d] = self.draft_probs(draft.level_logits[d])  # (P_d, Vh)
-                q = level_q[d][self.walk.slot[node]]  # (Vh,)
-                child, p = self._try_children(p, q, draft.level_candidates[d][self.walk.slot[node]], kids)
+                    child = copied
+                    break
+                p = residual(p, torch.nn.functional.one_hot(draft.tokens[copied], p.shape[-1]).to(p.dtype))
+            for g, slot, kids in walk.groups.get(node, ()) if child is None else ():
+                draws = draft.draws[g]
+                if draws.q is None:
+                    raise ValueError("rejection sampling needs candidates drawn from a distribution q: this drafter "
+                                     "drew its candidates deterministically (top-k)")
+                vocab = draws.vocab if draws.vocab is not None else torch.arange(draws.q.shape[-1], device=p.device)
+                child, p = self._try_children(p, draws.q[slot], vocab, draws.candidates[slot], kids)
                 if child is not None:
-                    node = child
-                    path.append(node)
-                    continue
+                    break
+            if child is not None:
+                node = child
+                path.append(node)
+                continue
             nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
             return Acceptance(len(path) - 1, nodes, sample(p, self.generator))
 
-    def _try_children(self, p: torch.Tensor, q_head: torch.Tensor, candidates: torch.Tensor,
-                      kids: list[tuple[int, int]]) -> tuple[int | None, torch.Tensor]:
+    def _try_children(self, p: torch.Tensor, q_head: torch.Tensor, head_to_base: torch.Tensor,
+                      candidates: torch.Tensor, kids: list[tuple[int, int]]) -> tuple[int | None, torch.Tensor]:
         """Recursive rejection over one node's candidates; returns ``(accepted child or None, residual r)``.
 
-        ``q_head``: ``(Vh,)`` draft probabilities; ``candidates``: ``(k,)`` head ids in draw order.
+        ``q_head``: ``(Vh,)`` draft probabilities; ``head_to_base``: ``(Vh,)`` their base ids; ``candidates``:
+        ``(k,)`` head ids in draw order.
         """
         q = torch.zeros(self.vocab_size, dtype=p.dtype, device=p.device)  # (V,), zero outside the head vocab
-        q[self.head_to_base] = q_head.to(p.dtype)
+        q[head_to_base] = q_head.to(p.dtype)
         last = kids[-1][0]
-        base_ids = self.head_to_base[candidates[: last + 1]]  # (last+1,)
+        base_ids = head_to_base[candidates[: last + 1]]  # (last+1,)
         q_drawn = q[base_ids].tolist()
         total = float(q.sum())
         node_at = dict(kids)
@@ -223,27 +277,44 @@ class TypicalAcceptance:
     ordinary sampling step.
     """
 
-    def __init__(self, buffers: TreeBuffers, epsilon: float, delta: float, generator: torch.Generator | None):
-        self.walk = _TreeWalk(buffers)
-        self.epsilon, self.delta, self.generator = epsilon, delta, generator
+    name = "typical"
+    lossless = False
+    sampler = TopK()
 
-    choose = staticmethod(top_k_candidates)
+    def __init__(self, epsilon: float, delta: float, generator: torch.Generator | None):
+        self.epsilon, self.delta, self.generator = epsilon, delta, generator
+        self._walks = _WalkCache()
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
-    def accept(self, draft: Draft, logits_at: LogitsAt) -> Acceptance:
+    def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
+        walk = self._walks.walk(draft)
         node, path = 0, [0]
         while True:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
             entropy = torch.special.entr(p).sum()
             threshold = torch.clamp(self.delta * torch.exp(-entropy), max=self.epsilon)
-            kids = [c for _, c in self.walk.kids.get(node, ())]
-            if (lookup := self.walk.lookup_child.get(node)) is not None:
-                kids.insert(0, lookup)  # the copied token first, as in greedy acceptance
+            kids = list(walk.copied.get(node, ()))  # the copied tokens first, as in greedy acceptance
+            kids += [c for _, _, group in walk.groups.get(node, ()) for _, c in group]
             child = next((c for c in kids if p[draft.tokens[c]] > threshold), None)
             if child is None:
                 nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
                 return Acceptance(len(path) - 1, nodes, sample(p, self.generator))
             node = child
             path.append(node)
+
+
+@register_acceptance("greedy")
+def _greedy(decoding: Decoding, vocab_size: int, generator) -> GreedyAcceptance:
+    return GreedyAcceptance()
+
+
+@register_acceptance("rejection")
+def _rejection(decoding: Decoding, vocab_size: int, generator) -> RejectionSampling:
+    return RejectionSampling(vocab_size, decoding.draft_warp(), generator)
+
+
+@register_acceptance("typical")
+def _typical(decoding: Decoding, vocab_size: int, generator) -> TypicalAcceptance:
+    return TypicalAcceptance(decoding.typical_epsilon, decoding.typical_delta, generator)

@@ -190,6 +190,12 @@ class TreeBuffers:
     """(L,) long: the prompt-lookup chain's nodes from depth 1 down (empty: no chain)."""
     lookup_max_ngram: int = 3
     """Longest context n-gram the lookup matches."""
+    parents: torch.Tensor | None = None
+    """(N,) long: each node's parent; -1 for the root."""
+    walk_rank: torch.Tensor | None = None
+    """(N,) long: each node's place in a breadth-first walk that visits children in :attr:`children` order (the root
+    0). Of twin nodes (the same tokens from the root down), the one with the lowest rank stands for all of them in
+    greedy acceptance (:mod:`medusa.verify`)."""
 
 
 def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -235,10 +241,71 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
         child_slot.append(torch.tensor([slot[index[p[:-1]]] for p in kids], dtype=torch.long, device=device))
         child_rank.append(torch.tensor([p[-1] for p in kids], dtype=torch.long, device=device))
         level_top_k.append(max(p[-1] for p in kids) + 1)
+    parent = node_paths.gather(1, (depth - 1).clamp_min(0)[:, None])[:, 0]  # (N,)
+    parent[0] = -1
     return TreeBuffers(depth.to(device), ancestor.to(device), retrieve.to(device), node_paths.to(device),
                        tuple(level_parents), tuple(level_children), tuple(child_slot), tuple(child_rank),
                        tuple(level_top_k), tuple(tuple(c) for c in children),
-                       torch.tensor(lookup, dtype=torch.long, device=device), tree.lookup_max_ngram)
+                       torch.tensor(lookup, dtype=torch.long, device=device), tree.lookup_max_ngram,
+                       parent.to(device), _walk_rank(children).to(device))
+
+
+def _walk_rank(children) -> torch.Tensor:
+    """``(N,)`` breadth-first visiting order of the nodes, children in the order given (see ``walk_rank``)."""
+    rank = torch.zeros(len(children), dtype=torch.long)
+    order, i = [0], 0
+    while i < len(order):
+        order.extend(children[order[i]])
+        i += 1
+    rank[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return rank
+
+
+def layout_from_parents(parents: list[int], children_order: list[list[int]] | None = None,
+                        device: torch.device | str = "cpu") -> TreeBuffers:
+    """The layout of any tree given each node's parent: node 0 the root (parent -1), every other node's parent
+    listed before it. ``children_order`` gives each node's children in walk order (default: node order): of equally
+    long accepted paths through twin nodes, the first in that order is kept.
+
+    The heads-specific fields of :class:`TreeBuffers` (levels, lookup chain) are left empty: a drafter that needs
+    them builds its own from a :class:`Tree`.
+
+    Raises:
+        ValueError: node 0 is not the root, or a parent comes after its child.
+    """
+    n = len(parents)
+    if n == 0 or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise ValueError(f"parents must start with -1 (the root) and name an earlier node for every other node, got "
+                         f"{parents}")
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    deepest = max(depth)
+    node_paths = torch.zeros(n, deepest + 1, dtype=torch.long)
+    ancestor = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        node_paths[i, : depth[i]] = node_paths[parents[i], : depth[i]]
+        node_paths[i, depth[i]] = i
+        ancestor[i] = ancestor[parents[i]]
+        ancestor[i, i] = True
+    children = children_order or [[c for c in range(1, n) if parents[c] == p] for p in range(n)]
+    has_kids = {parents[i] for i in range(1, n)}
+    leaves = [i for i in _walk_order(children) if i not in has_kids and i] or [0]
+    retrieve = torch.full((len(leaves), deepest + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        retrieve[row, : depth[leaf] + 1] = node_paths[leaf, : depth[leaf] + 1]
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return TreeBuffers(torch.tensor(depth, device=device), ancestor.to(device), retrieve.to(device),
+                       node_paths.to(device), (), (), (), (), (), tuple(tuple(c) for c in children), empty, 3,
+                       torch.tensor(parents, dtype=torch.long, device=device), _walk_rank(children).to(device))
+
+
+def _walk_order(children) -> list[int]:
+    order, i = [0], 0
+    while i < len(order):
+        order.extend(children[order[i]])
+        i += 1
+    return order
 
 
 def grow_tree(accuracy: torch.Tensor, num_nodes: int, name: str = "") -> Tree:

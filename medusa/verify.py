@@ -1,9 +1,22 @@
-"""Verifying drafted tree candidates against the base (pure tensor code).
+"""Greedy acceptance of a drafted tree: the one implementation, vectorised or walked (pure tensor code).
 
-Medusa report (Cai et al. 2024), sections 2.1.2 and 2.3.1: the heads' top-k tokens are laid out on a tree, the base
-scores every tree node in one forward with tree attention, and the longest path whose every token equals the base's
-own prediction at its parent is accepted, followed by the base's prediction at the path's last node. With greedy
-acceptance the emitted tokens are exactly the base model's greedy tokens.
+Medusa report (Cai et al. 2024), sections 2.1.2 and 2.3.1: the drafts are laid out on a tree, the base scores every
+tree node in one forward with tree attention, and the longest path whose every token equals the base's own
+prediction at its parent is accepted, followed by the base's prediction at the path's last node (the bonus token).
+The emitted tokens are exactly the base model's greedy tokens.
+
+Twins: two nodes holding the same tokens from the root down (a prompt-lookup node repeating a heads' node, two
+drafters proposing the same continuation) see the same context, so the base predicts the same token after both.
+The accepted path is the longest one of the tree read as a trie of token sequences: below a node, the children of
+all its twins count. Of twins, the first in the layout's walk order (``TreeBuffers.walk_rank``: breadth first,
+children in ``TreeBuffers.children`` order) stands for all of them, gives the prediction, and is the node kept.
+
+Two ways to the same answer, chosen by where the base's logits come from (:attr:`medusa.engine.Engine.
+scores_all_nodes`):
+- :func:`greedy_paths`: the base's prediction at every node is known (one lm_head product over all nodes); the path
+  is found with tensor operations only, for a batch of rows at once (no host sync per node on a GPU).
+- :func:`greedy_walk`: the prediction is asked for one node at a time, only along the accepted path (one lm_head row
+  per accepted node per row: cheaper on a CPU, where the one-row product takes a matrix-vector kernel).
 """
 
 from __future__ import annotations
@@ -28,56 +41,111 @@ class Acceptance:
     """() long: the base's own prediction after the last accepted node (the bonus token)."""
 
 
-def greedy_accept(tree_tokens: torch.Tensor, tree_logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
-    """Accept the longest root-to-leaf prefix on which every token is the base's argmax at its parent.
+def twin_representatives(tokens: torch.Tensor, layout: TreeBuffers) -> torch.Tensor:
+    """Each node's stand-in among its twins (nodes with the same tokens from the root down, see module docstring).
 
     Args:
-        tree_tokens: ``(N,)`` long node tokens (from :func:`medusa.draft.draft_tree`).
-        tree_logits: ``(N, V)`` base logits at every node (node i's logits predict the token after node i).
-        buffers: the tree's index tensors.
+        tokens: ``(B, N)`` long node tokens per row.
 
     Returns:
-        The accepted path; ties between equally long paths go to the first leaf (the higher-ranked one).
+        ``(B, N)`` long: the twin with the lowest ``walk_rank`` (a node without twins stands for itself).
     """
-    predicted = tree_logits.argmax(dim=-1)  # (N,)
-    retrieve = buffers.retrieve_index  # (P, D+1)
-    valid = retrieve[:, 1:] >= 0  # (P, D)
-    child_tokens = tree_tokens[retrieve[:, 1:].clamp_min(0)]  # (P, D)
-    parent_preds = predicted[retrieve[:, :-1].clamp_min(0)]  # (P, D)
-    match = valid & (child_tokens == parent_preds)  # (P, D)
-    lengths = match.long().cumprod(dim=1).sum(dim=1)  # (P,)
-    best = int(lengths.argmax())
-    accepted = int(lengths[best])
-    path_nodes = retrieve[best, : accepted + 1]
-    return Acceptance(accepted, path_nodes, predicted[path_nodes[-1]])
+    depth, paths = layout.depth, layout.node_paths  # (N,), (N, D+1)
+    below = torch.arange(paths.shape[1], device=tokens.device)[None, :] <= depth[:, None]  # (N, D+1)
+    path_tokens = torch.where(below, tokens[:, paths], -1)  # (B, N, D+1) tokens root..node, -1 past the node
+    twins = (path_tokens[:, :, None, :] == path_tokens[:, None, :, :]).all(dim=-1)  # (B, N, N)
+    rank = torch.where(twins, layout.walk_rank[None, None, :], len(depth))  # (B, N, N)
+    return rank.argmin(dim=-1)  # (B, N)
+
+
+def greedy_paths(tokens: torch.Tensor, predicted: torch.Tensor, layout: TreeBuffers
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance for every row at once, from the base's prediction at every node.
+
+    Args:
+        tokens: ``(B, N)`` long node tokens per row.
+        predicted: ``(B, N)`` long, the base's greedy next token after each node.
+        layout: the tree's layout.
+
+    Returns:
+        ``(paths (B, D+1), accepted (B,))``: per row the node indices kept, root first (-1 past the last accepted
+        node), and how many drafts are accepted. The bonus token is ``predicted`` at the last kept node.
+    """
+    rep = twin_representatives(tokens, layout)  # (B, N)
+    parent = layout.parents.clamp_min(0)  # (N,)
+    at_parent = predicted.gather(1, rep[:, parent])  # (B, N) the prediction the node's token is checked against
+    match = tokens == at_parent  # (B, N)
+    match[:, 0] = True
+    below = torch.arange(layout.node_paths.shape[1], device=tokens.device)[None, :] <= layout.depth[:, None]
+    reached = (match[:, layout.node_paths] | ~below).all(dim=-1)  # (B, N): every node from the root down matches
+    accepted = torch.where(reached, layout.depth, -1).amax(dim=1)  # (B,)
+    # At each depth the reached nodes are one class of twins: keep the one first in walk order.
+    levels = torch.arange(layout.node_paths.shape[1], device=tokens.device)  # (D+1,)
+    at_level = reached[:, None, :] & (layout.depth[None, None, :] == levels[None, :, None])  # (B, D+1, N)
+    rank = torch.where(at_level, layout.walk_rank, len(layout.depth))  # (B, D+1, N)
+    paths = rank.argmin(dim=-1)  # (B, D+1)
+    paths = paths.masked_fill(levels[None, :] > accepted[:, None], -1)
+    return paths, accepted
+
+
+def greedy_accept(tree_tokens: torch.Tensor, predicted: torch.Tensor, layout: TreeBuffers) -> Acceptance:
+    """:func:`greedy_paths` for one tree: ``tree_tokens`` ``(N,)``, ``predicted`` ``(N,)`` long (or ``(N, V)``
+    logits, whose argmax is taken). One host sync (the accepted count)."""
+    if predicted.ndim == 2:
+        predicted = predicted.argmax(dim=-1)  # (N,)
+    paths, accepted = greedy_paths(tree_tokens[None], predicted[None], layout)
+    count = int(accepted[0])
+    path = paths[0, : count + 1]
+    return Acceptance(count, path, predicted[path[-1]])
+
+
+# (rows (R,), nodes (R,)) -> (R,) long: the base's greedy next token after each of those nodes.
+NextTokens = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def greedy_walk(tokens: torch.Tensor, next_tokens_at: NextTokens, layout: TreeBuffers
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`greedy_paths`, asking for the base's prediction only along each row's accepted path.
+
+    One call of ``next_tokens_at`` per tree level, for the rows whose path still matches, at the node standing for
+    the reached twins (see module docstring).
+
+    Args:
+        tokens: ``(B, N)`` long node tokens per row.
+        next_tokens_at: the base's prediction at given ``(row, node)`` pairs (see :data:`NextTokens`).
+        layout: the tree's layout.
+
+    Returns:
+        ``(paths (B, D+1), accepted (B,), next_tokens (B,))``: as :func:`greedy_paths`, and each row's bonus token.
+    """
+    batch, device = tokens.shape[0], tokens.device
+    rep = twin_representatives(tokens, layout)  # (B, N)
+    parent_rep = rep[:, layout.parents.clamp_min(0)]  # (B, N)
+    paths = torch.full((batch, layout.node_paths.shape[1]), -1, dtype=torch.long, device=device)  # (B, D+1)
+    paths[:, 0] = 0
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.empty(batch, dtype=torch.long, device=device)
+    rows, nodes = torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    while len(rows):
+        predicted = next_tokens_at(rows, nodes)  # (R,)
+        # Children of the reached twins: nodes whose parent's stand-in is the current node.
+        kids = (parent_rep[rows] == nodes[:, None]) & (tokens[rows] == predicted[:, None])  # (R, N)
+        kids[:, 0] = False
+        found = kids.any(dim=1)  # (R,)
+        next_tokens[rows[~found]] = predicted[~found]
+        child = torch.where(kids, layout.walk_rank, len(layout.depth)).argmin(dim=1)  # (R,) first in walk order
+        rows, nodes = rows[found], child[found]
+        accepted[rows] += 1
+        paths[rows, accepted[rows]] = nodes
+    return paths, accepted, next_tokens
 
 
 def greedy_accept_along_path(tree_tokens: torch.Tensor, next_token_at: Callable[[int], torch.Tensor],
-                             buffers: TreeBuffers) -> Acceptance:
-    """:func:`greedy_accept` that asks for the base's prediction one node at a time, only along the accepted path.
+                             layout: TreeBuffers) -> Acceptance:
+    """:func:`greedy_walk` for one tree: ``next_token_at(node) -> ()`` long asks for one node's prediction."""
+    def next_tokens_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return next_token_at(int(nodes[0])).reshape(1)
 
-    The same acceptance rule, but the base's logits are needed at ``accepted + 1`` nodes instead of all N: on a CPU,
-    where a one-row lm_head product takes a matrix-vector path about twice as fast as a several-row one, this is
-    cheaper than scoring every node at once. The heads' sibling candidates are distinct tokens (one head's top-k), so
-    at most one of them matches. A prompt-lookup node may repeat a heads' node (same tokens from the root down):
-    such twins hold the same hidden state, so the walk asks the base once for all of them and follows the children
-    of every twin; it accepts the longest path of the tree read as a trie of token sequences, never shorter than
-    :func:`greedy_accept`'s, at one lm_head row per accepted node.
-
-    Args:
-        tree_tokens: ``(N,)`` long node tokens.
-        next_token_at: node index -> ``()`` long, the base's greedy next token after that node.
-        buffers: the tree's index tensors.
-
-    Returns:
-        The accepted path; of twins, the first in ``buffers.children`` order (a lookup node) stands in the path
-        (their cached keys and values are the same).
-    """
-    twins, path = [0], [0]
-    while True:
-        predicted = next_token_at(twins[0])
-        twins = [c for node in twins for c in buffers.children[node] if tree_tokens[c] == predicted]
-        if not twins:
-            nodes = torch.tensor(path, dtype=torch.long, device=tree_tokens.device)
-            return Acceptance(len(path) - 1, nodes, predicted)
-        path.append(twins[0])
+    paths, accepted, bonus = greedy_walk(tree_tokens[None], next_tokens_at, layout)
+    count = int(accepted[0])
+    return Acceptance(count, paths[0, : count + 1], bonus[0])

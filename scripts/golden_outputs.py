@@ -45,7 +45,7 @@ def run(medusa, ids, **kw) -> dict:
     return {"tokens": out, "accepted": stats.accepted_per_step}
 
 
-def tiny_cases() -> dict:
+def tiny_cases(with_batch: bool = True) -> dict:
     from tiny import tiny_model
 
     from medusa.model import MedusaModel
@@ -73,8 +73,9 @@ def tiny_cases() -> dict:
                         results[f"{key}/{acceptance}/{i}"] = run(
                             medusa, ids, max_new_tokens=30, stop_token_ids=set(), do_sample=True, temperature=0.9,
                             top_p=0.95, seed=7 + i, acceptance=acceptance)
-                batch, _ = medusa.generate_batch(prompts, max_new_tokens=24, stop_token_ids=set())
-                results[f"{key}/batch"] = {"tokens": batch}
+                if with_batch:
+                    batch, _ = medusa.generate_batch(prompts, max_new_tokens=24, stop_token_ids=set())
+                    results[f"{key}/batch"] = {"tokens": batch}
     return results
 
 
@@ -109,10 +110,11 @@ def main() -> int:
     parser.add_argument("--prompts", default="data/held_out_prompts.jsonl")
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-batch", action="store_true", help="leave out batched decoding")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
-    results = tiny_cases()
+    results = tiny_cases(not args.no_batch)
     if args.real:
         results |= real_cases(args.base, args.heads, args.prompts, args.limit, args.max_new_tokens)
     Path(args.out).write_text(json.dumps(results, sort_keys=True) + "\n")
@@ -120,6 +122,9 @@ def main() -> int:
     if not args.compare:
         return 0
     before = json.loads(Path(args.compare).read_text())
+    if args.no_batch or not args.real:
+        before = {k: v for k, v in before.items() if (not args.no_batch or not k.endswith("/batch"))
+                  and (args.real or not k.startswith("real/"))}
     differ = sorted(k for k in before.keys() | results.keys() if before.get(k) != results.get(k))
     for key in differ:
         print(f"DIFFERS {key}: before {str(before.get(key))[:120]} / now {str(results.get(key))[:120]}")

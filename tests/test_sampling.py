@@ -14,9 +14,10 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa.draft import draft_tree, top_k_candidates
+from medusa.draft import draft_tree
+from medusa.drafters.base import sample_without_replacement
 from medusa.logits_process import logits_processors, resolve_decoding
-from medusa.sampling import RejectionSampling, TypicalAcceptance, sample_without_replacement
+from medusa.sampling import RejectionSampling, TypicalAcceptance
 from medusa.tree import Tree, tree_buffers
 
 V = 32
@@ -79,17 +80,30 @@ def make_heads(kind: str, raw):
     raise ValueError(kind)
 
 
-def run_steps(rule, heads, tables, n: int, choose=None) -> torch.Tensor:
+class TopKClaimingSoftmax:
+    """The known bug as a sampler: deterministic top-k candidates, reported as drawn from the softmax q."""
+
+    def __init__(self, warp):
+        self.warp = warp
+
+    def draw(self, logits, k):
+        return logits.topk(k, dim=-1).indices, torch.softmax(self.warp(logits.float()), dim=-1)
+
+
+def draft(heads, sampler):
+    return draft_tree(heads, torch.zeros(4), torch.tensor(ROOT), tree_buffers(TREE), sampler, vocab=HEAD_VOCAB)
+
+
+def run_steps(rule, heads, tables, n: int, sampler=None) -> torch.Tensor:
     """``(n, 3)`` first three tokens after the root from ``n`` independent Medusa steps."""
     buffers = tree_buffers(TREE)
-    root = torch.tensor(ROOT)
     probs = [torch.softmax(t, dim=-1) for t in tables]
     gen = torch.Generator().manual_seed(1)
     out = torch.empty(n, 3, dtype=torch.long)
     for i in range(n):
-        draft = draft_tree(heads, torch.zeros(4), root, buffers, choose or rule.choose)
-        result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
-        emitted = draft.tokens[result.path_nodes[1:]].tolist() + [int(result.next_token)]
+        tree = draft(heads, sampler or rule.sampler)
+        result = rule.accept(tree, table_logits_at(tables, buffers, tree.tokens))
+        emitted = tree.tokens[result.path_nodes[1:]].tolist() + [int(result.next_token)]
         while len(emitted) < 3:  # the steps after this one: exact base sampling
             context = probs[len(emitted)][tuple(emitted)]
             emitted.append(int(torch.multinomial(context, 1, generator=gen)))
@@ -123,8 +137,7 @@ def chi_square_p(samples: torch.Tensor, tables) -> float:
 
 def rejection_rule(settings: dict, seed: int = 1) -> RejectionSampling:
     decoding = resolve_decoding(do_sample=True, top_k=0, seed=seed, **settings)
-    return RejectionSampling(tree_buffers(TREE), HEAD_VOCAB, V, decoding.draft_warp(),
-                             torch.Generator().manual_seed(seed))
+    return RejectionSampling(V, decoding.draft_warp(), torch.Generator().manual_seed(seed))
 
 
 SETTINGS = {"t1.0": {"temperature": 1.0}, "t0.7": {"temperature": 0.7}, "top-p0.9": {"top_p": 0.9}}
@@ -143,8 +156,9 @@ def test_rejection_sampling_is_exact(base_logits, kind, setting):
 def test_control_ratio_against_a_q_not_drawn_from_is_caught(base_logits):
     """The known bug: top-k candidates (deterministic) scored against the heads' softmax q. The same test fails."""
     tables = processed(SETTINGS["t1.0"], base_logits)
-    samples = run_steps(rejection_rule(SETTINGS["t1.0"]), make_heads("random", base_logits), tables, DRAWS,
-                        choose=top_k_candidates)
+    rule = rejection_rule(SETTINGS["t1.0"])
+    samples = run_steps(rule, make_heads("random", base_logits), tables, DRAWS,
+                        sampler=TopKClaimingSoftmax(rule.sampler.warp))
     assert chi_square_p(samples, tables) < 1e-6
 
 
@@ -156,8 +170,8 @@ def test_heads_proposing_the_base_distribution_accept_more(base_logits):
         heads, buffers = make_heads(kind, base_logits), tree_buffers(TREE)
         total = 0
         for _ in range(300):
-            draft = draft_tree(heads, torch.zeros(4), torch.tensor(ROOT), buffers, rule.choose)
-            total += rule.accept(draft, table_logits_at(tables, buffers, draft.tokens)).accepted
+            tree = draft(heads, rule.sampler)
+            total += rule.accept(tree, table_logits_at(tables, buffers, tree.tokens)).accepted
         accepted[kind] = total / 300
     assert accepted["base"] > 1.0 > accepted["adversarial"] + 0.5
 
@@ -177,12 +191,12 @@ def test_typical_acceptance_accepts_by_threshold(base_logits):
     tables = processed(SETTINGS["t0.7"], base_logits)
     buffers = tree_buffers(TREE)
     heads = make_heads("base", base_logits)
-    rule = TypicalAcceptance(buffers, epsilon=0.3, delta=0.09, generator=torch.Generator().manual_seed(0))
-    draft = draft_tree(heads, torch.zeros(4), torch.tensor(ROOT), buffers, rule.choose)
+    rule = TypicalAcceptance(epsilon=0.3, delta=0.09, generator=torch.Generator().manual_seed(0))
+    tree = draft(heads, rule.sampler)
     p = torch.softmax(tables[0], -1)
     threshold = min(0.3, 0.09 * float(torch.exp(-torch.special.entr(p).sum())))
-    first_ok = [c for c in buffers.children[0] if p[draft.tokens[c]] > threshold]
-    result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
+    first_ok = [c for c in buffers.children[0] if p[tree.tokens[c]] > threshold]
+    result = rule.accept(tree, table_logits_at(tables, buffers, tree.tokens))
     if first_ok:
         assert int(result.path_nodes[1]) == first_ok[0]
     else:

@@ -1,0 +1,151 @@
+"""Several drafters merged into one tree, verified in one forward (pure tensor code).
+
+Each part proposes its own tree below the shared root; the merged tree holds the root, then every part's nodes in
+the order the parts are given. A step accepts whichever branch the base agrees with for longer. Where two parts
+propose the same tokens (twins, see :mod:`medusa.verify`), ``priority`` says which part's node is kept: the shipped
+trees put the prompt-lookup chain first, since a copied span can run deeper than the heads.
+
+:func:`tree_drafter` builds what a :class:`medusa.tree.Tree` file describes: the heads' nodes and, when the tree has
+one, the prompt-lookup chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.draft import HeadsDrafter
+from medusa.drafters.base import DraftSampler, DraftTree, Draws, register_drafter
+from medusa.prompt_lookup import PromptLookupDrafter
+from medusa.tree import Tree, TreeBuffers, layout_from_parents, tree_buffers
+
+
+def merge_layouts(layouts: list[TreeBuffers], priority: list[int]) -> tuple[TreeBuffers, list[torch.Tensor]]:
+    """One layout of the root and every part's nodes, in part order; the root's children by ``priority`` (part
+    indices, first wins ties), every other node's children as in its part.
+
+    Returns:
+        ``(layout, maps)``: ``maps[i]`` ``(N_i,)`` long, the merged index of part i's nodes (its root -> 0).
+    """
+    device = layouts[0].depth.device
+    maps, parents, offset = [], [-1], 1
+    for layout in layouts:
+        n = len(layout.depth)
+        index = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(offset, offset + n - 1)])  # (N_i,)
+        maps.append(index)
+        parents += [int(index[p]) for p in layout.parents[1:].tolist()]
+        offset += n - 1
+    children = [[] for _ in parents]
+    for i in priority:
+        children[0] += [int(maps[i][c]) for c in layouts[i].children[0]]
+    for layout, index in zip(layouts, maps, strict=True):
+        for node in range(1, len(layout.depth)):
+            children[int(index[node])] = [int(index[c]) for c in layout.children[node]]
+    return layout_from_parents(parents, children, device), [m.to(device) for m in maps]
+
+
+@register_drafter("composite")
+class CompositeDrafter:
+    """Drafters ``parts`` proposing one merged tree (see module docstring).
+
+    Args:
+        parts: the drafters, in node order.
+        priority: part indices in tie order (default: the given order).
+
+    Raises:
+        ValueError: no part, or ``priority`` is not an order of the parts.
+    """
+
+    trainable = False
+    training_objective = None
+
+    def __init__(self, parts: list, priority: list[int] | None = None):
+        if not parts:
+            raise ValueError("a composite drafter needs at least one part")
+        priority = list(range(len(parts))) if priority is None else list(priority)
+        if sorted(priority) != list(range(len(parts))):
+            raise ValueError(f"priority must order the parts 0..{len(parts) - 1}, got {priority}")
+        self.parts, self.priority = list(parts), priority
+        self.max_nodes = 1 + sum(p.max_nodes - 1 for p in parts)
+        self.max_depth = max(p.max_depth for p in parts)
+        self._merged: dict[tuple, tuple] = {}
+
+    def _merge(self, layouts: list[TreeBuffers]):
+        key = tuple(id(layout) for layout in layouts)
+        hit = self._merged.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], layouts, strict=True)):
+            hit = self._merged[key] = (layouts, *merge_layouts(layouts, self.priority))
+        return hit[1], hit[2]
+
+    def new_state(self) -> list:
+        return [part.new_state() for part in self.parts]
+
+    def start(self, state: list, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        for part, own in zip(self.parts, state, strict=True):
+            part.start(own, hidden, next_tokens)
+
+    def propose(self, state: list, root: torch.Tensor, sequence: torch.Tensor, sampler: DraftSampler) -> DraftTree:
+        drafts = [part.propose(own, root, sequence, sampler) for part, own in zip(self.parts, state, strict=True)]
+        layout, maps = self._merge([d.layout for d in drafts])
+        tokens = torch.cat([root[None]] + [d.tokens[1:] for d in drafts])  # (N,)
+        draws, copied = [], []
+        for draft, index in zip(drafts, maps, strict=True):
+            draws += [Draws(index[w.parents], w.logits, w.candidates, index[w.nodes], w.slot, w.rank, w.q, w.vocab)
+                      for w in draft.draws]
+            if draft.copied is not None:
+                copied.append(index[draft.copied])
+        return DraftTree(tokens, layout, draws, torch.cat(copied) if copied else None)
+
+    def update(self, state: list, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        for part, own in zip(self.parts, state, strict=True):
+            part.update(own, draft, path, hidden, next_tokens)
+
+
+@register_drafter("none")
+class NoDrafter:
+    """No drafts: every tree is the root alone, so every step is one plain decoding step."""
+
+    trainable = False
+    training_objective = None
+    max_nodes, max_depth = 1, 0
+
+    def __init__(self):
+        self._layouts: dict[torch.device, TreeBuffers] = {}
+
+    def new_state(self) -> None:
+        return None
+
+    def start(self, state, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        pass
+
+    def propose(self, state, root: torch.Tensor, sequence: torch.Tensor, sampler: DraftSampler) -> DraftTree:
+        if root.device not in self._layouts:
+            self._layouts[root.device] = tree_buffers(Tree.chain(0), root.device)
+        return DraftTree(root[None], self._layouts[root.device])
+
+    def update(self, state, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        pass
+
+
+def tree_drafter(heads, tree: Tree):
+    """The drafter a tree file describes: :class:`medusa.draft.HeadsDrafter` over its heads' nodes and, when it has
+    one, a :class:`medusa.prompt_lookup.PromptLookupDrafter` chain beside them (its nodes after the heads', first in
+    ties). ``heads`` may be ``None`` for a tree without heads' nodes.
+
+    Raises:
+        ValueError: the tree has heads' nodes and no heads are given, or it does not fit the heads.
+    """
+    if tree.num_nodes == 1:
+        return NoDrafter()
+    parts = []
+    if tree.paths:
+        if heads is None:
+            raise ValueError(f"tree {tree.name!r} has heads' nodes down to depth {tree.head_depth}: drafting needs "
+                             "heads")
+        parts.append(HeadsDrafter(heads, tree))
+    if tree.lookup_length:
+        parts.append(PromptLookupDrafter(tree.lookup_length, tree.lookup_max_ngram))
+    if len(parts) == 1:
+        return parts[0]
+    return CompositeDrafter(parts, priority=[1, 0])
