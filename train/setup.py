@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,35 +34,11 @@ from train.conversations import (
 )
 from train.data import default_tokenize_cache_dir, target_token_counts, tokenize_conversations
 from train.medusa2 import ADAPTER_DIR, apply_lora, load_adapter_state, lora_parameters
+from train.run import Run
 from train.sharded import check_sharded_settings, full_weight
-from train.store import HiddenStateStore, ensure_store
+from train.store import ensure_store
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built once by :func:`setup`."""
-
-    config: TrainConfig
-    accelerator: Accelerator
-    model: torch.nn.Module
-    heads: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_examples: list[dict]
-    held_examples: list[dict]
-    head_lookup: torch.Tensor | None
-    pad_id: int
-    teacher_weight: torch.Tensor | None
-    """``(Vh, H)`` the base's lm_head rows of the head vocabulary (teacher logits), when the loss needs them."""
-    step: int = 0
-    hidden_cache: dict[int, torch.Tensor] | None = None
-    """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
-    store: HiddenStateStore | None = None
-    """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
-    lora_params: list[torch.nn.Parameter] | None = None
-    """Medusa-2: the base's LoRA parameters (``run.model`` is then a peft model)."""
 
 
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
