@@ -14,6 +14,7 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from medusa import heads as heads_module
+from medusa.base import stop_token_ids
 from medusa.checkpoint import load_heads
 from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint, most_frequent_tokens
 from medusa.losses import head_lookup_table
@@ -68,7 +69,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     model = adapt_base(config, accelerator, model, checkpoint)
     lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
     lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each; gathered once when sharded
-    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos_ids(model, tokenizer))
+    eos = sorted(stop_token_ids(model.generation_config, tokenizer))  # always in a truncated head vocabulary
+    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos)
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
@@ -222,14 +224,6 @@ def freeze_base(model: torch.nn.Module) -> None:
     """Medusa-1: freeze every base parameter (embeddings and lm_head included) and switch off dropout."""
     model.requires_grad_(False)
     model.eval()
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """End-of-sequence ids of the tokenizer and the generation config: always in a truncated head vocabulary."""
-    ids = {tokenizer.eos_token_id}
-    generation_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-    return sorted(i for i in ids if i is not None)
 
 
 def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],

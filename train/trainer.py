@@ -62,7 +62,6 @@ from train.setup import (  # noqa: F401
     Run,
     build_heads,
     describe_processes,
-    eos_ids,
     freeze_base,
     make_accelerator,
     make_optimizer,
