@@ -13,10 +13,16 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from medusa import heads as heads_module
 from medusa.base import stop_token_ids
 from medusa.checkpoint import load_heads
-from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint, most_frequent_tokens
+from medusa.heads import (
+    HydraHeads,
+    MedusaHeads,
+    MedusaHeadsConfig,
+    build_heads,
+    lm_head_fingerprint,
+    most_frequent_tokens,
+)
 from medusa.losses import head_lookup_table
 from train.checkpoints import (
     HEADS_DIR,
@@ -134,7 +140,7 @@ def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.T
         check_init_heads(config, heads.config)
         logger.info("heads initialised from %s", config.init_heads)
         return heads
-    return build_heads(config, lm_head, embed, examples, always)
+    return heads_for_training(config, lm_head, embed, examples, always)
 
 
 def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> None:
@@ -226,8 +232,8 @@ def freeze_base(model: torch.nn.Module) -> None:
     model.eval()
 
 
-def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
-                always: list[int]) -> MedusaHeads | HydraHeads:
+def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
+                       always: list[int]) -> MedusaHeads | HydraHeads:
     """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
     of the most frequent training targets. Sharded or partitioned weights are gathered once (:func:`full_weight`)."""
     lm_head = full_weight(lm_head, "lm_head")  # (V, H); a no-op on a whole weight
@@ -250,7 +256,7 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
         lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
         prefix_layers=config.prefix_layers, prefix_window=config.prefix_window,
     )
-    return heads_module.build_heads(heads_config, lm_head, embed, token_map)
+    return build_heads(heads_config, lm_head, embed, token_map)
 
 
 def make_optimizer(heads: torch.nn.Module, config: TrainConfig,
