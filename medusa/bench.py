@@ -387,8 +387,8 @@ def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
 
     The 1-minute load average counts runnable processes; what is left of the cores for this process is roughly
     ``cores - load``. When that is below ``threads``, torch's threads wait on each other and on the other work, and
-    timings (and a speedup measured from them) say little: 2 threads on 2 cores fell from 17.4 to 1.4 tokens/s with
-    one busy process next to them, where 1 thread kept 11.7.
+    timings (and a speedup measured from them) say little: one busy process next to them can cut the throughput of
+    as many threads as cores by an order of magnitude, where one thread fewer loses far less.
 
     Args:
         threads: torch CPU threads in use.
