@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from medusa.files import atomic_folder
+
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -55,7 +57,7 @@ def write_merged(base: str | Path, adapter_dir: str | Path, out_dir: str | Path,
     """
     import torch
 
-    from medusa.model import load_base
+    from medusa.base import load_base
 
     check_adapter_folder(adapter_dir)
     out_dir = Path(out_dir)
@@ -63,7 +65,8 @@ def write_merged(base: str | Path, adapter_dir: str | Path, out_dir: str | Path,
         raise FileExistsError(f"{out_dir} exists and is not empty: choose a new folder for the merged model")
     model, tokenizer = load_base(base, dtype or torch.float32)
     merged = merge_adapter(model, adapter_dir)
-    merged.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    with atomic_folder(out_dir) as tmp:
+        merged.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
     logger.info("merged %s + %s into %s", base, adapter_dir, out_dir)
     return out_dir

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.base import hf_greedy_batch
 from medusa.generate import STEP_PARTS
 from medusa.logits_process import resolve_decoding
 from medusa.model import MedusaModel
@@ -55,6 +56,24 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not prompts:
         raise ValueError(f"{path} holds no prompt")
     return prompts
+
+
+def read_distilled_sequences(path: str | Path, limit: int | None = None) -> list[tuple[list[int], int]]:
+    """``(token_ids, response_start)`` of the first ``limit`` self-distilled records (``prompt_ids``/``response_ids``,
+    as ``medusa distill`` writes them) of a JSON-lines file.
+
+    Raises:
+        ValueError: a line is not JSON or lacks either field, or the file holds no record.
+    """
+    sequences = []
+    for line in Path(path).read_text().splitlines()[:limit]:
+        record = json.loads(line)
+        if "prompt_ids" not in record or "response_ids" not in record:
+            raise ValueError(f"{path}: needs self-distilled records with prompt_ids/response_ids")
+        sequences.append((record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])))
+    if not sequences:
+        raise ValueError(f"{path} holds no sequence")
+    return sequences
 
 
 def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> torch.Tensor:
@@ -108,14 +127,9 @@ def sum_logprob(model, input_ids: torch.Tensor, continuation: list[int]) -> floa
 
 
 @torch.inference_mode()
-def top2_gap(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> float:
-    """The base's top-2 logit gap when predicting ``continuation[position]`` after the prompt and the tokens before."""
-    return top2(model, input_ids, continuation, position)[1]
-
-
-@torch.inference_mode()
 def top2(model, input_ids: torch.Tensor, continuation: list[int], position: int) -> tuple[float, float]:
-    """:func:`top2_gap` and the top logit: ``(top logit, top-1 minus top-2)``."""
+    """The base's top logit and top-2 gap when predicting ``continuation[position]`` after the prompt and the tokens
+    before: ``(top logit, top-1 minus top-2)``."""
     tail = torch.tensor(continuation[:position], dtype=torch.long, device=input_ids.device)
     ids = torch.cat([input_ids, tail])[None].to(model.device)
     logits = model(ids).logits[0, -1].float()
@@ -373,8 +387,8 @@ def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
 
     The 1-minute load average counts runnable processes; what is left of the cores for this process is roughly
     ``cores - load``. When that is below ``threads``, torch's threads wait on each other and on the other work, and
-    timings (and a speedup measured from them) say little: 2 threads on 2 cores fell from 17.4 to 1.4 tokens/s with
-    one busy process next to them, where 1 thread kept 11.7.
+    timings (and a speedup measured from them) say little: one busy process next to them can cut the throughput of
+    as many threads as cores by an order of magnitude, where one thread fewer loses far less.
 
     Args:
         threads: torch CPU threads in use.
@@ -508,28 +522,32 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
     return {n: medians[n] / medians[sizes[0]] for n in sizes} | {"one_token_s": medians[sizes[0]]}
 
 
+def level_cost(model: MedusaModel, one_token_s: float, repeats: int = 20, rows: int = 4) -> float:
+    """Time of drafting one tree level (a head call over ``rows`` nodes + top-k) relative to a one-token forward
+    of ``one_token_s`` seconds, averaged over the heads."""
+    heads = model.heads
+    hidden = torch.randn(heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
+    paths = [torch.zeros(rows, k + 1, dtype=torch.long, device=model.device) for k in range(heads.config.num_heads)]
+    with torch.inference_mode():
+        for k, p in enumerate(paths):
+            heads.draft_logits(k, hidden, p).topk(10, dim=-1)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for k, p in enumerate(paths):
+                heads.draft_logits(k, hidden, p).topk(10, dim=-1)
+    return (time.perf_counter() - start) / (repeats * len(paths)) / one_token_s
+
+
+def machine_name() -> str:
+    """The GPU's name, or the CPU's architecture and torch's thread count: where a cost curve was measured."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def hf_greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids: set[int],
-                    pad_token_id: int) -> list[list[int]]:
-    """Hugging Face ``generate``, greedy, on several prompts at once (left padding); new ids per prompt, each cut
-    after its first stop token (``generate`` pads finished rows)."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, longest - len(p):], mask[b, longest - len(p):] = p, 1
-    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=sorted(stop_token_ids) or None, pad_token_id=pad_token_id)
-    rows = []
-    for row in out[:, longest:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in stop_token_ids), len(row))
-        rows.append(row[:cut])
-    return rows
 
 
 BATCH_METHODS = ("plain", "medusa", "hf")
@@ -549,7 +567,6 @@ def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int
         ``{"batch_sizes", "results": {B: {method: {tokens, seconds, tokens_per_s, identical, ...}}}, "notes", ...}``.
     """
     from medusa.batch import BatchStats
-    from medusa.tree import Tree
 
     stop = model.stop_token_ids()
     pad = next(iter(sorted(stop)), 0)
@@ -560,9 +577,8 @@ def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int
         if size > len(encoded):
             notes.append(f"batch size {size} is larger than the {len(encoded)} prompts given: used {len(encoded)}")
         sizes.append(min(size, len(encoded)))
-    plain = Tree.chain(0)
     for method in methods:  # warm-up, untimed
-        _decode_batch(model, method, encoded[:2], 4, stop, pad, plain, BatchStats())
+        _decode_batch(model, method, encoded[:2], 4, stop, pad, BatchStats())
     results, reference = {}, None
     for n, size in enumerate(sizes):
         results[size] = {}
@@ -571,7 +587,7 @@ def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int
             start = time.perf_counter()
             for first in range(0, len(encoded), size):
                 group = encoded[first : first + size]
-                outputs += _decode_batch(model, method, group, max_new_tokens, stop, pad, plain, stats)
+                outputs += _decode_batch(model, method, group, max_new_tokens, stop, pad, stats)
             seconds = time.perf_counter() - start
             tokens = sum(len(o) for o in outputs)
             record = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
@@ -592,12 +608,12 @@ def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int
 
 
 def _decode_batch(model: MedusaModel, method: str, group: list[torch.Tensor], max_new_tokens: int, stop: set[int],
-                  pad: int, plain, stats) -> list[list[int]]:
+                  pad: int, stats) -> list[list[int]]:
     """One group of prompts decoded by ``method`` (see :func:`run_batch_bench`); Medusa/plain stats added to
     ``stats``."""
     if method == "hf":
         return hf_greedy_batch(model.base, group, max_new_tokens, stop, pad)
-    outputs, run = model.generate_batch(group, max_new_tokens, tree=plain if method == "plain" else None,
+    outputs, run = model.generate_batch(group, max_new_tokens, tree=PLAIN if method == "plain" else None,
                                         stop_token_ids=stop)
     stats.rows += run.rows
     stats.forwards += run.forwards

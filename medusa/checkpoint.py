@@ -15,8 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -25,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from medusa.files import replace_folder
+from medusa.files import atomic_folder
 from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, build_heads, fingerprint_mismatch, read_json
 
 logger = logging.getLogger(__name__)
@@ -64,21 +62,14 @@ def save_heads(heads: MedusaHeads | HydraHeads, out_dir: str | Path, extra_confi
     """
     out_dir = Path(out_dir)
     state = check_full_state(heads.state_dict() if state_dict is None else state_dict, heads.config, out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
-    try:
+    config = heads.config.to_dict()
+    if extra_config:
+        config["training"] = extra_config
+    with atomic_folder(out_dir) as tmp:
         save_file(state, str(tmp / HEADS_WEIGHTS_NAME), metadata={"format": "pt"})
-        config = heads.config.to_dict()
-        if extra_config:
-            config["training"] = extra_config
         (tmp / HEADS_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    except BaseException:
-        # A failed write (full disk, unserialisable extra_config) must not leave a half-written temp folder behind.
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.chmod(tmp / HEADS_WEIGHTS_NAME, 0o644)
-    return replace_folder(tmp, out_dir)
+        os.chmod(tmp / HEADS_WEIGHTS_NAME, 0o644)
+    return out_dir
 
 
 def check_full_state(state: dict[str, torch.Tensor], config: MedusaHeadsConfig, out_dir: Path) -> dict:

@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from medusa.report import batch_bench_table, bench_table, drift_text
+from medusa.report import same_prompts_text as _same_prompts_text  # noqa: F401 (tests/test_review_gpu.py)
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -342,20 +345,15 @@ def _read_messages(value: str) -> list[dict]:
     return messages
 
 
-def _warn_if_busy(threads: int) -> dict:
-    """Warn on stderr when the machine's load leaves fewer free cores than ``threads``; returns the load record."""
-    from medusa.bench import machine_load
-
-    load = machine_load(threads)
-    if load["warning"]:
-        print(f"warning: {load['warning']}", file=sys.stderr)
-    return load
+def _warn(warning: str | None) -> None:
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:
     import torch
 
-    from medusa.bench import encode_prompt
+    from medusa.bench import encode_prompt, machine_load
     from medusa.generate import GenerationStats
 
     if args.prompts:
@@ -365,7 +363,7 @@ def cmd_generate(args) -> int:
     record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
     if args.stats:
-        _warn_if_busy(torch.get_num_threads())
+        _warn(machine_load(torch.get_num_threads())["warning"])
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
     for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling_kwargs(args)):
@@ -387,7 +385,7 @@ def _generate_batched(args) -> int:
     """``medusa generate --prompts FILE``: batched greedy decoding, each answer under a ``--- prompt i ---`` line."""
     import torch
 
-    from medusa.bench import encode_prompt, read_prompts
+    from medusa.bench import encode_prompt, machine_load, read_prompts
 
     if args.stream:
         raise ValueError("--stream prints one sequence as it is accepted: not with --prompts")
@@ -401,7 +399,7 @@ def _generate_batched(args) -> int:
         size = len(records)
     model = _load(args)
     if args.stats:
-        _warn_if_busy(torch.get_num_threads())
+        _warn(machine_load(torch.get_num_threads())["warning"])
     ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
     sampling = _sampling_kwargs(args)
     settings = {k: v for k, v in sampling.items() if k != "acceptance" and v is not None}
@@ -421,7 +419,8 @@ def _generate_batched(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from medusa.bench import read_prompts, run_bench
+    from medusa.bench import machine_load, read_prompts, run_bench
+    from medusa.drift import drift_from
 
     if args.plot and not args.out:
         raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
@@ -432,7 +431,8 @@ def cmd_bench(args) -> int:
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
     model = _load(args)
-    load = _warn_if_busy(torch.get_num_threads())
+    load = machine_load(torch.get_num_threads())
+    _warn(load["warning"])
     if args.batch_size:
         return _bench_batched(args, model, prompts, load)
 
@@ -447,8 +447,11 @@ def cmd_bench(args) -> int:
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
     if args.drift_data:
-        result["drift"] = _bench_drift(args, model.base)
-        print(f"drift from {result['drift']['original']}: {_drift_text(result['drift'])}")
+        original = args.original or (args.base if args.adapter else None)
+        if original is None:
+            raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+        result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
+        print(f"drift from {result['drift']['original']}: {drift_text(result['drift'])}")
     print(bench_table(result, reference, args.compare))
     for d in result["divergences"]:
         kind = "tie" if d.get("tie") else "true divergence"
@@ -493,143 +496,6 @@ def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
     return 0
 
 
-def batch_bench_table(result: dict) -> str:
-    """The batched bench as text: tokens/s per method and batch size, identical prompts, Medusa tau."""
-    lines = [f"{'batch':>5}  {'method':6}  {'tokens/s':>9}  {'identical':>9}  {'tau':>5}"]
-    for size, by_method in result["results"].items():
-        for method, r in by_method.items():
-            tau = f"{r['tau']:.2f}" if "tau" in r else ""
-            lines.append(f"{size:>5}  {method:6}  {r['tokens_per_s']:9.2f}  {r['identical']:>4}/{result['prompts']:<4}"
-                         f"  {tau:>5}")
-    return "\n".join(lines)
-
-
-def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
-    """The bench figures as aligned text; with ``reference``, a second column holds that earlier result's."""
-    def rows(r: dict) -> list[tuple[str, str]]:
-        return [("prompts x max new tokens", f"{r['prompts']} x {r.get('max_new_tokens', '?')}"),
-                ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
-                ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
-                ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
-                ("plain tokens/s (same engine)", _fmt(r.get("plain_tokens_per_s"))),
-                ("speedup vs plain (same engine)", _fmt(r.get("speedup_vs_plain"))),
-                ("HF prompt lookup tokens/s", _fmt(r.get("hf_prompt_lookup_tokens_per_s", "not timed"))),
-                ("speedup vs HF prompt lookup", _fmt(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
-                ("step ms: draft/forward/accept/cache", _step_text(r.get("step_ms"))),
-                ("step cost / plain step", _fmt(r.get("step_cost_vs_plain"))),
-                ("engine, dtype", f"{_engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
-                ("identical prompts", _fmt(r["identical"])),
-                ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
-                ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
-                ("kept a draft at depth 1, 2, ...", " ".join(f"{a:.3f}" for a in r.get("per_depth_accept", []))),
-                ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
-                ("torch threads", f"{r.get('torch_threads', '?')}"),
-                ("load average (1 min) / cores", _load_text(r.get("load"))),
-                ("predicted tau / speedup (chain)", _prediction_text(r.get("prediction")))] + [
-                (f"{m} mean log-prob/token",
-                 f"{r[f'{m}_mean_logprob']:.4f} (+- {_fmt(r[f'{m}_mean_logprob_stderr'])})")
-                for m in ("hf", "medusa") if f"{m}_mean_logprob" in r]
-    mine = rows(result)
-    width = max(len(k) for k, _ in mine)
-    if reference is None:
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in mine)
-    theirs = dict(rows(reference))
-    column = max(len(v) for _, v in mine + [("", "this run")])
-    lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
-    lines += [f"{k:<{width}}  {v:<{column}}  {theirs.get(k, '')}" for k, v in mine]
-    same = _same_prompts_text(result, reference)
-    if same:
-        lines.append(f"{'reference, same prompts only':<{width}}  {'':<{column}}  {same}")
-    return "\n".join(lines)
-
-
-def _same_prompts_text(result: dict, reference: dict) -> str | None:
-    """The reference's tau and speedup over just the prompts this run decoded, when it decoded a subset of the
-    reference's prompts (same indices, same token counts); ``None`` otherwise. A subset's tau can differ a lot from
-    the whole set's (prompts differ in how much the base repeats itself)."""
-    ours, theirs = result.get("per_prompt") or [], {p["prompt"]: p for p in reference.get("per_prompt") or []}
-    if not ours or len(ours) >= len(theirs):
-        return None
-    picked = [theirs.get(p["prompt"]) for p in ours]
-    if any(t is None or t["tokens"] != p["tokens"] for t, p in zip(picked, ours, strict=True)):
-        return None
-    # As the bench's tau: decode tokens (the prefill's token excluded) over decode steps; a prompt the prefill alone
-    # answered (tau NaN) has neither.
-    decoded = [(t["tokens"] - 1, (t["tokens"] - 1) / t["tau"]) for t in picked if t["tokens"] > 1 and t["tau"] > 0]
-    tokens, steps = sum(d for d, _ in decoded), sum(s for _, s in decoded)
-    hf_tokens = sum(t.get("hf_tokens_per_s", 0.0) * t["hf_s"] for t in picked) or sum(t["tokens"] for t in picked)
-    medusa_s, hf_s = sum(t["medusa_s"] for t in picked), sum(t["hf_s"] for t in picked)
-    if not steps or not medusa_s or not hf_s:
-        return None
-    speedup = (sum(t["tokens"] for t in picked) / medusa_s) / (hf_tokens / hf_s)  # tokens/s over tokens/s
-    return f"tau {tokens / steps:.3f}, speedup {speedup:.3f}x ({len(picked)} of its {len(theirs)} prompts)"
-
-
-def _prediction_text(prediction: dict | None) -> str:
-    if not prediction:
-        return "not recorded"
-    speedup = prediction.get("predicted_speedup")
-    return (f"{prediction['predicted_tau']:.2f} / {'?' if speedup is None else f'{speedup:.2f}x'} (alpha "
-            f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
-
-
-def _step_text(step_ms: dict | None) -> str:
-    if not step_ms:
-        return "not recorded"
-    parts = " / ".join(f"{step_ms[k]:.1f}" for k in ("draft", "verify_forward", "accept", "cache"))
-    return f"{parts} (total {step_ms['total']:.1f})"
-
-
-def _engine_text(engine: dict | None) -> str:
-    if not engine:
-        return "not recorded"
-    name = engine.get("engine")
-    if (name == "compiled" and not engine.get("compiled")) or (name == "onednn" and not engine.get("packed")):
-        return f"{name} -> static ({engine.get('fallback_reason')})"
-    return name
-
-
-def _load_text(load: dict | None) -> str:
-    if not load or load.get("load_1min") is None:
-        return "not recorded"
-    return f"{load['load_1min']:.1f} / {load['cores']}"
-
-
-def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
-def _distilled_sequences(path: str, limit: int | None) -> list[tuple[list[int], int]]:
-    """``(token_ids, response_start)`` of self-distilled records (``prompt_ids``/``response_ids``)."""
-    sequences = []
-    for line in Path(path).read_text().splitlines()[:limit]:
-        record = json.loads(line)
-        if "prompt_ids" not in record or "response_ids" not in record:
-            raise ValueError(f"{path}: needs self-distilled records with prompt_ids/response_ids")
-        sequences.append((record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])))
-    if not sequences:
-        raise ValueError(f"{path} holds no sequence")
-    return sequences
-
-
-def _bench_drift(args, adapted) -> dict:
-    """Drift of the decoded (adapted) model from ``--original``, or from ``--base`` when ``--adapter`` merged one."""
-    from medusa.drift import drift
-    from medusa.model import load_base
-
-    original = args.original or (args.base if args.adapter else None)
-    if original is None:
-        raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
-    base, _ = load_base(original, adapted.dtype, adapted.device)
-    return {"original": str(original), "data": args.drift_data,
-            **drift(base, adapted, _distilled_sequences(args.drift_data, args.limit))}
-
-
-def _drift_text(result: dict) -> str:
-    return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
-            f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")
-
-
 def cmd_merge(args) -> int:
     from medusa.adapter import write_merged
 
@@ -639,10 +505,11 @@ def cmd_merge(args) -> int:
 
 def cmd_drift(args) -> int:
     from medusa.adapter import merge_adapter
+    from medusa.base import load_base
+    from medusa.bench import read_distilled_sequences
     from medusa.drift import drift
-    from medusa.model import load_base
 
-    sequences = _distilled_sequences(args.data, args.limit)
+    sequences = read_distilled_sequences(args.data, args.limit)
     original, _ = load_base(args.base)
     if args.adapter:
         adapted = merge_adapter(load_base(args.base)[0], args.adapter).eval()
@@ -650,17 +517,18 @@ def cmd_drift(args) -> int:
         adapted, _ = load_base(args.adapted)
     result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
               **drift(original, adapted, sequences)}
-    print(_drift_text(result))
+    print(drift_text(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
 def cmd_eval_heads(args) -> int:
+    from medusa.bench import read_distilled_sequences
     from medusa.calibrate import rank_accuracy
 
     model = _load(args)
-    sequences = _distilled_sequences(args.data, args.limit)
+    sequences = read_distilled_sequences(args.data, args.limit)
     accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
     top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
     for k, (a1, a5) in enumerate(zip(top1, top5, strict=True)):
@@ -672,14 +540,14 @@ def cmd_eval_heads(args) -> int:
 
 
 def cmd_build_tree(args) -> int:
-    from medusa.bench import verify_cost_curve
+    from medusa.bench import level_cost, machine_name, read_distilled_sequences, verify_cost_curve
     from medusa.calibrate import choose_tree, rank_accuracy_from_replays, replay_data, sequence_states
     from medusa.plots import plot_tree_report
     from medusa.tree import save_tree
 
     ngram = args.lookup_ngram or 3
     model = _load(args)
-    sequences = _distilled_sequences(args.data, args.limit)
+    sequences = read_distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     replays = replay_data(model.heads, sequence_states(model.base, sequences), args.top_k, max(args.lookup_lengths),
@@ -687,19 +555,20 @@ def cmd_build_tree(args) -> int:
     accuracy = rank_accuracy_from_replays(replays, args.top_k)
     curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits,
                               engine=model.engine)
-    level_cost = _level_cost(model, curve["one_token_s"])
+    cost = level_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
-    tree, table = choose_tree(accuracy, curve, args.max_nodes, level_cost, name=name, replays=replays,
+    tree, table = choose_tree(accuracy, curve, args.max_nodes, cost, name=name, replays=replays,
                               lookup_lengths=tuple(sorted(set(args.lookup_lengths))), lookup_max_ngram=ngram)
     best = next(r for r in table if r["nodes"] == len(tree.paths) and r["lookup"] == tree.lookup_length)
     lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
     note = (f"{len(tree.paths)} heads' nodes{lookup}, from measured per-rank head accuracy and greedy decoding "
-            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on {_machine()}; "
+            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on "
+            f"{machine_name()}; "
             f"replayed tau {best['replayed_tau']:.2f}, predicted speedup {best['predicted_speedup']:.2f}x over plain "
             "decoding")
     save_tree(tree, args.out, note=note)
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
-              "level_cost": level_cost, "table": table, "chosen_nodes": len(tree.paths),
+              "level_cost": cost, "table": table, "chosen_nodes": len(tree.paths),
               "chosen_lookup": tree.lookup_length, "lookup_max_ngram": ngram,
               "dtype": str(model.base.dtype), "engine": model.engine.settings()}
     report_path = Path(args.out).with_suffix(".report.json")
@@ -790,34 +659,6 @@ def cmd_import(args) -> int:
     projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
     print(f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {out}")
     return 0
-
-
-def _level_cost(model, one_token_s: float, repeats: int = 20, rows: int = 4) -> float:
-    """Time of drafting one tree level (a head call over ``rows`` nodes + top-k) relative to a one-token forward,
-    averaged over the heads."""
-    import torch
-
-    heads = model.heads
-    hidden = torch.randn(heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
-    paths = [torch.zeros(rows, k + 1, dtype=torch.long, device=model.device) for k in range(heads.config.num_heads)]
-    with torch.inference_mode():
-        for k, p in enumerate(paths):
-            heads.draft_logits(k, hidden, p).topk(10, dim=-1)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            for k, p in enumerate(paths):
-                heads.draft_logits(k, hidden, p).topk(10, dim=-1)
-    return (time.perf_counter() - start) / (repeats * len(paths)) / one_token_s
-
-
-def _machine() -> str:
-    import platform
-
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ held-out self-distilled answers (the original's own greedy continuations), over 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -46,3 +48,14 @@ def drift(original, adapted, sequences: list[tuple[list[int], int]]) -> dict:
         raise ValueError("no sequence holds an answer token to measure drift on")
     return {"sequences": len(sequences), "tokens": tokens, "top1_agreement": round(agree / tokens, 6),
             "adapted_nll": round(nll["adapted"] / tokens, 6), "original_nll": round(nll["original"] / tokens, 6)}
+
+
+def drift_from(original: str | Path, adapted, data: str | Path, limit: int | None = None) -> dict:
+    """:func:`drift` of the loaded ``adapted`` model from the base folder ``original`` (loaded in ``adapted``'s dtype,
+    on its device) on the first ``limit`` self-distilled records of ``data``; the result names both."""
+    from medusa.base import load_base
+    from medusa.bench import read_distilled_sequences
+
+    base, _ = load_base(original, adapted.dtype, adapted.device)
+    return {"original": str(original), "data": data,
+            **drift(base, adapted, read_distilled_sequences(data, limit))}

@@ -26,11 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pickle
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -39,6 +36,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from medusa.checkpoint import save_heads
+from medusa.files import atomic_folder
 from medusa.heads import (
     MedusaHeads,
     MedusaHeadsConfig,
@@ -100,11 +98,11 @@ def export_vllm(heads: MedusaHeads, out_dir: str | Path, lm_head_weight: torch.T
     }
     _check_same_logits(heads, vllm_config, state)
 
-    def write(tmp: Path) -> None:
+    out_dir = _check_new_folder(out_dir)
+    with atomic_folder(out_dir) as tmp:
         save_file(state, str(tmp / VLLM_WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / VLLM_CONFIG_NAME).write_text(json.dumps(vllm_config, indent=2) + "\n")
-
-    return _write_folder(out_dir, write)
+    return out_dir
 
 
 def check_exportable(heads: nn.Module) -> None:
@@ -532,7 +530,7 @@ def _save_imported(state: dict, num_heads: int, num_layers: int, token_map: torc
     except (RuntimeError, ValueError) as e:
         raise FormatError(f"{path}: the weights do not form {num_heads} heads of {num_layers} ResBlocks over hidden "
                           f"size {hidden}: {str(e).splitlines()[0]}") from e
-    return _write_folder(out_dir, lambda tmp: save_heads(heads, tmp / "heads"), inner="heads")
+    return save_heads(heads, _check_new_folder(out_dir))
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -547,10 +545,8 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_folder(out_dir: str | Path, write, inner: str | None = None) -> Path:
-    """Write a folder through ``write(tmp)`` under a temporary name, then rename it to ``out_dir``.
-
-    ``inner`` names a sub-folder of ``tmp`` that ``write`` created and that becomes ``out_dir``.
+def _check_new_folder(out_dir: str | Path) -> Path:
+    """``out_dir`` as a path, after checking it can be written without replacing anything.
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not an empty folder (it is never replaced).
@@ -558,15 +554,4 @@ def _write_folder(out_dir: str | Path, write, inner: str | None = None) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty folder: choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        write(tmp)
-        source = tmp / inner if inner else tmp
-        os.chmod(source, 0o755)
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(source, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from medusa.adapter import check_adapter_folder, merge_adapter
+from medusa.base import load_base, stop_token_ids
 from medusa.batch import BatchStats, batch_generate
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.engine import DEFAULT_ENGINE, make_engine
@@ -23,28 +24,6 @@ from medusa.tree import Tree, load_tree
 logger = logging.getLogger(__name__)
 
 TREE_FILE_NAME = "tree.json"
-
-
-def load_base(base: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              attn_implementation: str | None = None):
-    """Load a causal LM and its tokenizer from a local folder (or a hub id when the hub is reachable).
-
-    Raises:
-        FileNotFoundError: ``base`` looks like a path but is not a folder with a ``config.json``.
-        OSError: the folder or hub id could not be read as a model.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(base)
-    looks_local = path.exists() or str(base).startswith((".", "/", "~")) or len(path.parts) > 2
-    if looks_local and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"base model folder {base} does not exist or has no config.json")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation=attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-    except (OSError, ValueError) as e:
-        raise OSError(f"could not load a causal LM from {base}: {e}") from e
-    return model.to(device).eval(), tokenizer
 
 
 class MedusaModel(nn.Module):
@@ -126,12 +105,7 @@ class MedusaModel(nn.Module):
 
     def stop_token_ids(self) -> set[int]:
         """EOS ids from the generation config (and tokenizer), as a set."""
-        ids = set()
-        eos = getattr(self.base.generation_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return stop_token_ids(self.base.generation_config, self.tokenizer)
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 128, tree: Tree | None = None,
                stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,

@@ -122,14 +122,14 @@ def partitioned(weight: torch.Tensor) -> torch.nn.Parameter:
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_partitioned_lm_head_is_gathered_once(monkeypatch, head_type):
-    from train.trainer import build_heads
+    from train.trainer import heads_for_training
 
     lm_head, embed = base_weights()
     config = train_config(head_type=head_type, share_lm_head=True)
-    expected = build_heads(config, lm_head, embed, [], [])
+    expected = heads_for_training(config, lm_head, embed, [], [])
     parts = partitioned(lm_head), partitioned(embed)
     monkeypatch.setitem(sys.modules, "deepspeed", fake_deepspeed({id(parts[0]): lm_head, id(parts[1]): embed}))
-    heads = build_heads(config, *parts, [], [])
+    heads = heads_for_training(config, *parts, [], [])
     assert parts[0].shape == (0,)  # partitioned again after the gather
     assert heads.config == expected.config  # sizes and lm_head fingerprint from the full weight
     hidden, ids = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
@@ -142,10 +142,10 @@ def test_partitioned_lm_head_is_gathered_once(monkeypatch, head_type):
     (torch.empty(V, H, device="meta"), "lm_head is on the meta device .*fsdp_cpu_ram_efficient_loading"),
 ], ids=["empty (0,)", "meta"])
 def test_partitioned_lm_head_without_a_gather_is_refused(weight, message):
-    from train.trainer import build_heads
+    from train.trainer import heads_for_training
 
     with pytest.raises(ValueError, match=message):
-        build_heads(train_config(), weight, base_weights()[1], [], [])
+        heads_for_training(train_config(), weight, base_weights()[1], [], [])
 
 
 # --- saving sharded heads, DeepSpeed (stand-ins) ---------------------------------------------------------------
@@ -155,9 +155,9 @@ def test_save_heads_refuses_weights_that_are_not_the_full_heads(tmp_path, case):
     """A ZeRO-3-partitioned ``(0,)`` weight (the unwrapped heads' own state dict) or a missing key: refused with the
     key named, nothing written. The full weights (``accelerator.get_state_dict``) save."""
     from medusa.checkpoint import HeadsMismatchError, save_heads
-    from train.trainer import build_heads
+    from train.trainer import heads_for_training
 
-    heads = build_heads(train_config(), *base_weights(), [], [])
+    heads = heads_for_training(train_config(), *base_weights(), [], [])
     state = dict(heads.state_dict())
     if case == "partitioned":
         state["blocks.1.0.linear.weight"] = torch.empty(0)
@@ -214,10 +214,10 @@ def test_deepspeed_checkpoint_holds_the_gathered_heads_and_the_engine_partitions
 
     from medusa.checkpoint import load_heads
     from train.checkpoints import DEEPSPEED_DIR, OPTIMIZER_NAME, load_optimizer_state, save_checkpoint
-    from train.trainer import build_heads
+    from train.trainer import heads_for_training
 
     lm_head, embed = base_weights()
-    heads = build_heads(train_config(), lm_head, embed, [], [])
+    heads = heads_for_training(train_config(), lm_head, embed, [], [])
     torch.nn.init.normal_(heads.blocks[0][0].linear.weight)  # not the zero initialisation
     expected = {k: v.clone() for k, v in heads.state_dict().items()}
     engine = StandInEngine(heads)
@@ -280,7 +280,7 @@ def fsdp_worker(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from train.trainer import build_heads, make_optimizer
+    from train.trainer import heads_for_training, make_optimizer
 
     accelerator = Accelerator(cpu=True)  # gloo process group; Accelerate picks FSDP only with GPUs
     force_fsdp2(accelerator)
@@ -288,7 +288,7 @@ def fsdp_worker(out: Path) -> None:
     lm_head, embed = base_weights()
     sharded = distribute_tensor(lm_head, init_device_mesh("cpu", (world,)), [Shard(0)])  # this rank's V / 2 rows
     config = train_config()
-    heads = build_heads(config, sharded, embed, [], [])
+    heads = heads_for_training(config, sharded, embed, [], [])
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     hidden, labels = step_batch()
@@ -311,7 +311,7 @@ def fsdp_worker(out: Path) -> None:
 @pytest.mark.slow
 def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
 
-    from train.trainer import build_heads, make_optimizer
+    from train.trainer import heads_for_training, make_optimizer
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), str(tmp_path)]
@@ -324,7 +324,7 @@ def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
     # The same step on one process, from the whole lm_head, gives the same heads.
     lm_head, embed = base_weights()
     config = train_config()
-    heads = build_heads(config, lm_head, embed, [], [])
+    heads = heads_for_training(config, lm_head, embed, [], [])
     optimizer = make_optimizer(heads, config)
     hidden, labels = step_batch()
     step_loss(heads, hidden, labels, labels.numel()).backward()

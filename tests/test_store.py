@@ -106,7 +106,8 @@ def test_resume_after_interrupted_build_gives_the_same_store(tmp_path, monkeypat
     partial = json.loads((tmp_path / "s" / META_NAME).read_text())
     assert not partial["complete"] and 0 < len(partial["shards"]) < len(plan_shards([len(e["input_ids"]) for e in
                                                                                       examples], 80))
-    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "s").iterdir())  # the shard being written
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "s").iterdir())  # the interrupted shard's
+    (tmp_path / "s" / ".tmp-shard_00002.hidden").write_bytes(b"half")  # what a killed process leaves behind
     with pytest.raises(StoreError, match="build stopped after"):
         HiddenStateStore.open(tmp_path / "s")
     monkeypatch.setattr(store_module, "base_hidden_states", real)

@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
 
 from medusa.checkpoint import save_heads
+from medusa.files import atomic_folder, remove_folder
 from medusa.heads import read_json
 from train.config import TrainConfig, resume_mismatch
 from train.medusa2 import ADAPTER_DIR, save_adapter
-
-if TYPE_CHECKING:
-    from train.setup import Run
+from train.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -102,29 +99,25 @@ def save_checkpoint(run: Run) -> Path:
     optimizer steps, so the gradient-accumulation position is always ``step * grad_accum_steps``.
     """
     accelerator, path = run.accelerator, checkpoint_dir(run.config.output_dir, run.step)
-    tmp = path.with_name(f".{path.name}.tmp")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / RNG_STATE_NAME.format(rank=accelerator.process_index))
-    heads_state = accelerator.get_state_dict(run.heads)  # every process: a collective when the heads are sharded
-    optimizer_state = save_optimizer_state(run, tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step},
-                   state_dict=heads_state)
-        if run.lora_params is not None:
-            save_adapter(run.model, tmp / ADAPTER_DIR)
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER_NAME)
-        state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
-                 "num_processes": accelerator.num_processes, "config": run.config.to_dict()}
-        (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
-        if path.exists():
-            _remove_checkpoint(path)
-        os.replace(tmp, path)
+    main = accelerator.is_main_process
+    with atomic_folder(path, tmp=path.with_name(f".{path.name}.tmp"), swap=main) as tmp:
+        accelerator.wait_for_everyone()  # the main process made tmp
+        torch.save(rng_state(), tmp / RNG_STATE_NAME.format(rank=accelerator.process_index))
+        heads_state = accelerator.get_state_dict(run.heads)  # every process: a collective when the heads are sharded
+        optimizer_state = save_optimizer_state(run, tmp)
+        accelerator.wait_for_everyone()
+        if main:
+            save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step},
+                       state_dict=heads_state)
+            if run.lora_params is not None:
+                save_adapter(run.model, tmp / ADAPTER_DIR)
+            if optimizer_state is not None:
+                torch.save(optimizer_state, tmp / OPTIMIZER_NAME)
+            state = {"step": run.step, "micro_step": run.step * run.config.grad_accum_steps,
+                     "num_processes": accelerator.num_processes, "config": run.config.to_dict()}
+            (tmp / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+    if main:
         _prune_checkpoints(path.parent, run.config.keep_checkpoints)
         logger.info("checkpoint saved: %s", path)
     accelerator.wait_for_everyone()
@@ -227,18 +220,10 @@ def load_torch_file(path: Path, what: str):
         raise ValueError(f"{what} {path} is damaged or not a torch file: {type(e).__name__}: {e}") from e
 
 
-def _remove_checkpoint(path: Path) -> None:
-    """Rename out of sight first, so a kill during the deletion never leaves a partial ``step_N``."""
-    hidden = path.with_name(f".{path.name}.deleting")
-    shutil.rmtree(hidden, ignore_errors=True)
-    os.replace(path, hidden)
-    shutil.rmtree(hidden)
-
-
 def _prune_checkpoints(root: Path, keep: int) -> None:
     if keep == 0:
         return
     steps = sorted(int(p.name[len(CHECKPOINT_PREFIX) :]) for p in root.glob(f"{CHECKPOINT_PREFIX}*")
                    if p.name[len(CHECKPOINT_PREFIX) :].isdigit())
     for step in steps[:-keep]:
-        _remove_checkpoint(root / f"{CHECKPOINT_PREFIX}{step}")
+        remove_folder(root / f"{CHECKPOINT_PREFIX}{step}")

@@ -15,7 +15,6 @@ from pathlib import Path
 import yaml
 
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
-HEAD_TYPE_CHOICES = ("medusa", "hydra")
 LOSS_CHOICES = ("hard", "teacher", "mixed")
 TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 TRAINING_MODE_CHOICES = ("medusa1", "medusa2")
@@ -162,7 +161,9 @@ class TrainConfig:
             raise ValueError("base (the base model folder) is required")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
-        _check_choice("head_type", self.head_type, HEAD_TYPE_CHOICES)
+        from medusa.heads import HEAD_TYPES  # here, not at the top: flag parsing (train.cli) stays free of torch
+
+        _check_choice("head_type", self.head_type, HEAD_TYPES)
         _check_choice("loss", self.loss, LOSS_CHOICES)
         _check_choice("training_mode", self.training_mode, TRAINING_MODE_CHOICES)
         self._check_medusa2()

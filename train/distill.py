@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.base import hf_greedy_batch, stop_token_ids
 from train.data import Conversation, first_prompt
 
 logger = logging.getLogger(__name__)
@@ -94,13 +95,13 @@ def distill(
                 len(todo), len(done), too_long, max_prompt_tokens)
     todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
+    stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
     start, written, generated = time.monotonic(), 0, 0
     with open(out_path, "a", encoding="utf-8") as out:
         for b in range(0, len(todo), batch_size):
             batch = todo[b : b + batch_size]
             batch_start = time.monotonic()
-            responses = _generate_batch(model, [ids for _, _, ids in batch], pad_id, max_new_tokens, device)
+            responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
             for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
                 text = tokenizer.decode(response, skip_special_tokens=True)
                 record = {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}],
@@ -144,21 +145,3 @@ def distill_splits(model, tokenizer, train_convs: list[Conversation], held_convs
         logger.info("time limit reached after the held-out split: the training split waits for the next run")
     return train_path, held_path
 
-
-def _generate_batch(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int, device) -> list[list[int]]:
-    """Greedy answers for left-padded prompts; each answer is cut after its first EOS (kept) or at the budget."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p)
-        attention_mask[i, width - len(p) :] = 1
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        answers.append(row[:cut])
-    return answers

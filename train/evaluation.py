@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,11 +10,9 @@ from medusa.heads import head_target_offset
 from train.data import collate, to_device
 from train.history import append_evaluation
 from train.objective import head_loss
+from train.run import Run
 from train.sharded import heads_are_sharded
 from train.store import base_hidden_states
-
-if TYPE_CHECKING:
-    from train.setup import Run
 
 logger = logging.getLogger(__name__)
 

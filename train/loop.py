@@ -27,7 +27,7 @@ from train.medusa2 import (
     set_lora_dropout,
 )
 from train.objective import mixed_step_loss
-from train.setup import Run
+from train.run import Run
 from train.store import base_hidden_states
 
 logger = logging.getLogger(__name__)

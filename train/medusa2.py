@@ -14,16 +14,13 @@ into a plain model folder (:mod:`medusa.adapter`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from medusa.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-from medusa.files import replace_folder
+from medusa.files import atomic_folder
 from medusa.heads import IGNORE_INDEX
 from medusa.losses import next_token_kl_sum
 from train.config import TrainConfig
@@ -135,16 +132,9 @@ def kl_sum(model, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Ten
 
 def save_adapter(model, out_dir: str | Path) -> Path:
     """Write the LoRA as a peft adapter folder, atomically (a temporary folder swapped in at the end)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         model.save_pretrained(str(tmp))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.chmod(tmp, 0o755)
-    return replace_folder(tmp, out_dir)
+    return Path(out_dir)
 
 
 def load_adapter_state(model, adapter_dir: Path, config: TrainConfig) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,9 +13,16 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from medusa import heads as heads_module
+from medusa.base import stop_token_ids
 from medusa.checkpoint import load_heads
-from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint, most_frequent_tokens
+from medusa.heads import (
+    HydraHeads,
+    MedusaHeads,
+    MedusaHeadsConfig,
+    build_heads,
+    lm_head_fingerprint,
+    most_frequent_tokens,
+)
 from medusa.losses import head_lookup_table
 from train.checkpoints import (
     HEADS_DIR,
@@ -35,35 +41,11 @@ from train.conversations import (
 )
 from train.data import default_tokenize_cache_dir, target_token_counts, tokenize_conversations
 from train.medusa2 import ADAPTER_DIR, apply_lora, load_adapter_state, lora_parameters
+from train.run import Run
 from train.sharded import check_sharded_settings, full_weight
-from train.store import HiddenStateStore, ensure_store
+from train.store import ensure_store
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built once by :func:`setup`."""
-
-    config: TrainConfig
-    accelerator: Accelerator
-    model: torch.nn.Module
-    heads: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_examples: list[dict]
-    held_examples: list[dict]
-    head_lookup: torch.Tensor | None
-    pad_id: int
-    teacher_weight: torch.Tensor | None
-    """``(Vh, H)`` the base's lm_head rows of the head vocabulary (teacher logits), when the loss needs them."""
-    step: int = 0
-    hidden_cache: dict[int, torch.Tensor] | None = None
-    """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
-    store: HiddenStateStore | None = None
-    """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
-    lora_params: list[torch.nn.Parameter] | None = None
-    """Medusa-2: the base's LoRA parameters (``run.model`` is then a peft model)."""
 
 
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
@@ -93,7 +75,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     model = adapt_base(config, accelerator, model, checkpoint)
     lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
     lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each; gathered once when sharded
-    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos_ids(model, tokenizer))
+    eos = sorted(stop_token_ids(model.generation_config, tokenizer))  # always in a truncated head vocabulary
+    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos)
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
@@ -157,7 +140,7 @@ def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.T
         check_init_heads(config, heads.config)
         logger.info("heads initialised from %s", config.init_heads)
         return heads
-    return build_heads(config, lm_head, embed, examples, always)
+    return heads_for_training(config, lm_head, embed, examples, always)
 
 
 def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> None:
@@ -249,16 +232,8 @@ def freeze_base(model: torch.nn.Module) -> None:
     model.eval()
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """End-of-sequence ids of the tokenizer and the generation config: always in a truncated head vocabulary."""
-    ids = {tokenizer.eos_token_id}
-    generation_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-    return sorted(i for i in ids if i is not None)
-
-
-def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
-                always: list[int]) -> MedusaHeads | HydraHeads:
+def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
+                       always: list[int]) -> MedusaHeads | HydraHeads:
     """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
     of the most frequent training targets. Sharded or partitioned weights are gathered once (:func:`full_weight`)."""
     lm_head = full_weight(lm_head, "lm_head")  # (V, H); a no-op on a whole weight
@@ -281,7 +256,7 @@ def build_heads(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor,
         lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
         prefix_layers=config.prefix_layers, prefix_window=config.prefix_window,
     )
-    return heads_module.build_heads(heads_config, lm_head, embed, token_map)
+    return build_heads(heads_config, lm_head, embed, token_map)
 
 
 def make_optimizer(heads: torch.nn.Module, config: TrainConfig,

@@ -23,13 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from medusa.files import atomic_file
 from medusa.heads import fingerprint_mismatch, lm_head_fingerprint
 from train.data import collate
 
@@ -206,31 +206,27 @@ def _write_shard(path: Path, index: int, first: int, model, examples: list[dict]
     tokens = np.empty((offsets[-1], 2), dtype=np.int32)  # (N, 2)
     for e, offset, n in zip(examples, offsets, lengths, strict=False):
         tokens[offset : offset + n, 0], tokens[offset : offset + n, 1] = e["input_ids"], e["labels"]
-    tmp_hidden, tmp_tokens = path / f"{TMP_PREFIX}{name}{HIDDEN_SUFFIX}", path / f"{TMP_PREFIX}{name}{TOKENS_SUFFIX}"
-    hidden = np.memmap(tmp_hidden, dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), hidden_size))  # (N, H)
-    device = next(model.parameters()).device
-    for batch_rows in length_sorted_batches(lengths, batch_size):
-        batch = collate([examples[r] for r in batch_rows], pad_id=0)
-        states = base_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        bits = states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()  # (B, T, H)
-        for row, r in enumerate(batch_rows):
-            hidden[offsets[r] : offsets[r + 1]] = bits[row, : lengths[r]]
-    hidden.flush()
-    del hidden
-    tokens.tofile(tmp_tokens)
-    for tmp in (tmp_hidden, tmp_tokens):
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path / tmp.name[len(TMP_PREFIX) :])
+    with (atomic_file(path / f"{name}{HIDDEN_SUFFIX}", TMP_PREFIX, sync=True) as tmp_hidden,
+          atomic_file(path / f"{name}{TOKENS_SUFFIX}", TMP_PREFIX, sync=True) as tmp_tokens):
+        hidden = np.memmap(tmp_hidden, dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), hidden_size))  # (N, H)
+        device = next(model.parameters()).device
+        for batch_rows in length_sorted_batches(lengths, batch_size):
+            batch = collate([examples[r] for r in batch_rows], pad_id=0)
+            states = base_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            bits = states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()  # (B, T, H)
+            for row, r in enumerate(batch_rows):
+                hidden[offsets[r] : offsets[r + 1]] = bits[row, : lengths[r]]
+        hidden.flush()
+        del hidden
+        tokens.tofile(tmp_tokens)
     return {"name": name, "first_example": first, "examples": len(examples), "tokens": int(offsets[-1]),
             "hidden_bytes": int(offsets[-1]) * hidden_size * 2, "tokens_bytes": int(tokens.nbytes),
             "lengths": lengths}
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    with atomic_file(path, TMP_PREFIX) as tmp:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def ensure_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,

@@ -60,10 +60,9 @@ from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.objective import head_loss, mixed_step_loss, step_loss, teacher_logits  # noqa: F401
 from train.setup import (  # noqa: F401
     Run,
-    build_heads,
     describe_processes,
-    eos_ids,
     freeze_base,
+    heads_for_training,
     make_accelerator,
     make_optimizer,
     prepare_base,

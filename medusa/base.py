@@ -1,0 +1,71 @@
+"""The base model: loading a stock transformers causal LM, its end-of-sequence ids, and Hugging Face ``generate``
+over a batch of prompts (the reference the bench and self-distillation both use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_base(base: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              attn_implementation: str | None = None):
+    """Load a causal LM and its tokenizer from a local folder (or a hub id when the hub is reachable).
+
+    Raises:
+        FileNotFoundError: ``base`` looks like a path but is not a folder with a ``config.json``.
+        OSError: the folder or hub id could not be read as a model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(base)
+    looks_local = path.exists() or str(base).startswith((".", "/", "~")) or len(path.parts) > 2
+    if looks_local and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"base model folder {base} does not exist or has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError) as e:
+        raise OSError(f"could not load a causal LM from {base}: {e}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def stop_token_ids(generation_config, tokenizer=None) -> set[int]:
+    """The end-of-sequence ids of ``generation_config`` (one id, a list or ``None``) and of ``tokenizer`` when given.
+
+    Without a tokenizer these are exactly the ids at which Hugging Face ``generate`` stops.
+    """
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {i for i in ids if i is not None}
+
+
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list, max_new_tokens: int, stop_token_ids: set[int],
+                    pad_token_id: int) -> list[list[int]]:
+    """Hugging Face ``generate``, greedy, on several prompts at once (left padding).
+
+    Args:
+        model: a transformers causal LM.
+        prompts: token ids per prompt (lists or 1-D tensors).
+        stop_token_ids: ``generate`` stops a row at these ids; empty: at none.
+        pad_token_id: the id left padding and ``generate``'s padding of finished rows use.
+
+    Returns:
+        The new ids per prompt, each cut after its first stop token (kept) or at the budget.
+    """
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros_like(ids)  # (B, T)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p) :], mask[b, longest - len(p) :] = torch.as_tensor(p), 1
+    device = next(model.parameters()).device
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=sorted(stop_token_ids) or None, pad_token_id=pad_token_id)
+    rows = []
+    for row in out[:, longest:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_token_ids), len(row))
+        rows.append(row[:cut])
+    return rows

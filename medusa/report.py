@@ -1,0 +1,124 @@
+"""The text the ``medusa`` command prints for bench, batched bench and drift results.
+
+Pure formatting of the result dictionaries :mod:`medusa.bench` and :mod:`medusa.drift` return (and write as JSON);
+no model, no timing.
+"""
+
+from __future__ import annotations
+
+
+def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
+    """The bench figures as aligned text; with ``reference``, a second column holds that earlier result's."""
+    def rows(r: dict) -> list[tuple[str, str]]:
+        return [("prompts x max new tokens", f"{r['prompts']} x {r.get('max_new_tokens', '?')}"),
+                ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
+                ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
+                ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
+                ("plain tokens/s (same engine)", fmt(r.get("plain_tokens_per_s"))),
+                ("speedup vs plain (same engine)", fmt(r.get("speedup_vs_plain"))),
+                ("HF prompt lookup tokens/s", fmt(r.get("hf_prompt_lookup_tokens_per_s", "not timed"))),
+                ("speedup vs HF prompt lookup", fmt(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
+                ("step ms: draft/forward/accept/cache", step_text(r.get("step_ms"))),
+                ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
+                ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
+                ("identical prompts", fmt(r["identical"])),
+                ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
+                ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
+                ("kept a draft at depth 1, 2, ...", " ".join(f"{a:.3f}" for a in r.get("per_depth_accept", []))),
+                ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
+                ("torch threads", f"{r.get('torch_threads', '?')}"),
+                ("load average (1 min) / cores", load_text(r.get("load"))),
+                ("predicted tau / speedup (chain)", prediction_text(r.get("prediction")))] + [
+                (f"{m} mean log-prob/token",
+                 f"{r[f'{m}_mean_logprob']:.4f} (+- {fmt(r[f'{m}_mean_logprob_stderr'])})")
+                for m in ("hf", "medusa") if f"{m}_mean_logprob" in r]
+    mine = rows(result)
+    width = max(len(k) for k, _ in mine)
+    if reference is None:
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in mine)
+    theirs = dict(rows(reference))
+    column = max(len(v) for _, v in mine + [("", "this run")])
+    lines = [f"{'':<{width}}  {'this run':<{column}}  {reference_name or 'reference'}"]
+    lines += [f"{k:<{width}}  {v:<{column}}  {theirs.get(k, '')}" for k, v in mine]
+    same = same_prompts_text(result, reference)
+    if same:
+        lines.append(f"{'reference, same prompts only':<{width}}  {'':<{column}}  {same}")
+    return "\n".join(lines)
+
+
+def batch_bench_table(result: dict) -> str:
+    """The batched bench as text: tokens/s per method and batch size, identical prompts, Medusa tau."""
+    lines = [f"{'batch':>5}  {'method':6}  {'tokens/s':>9}  {'identical':>9}  {'tau':>5}"]
+    for size, by_method in result["results"].items():
+        for method, r in by_method.items():
+            tau = f"{r['tau']:.2f}" if "tau" in r else ""
+            lines.append(f"{size:>5}  {method:6}  {r['tokens_per_s']:9.2f}  {r['identical']:>4}/{result['prompts']:<4}"
+                         f"  {tau:>5}")
+    return "\n".join(lines)
+
+
+def same_prompts_text(result: dict, reference: dict) -> str | None:
+    """The reference's tau and speedup over just the prompts this run decoded, when it decoded a subset of the
+    reference's prompts (same indices, same token counts); ``None`` otherwise. A subset's tau can differ a lot from
+    the whole set's (prompts differ in how much the base repeats itself)."""
+    ours, theirs = result.get("per_prompt") or [], {p["prompt"]: p for p in reference.get("per_prompt") or []}
+    if not ours or len(ours) >= len(theirs):
+        return None
+    picked = [theirs.get(p["prompt"]) for p in ours]
+    if any(t is None or t["tokens"] != p["tokens"] for t, p in zip(picked, ours, strict=True)):
+        return None
+    # As the bench's tau: decode tokens (the prefill's token excluded) over decode steps; a prompt the prefill alone
+    # answered (tau NaN) has neither.
+    decoded = [(t["tokens"] - 1, (t["tokens"] - 1) / t["tau"]) for t in picked if t["tokens"] > 1 and t["tau"] > 0]
+    tokens, steps = sum(d for d, _ in decoded), sum(s for _, s in decoded)
+    hf_tokens = sum(t.get("hf_tokens_per_s", 0.0) * t["hf_s"] for t in picked) or sum(t["tokens"] for t in picked)
+    medusa_s, hf_s = sum(t["medusa_s"] for t in picked), sum(t["hf_s"] for t in picked)
+    if not steps or not medusa_s or not hf_s:
+        return None
+    speedup = (sum(t["tokens"] for t in picked) / medusa_s) / (hf_tokens / hf_s)  # tokens/s over tokens/s
+    return f"tau {tokens / steps:.3f}, speedup {speedup:.3f}x ({len(picked)} of its {len(theirs)} prompts)"
+
+
+def prediction_text(prediction: dict | None) -> str:
+    """A bench's chain prediction (:func:`medusa.bench.chain_prediction`) as text."""
+    if not prediction:
+        return "not recorded"
+    speedup = prediction.get("predicted_speedup")
+    return (f"{prediction['predicted_tau']:.2f} / {'?' if speedup is None else f'{speedup:.2f}x'} (alpha "
+            f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
+
+
+def step_text(step_ms: dict | None) -> str:
+    """Milliseconds per Medusa step by part: draft / verify forward / accept / cache (total)."""
+    if not step_ms:
+        return "not recorded"
+    parts = " / ".join(f"{step_ms[k]:.1f}" for k in ("draft", "verify_forward", "accept", "cache"))
+    return f"{parts} (total {step_ms['total']:.1f})"
+
+
+def engine_text(engine: dict | None) -> str:
+    """The engine a bench ran on, with the static fallback and its reason when it could not pack or compile."""
+    if not engine:
+        return "not recorded"
+    name = engine.get("engine")
+    if (name == "compiled" and not engine.get("compiled")) or (name == "onednn" and not engine.get("packed")):
+        return f"{name} -> static ({engine.get('fallback_reason')})"
+    return name
+
+
+def load_text(load: dict | None) -> str:
+    """The 1-minute load average over the usable cores."""
+    if not load or load.get("load_1min") is None:
+        return "not recorded"
+    return f"{load['load_1min']:.1f} / {load['cores']}"
+
+
+def fmt(value) -> str:
+    """A float to three decimals; anything else as ``str``."""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def drift_text(result: dict) -> str:
+    """A drift result (:func:`medusa.drift.drift`) in one line."""
+    return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
+            f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")

@@ -1,0 +1,40 @@
+"""``Run``: everything the training loop, evaluation and checkpoints share, built once by :func:`train.setup.setup`.
+
+Its own module so that the modules reading it (``train.loop``, ``train.evaluation``, ``train.checkpoints``) and the
+one building it (``train.setup``) import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from train.config import TrainConfig
+from train.store import HiddenStateStore
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by :func:`setup`."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    model: torch.nn.Module
+    heads: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_examples: list[dict]
+    held_examples: list[dict]
+    head_lookup: torch.Tensor | None
+    pad_id: int
+    teacher_weight: torch.Tensor | None
+    """``(Vh, H)`` the base's lm_head rows of the head vocabulary (teacher logits), when the loss needs them."""
+    step: int = 0
+    hidden_cache: dict[int, torch.Tensor] | None = None
+    """Example index -> its ``(T_i, H)`` bf16 hidden states, when ``config.cache_hidden_states``."""
+    store: HiddenStateStore | None = None
+    """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
+    lora_params: list[torch.nn.Parameter] | None = None
+    """Medusa-2: the base's LoRA parameters (``run.model`` is then a peft model)."""
