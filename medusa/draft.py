@@ -39,14 +39,14 @@ def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, layout: TreeBuff
         The :class:`medusa.drafters.base.DraftTree`: node tokens and, per level, where its candidates came from.
     """
     sampler = sampler or TopK()
-    if vocab is None:
-        vocab = heads.to_base_ids(torch.arange(heads.head_vocab_size, device=root.device))  # (Vh,)
     tokens = torch.empty(len(layout.depth), dtype=torch.long, device=root.device)  # (N,)
     tokens[0] = root
     draws = []
     for d, parents in enumerate(layout.level_parents):
         paths = tokens[layout.node_paths[parents, : d + 1]]  # (P_d, d+1): root .. parent
         logits = heads.draft_logits(d, hidden, paths)  # (P_d, Vh)
+        if vocab is None:
+            vocab = heads.to_base_ids(torch.arange(logits.shape[-1], device=root.device))  # (Vh,)
         candidates, q = sampler.draw(logits, layout.level_top_k[d])  # (P_d, k_d), (P_d, Vh) or None
         picked = candidates[layout.child_slot[d], layout.child_rank[d]]  # (C_d,)
         tokens[layout.level_children[d]] = vocab[picked]

@@ -32,11 +32,25 @@ from medusa.prefix_layer import PrefixAttention, PrefixContext
 HEAD_TOKEN_OFFSET = 2
 # Label / head index meaning "no target" (the cross-entropy ignore index).
 IGNORE_INDEX = -100
-HEAD_TYPES = ("medusa", "hydra")
+HEAD_TYPES: dict[str, type] = {}
+"""The registry of head types: ``head_type`` name -> heads class (filled by :func:`register_head_type`). A class is
+built as ``cls(config, lm_head_weight, embed_weight=..., token_map=...)`` and decodes through
+:class:`medusa.draft.HeadsDrafter` when it has ``draft_logits``, ``new_context``, ``extend_context`` and
+``to_base_ids``."""
 # Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra). Version 3: the heads'
 # own attention layer (prefix_layers, prefix_window).
 FORMAT_VERSION = 3
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+
+
+def register_head_type(name: str):
+    """Class decorator: register a heads class as ``head_type`` ``name`` (:data:`HEAD_TYPES`)."""
+
+    def register(cls: type) -> type:
+        HEAD_TYPES[name] = cls
+        return cls
+
+    return register
 
 
 def head_target_offset(k: int) -> int:
@@ -199,8 +213,8 @@ class _HeadsBase(nn.Module):
             rows = rows[token_map.to(rows.device)]
         if config.share_lm_head:
             # Frozen and not saved: it is the base's own lm_head (or its token_map rows), re-derived on load. Kept
-            # transposed, (H, Vh) contiguous: a product with one or a few rows (drafting) reads it about 3-6x faster
-            # on a CPU than the (Vh, H) layout (0.5 vs 3.3 ms for 4,096 x 576 here).
+            # transposed, (H, Vh) contiguous: a product with one or a few rows (drafting) reads it several times
+            # faster on a CPU than the (Vh, H) layout.
             self.register_buffer("shared_weight_t", rows.T.contiguous(), persistent=False)
             self.lm_heads = None
         else:
@@ -299,6 +313,7 @@ class _HeadsBase(nn.Module):
         return torch.where(base_ids >= 0, lookup[base_ids.clamp_min(0)], torch.full_like(base_ids, missing))
 
 
+@register_head_type("medusa")
 class MedusaHeads(_HeadsBase):
     """K Medusa heads over the base's last hidden state (Cai et al., 2024, section 2.1.1).
 
@@ -308,12 +323,15 @@ class MedusaHeads(_HeadsBase):
             a copy of the ``token_map`` rows); per-head projections are initialised from it.
         token_map: ``(head_vocab_size,)`` base token ids of the truncated head vocabulary; required exactly when
             ``config.head_vocab_size`` is set.
+        embed_weight: ignored (Medusa heads do not read the token embeddings; accepted so every head type is built
+            the same way).
 
     Raises:
         ValueError: the lm_head or token map does not match the config.
     """
 
-    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None = None):
+    def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, token_map: torch.Tensor | None = None,
+                 embed_weight: torch.Tensor | None = None):
         super().__init__(config, lm_head_weight, token_map)
         # One distinct module per layer and head (list multiplication would share a single ResBlock).
         self.blocks = nn.ModuleList(
@@ -329,6 +347,7 @@ class MedusaHeads(_HeadsBase):
         return self.project(k, self.blocks[k](hidden[None])).expand(len(path_tokens), -1)  # (P, Vh)
 
 
+@register_head_type("hydra")
 class HydraHeads(_HeadsBase):
     """K sequentially dependent (Hydra) heads (Ankner et al., 2024, section 3).
 
@@ -406,15 +425,14 @@ class HydraHeads(_HeadsBase):
 
 
 def build_heads(config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None,
-                token_map: torch.Tensor | None = None) -> MedusaHeads | HydraHeads:
-    """The heads ``config.head_type`` names, over the base's lm_head (and, for Hydra, input embeddings) ``(V, H)``.
+                token_map: torch.Tensor | None = None) -> nn.Module:
+    """The heads ``config.head_type`` names (:data:`HEAD_TYPES`), over the base's lm_head (and, for Hydra, input
+    embeddings) ``(V, H)``.
 
     Raises:
         ValueError: Hydra heads without ``embed_weight``, or shapes that do not match the config.
     """
-    if config.head_type == "hydra":
-        return HydraHeads(config, lm_head_weight, embed_weight, token_map)
-    return MedusaHeads(config, lm_head_weight, token_map)
+    return HEAD_TYPES[config.head_type](config, lm_head_weight, embed_weight=embed_weight, token_map=token_map)
 
 
 def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int,

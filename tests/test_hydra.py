@@ -88,7 +88,7 @@ def test_drafted_children_depend_on_their_own_path():
     heads = make_hydra(num_heads=2, scale=1.0)
     tree = Tree.from_paths([[0], [1], [0, 0], [1, 0]])
     draft = draft_tree(heads, torch.randn(H), torch.tensor(3), tree_buffers(tree))
-    assert not torch.equal(draft.level_logits[1][0], draft.level_logits[1][1])
+    assert not torch.equal(draft.draws[1].logits[0], draft.draws[1].logits[1])
 
 
 def tiny_hydra_for(model, num_heads=3, seed=1, prefix_window=0):

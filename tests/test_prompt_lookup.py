@@ -37,10 +37,11 @@ from medusa.calibrate import (
     replayed_tau,
     sequence_states,
 )
-from medusa.draft import draft_tree
+from medusa.drafters.base import TopK
+from medusa.drafters.composite import CompositeDrafter, tree_drafter
 from medusa.generate import medusa_generate
-from medusa.prompt_lookup import lookup_draft
-from medusa.sampling import RejectionSampling, TypicalAcceptance
+from medusa.prompt_lookup import PromptLookupDrafter, lookup_draft
+from medusa.sampling import TypicalAcceptance
 from medusa.tree import Tree, load_tree, save_tree, tree_buffers
 from medusa.verify import greedy_accept, greedy_accept_along_path
 
@@ -98,12 +99,33 @@ def test_tree_file_round_trip_and_bad_lookup_fields(tmp_path):
             load_tree(tmp_path / "b.json")
 
 
-def test_drafting_a_lookup_chain_needs_the_context():
-    buffers = tree_buffers(Tree.chain(0).with_lookup(2))
-    with pytest.raises(ValueError, match="needs the context"):
-        draft_tree(None, torch.zeros(4), T(3), buffers)
-    draft = draft_tree(None, torch.zeros(4), T(3), buffers, sequence=T([3, 4, 5, 3]))
+def test_the_lookup_drafter_copies_from_the_context_as_deterministic_nodes():
+    drafter = PromptLookupDrafter(2)
+    draft = drafter.propose(drafter.new_state(), T(3), T([3, 4, 5, 3]), TopK())
     assert draft.tokens.tolist() == [3, 4, 5]
+    assert draft.copied.tolist() == [1, 2] and draft.draws == []
+    assert draft.layout.parents.tolist() == [-1, 0, 1]
+    assert draft.confidence().tolist() == [1.0, 1.0, 1.0]  # a copied token's q is one-hot
+    with pytest.raises(ValueError, match="length >= 1"):
+        PromptLookupDrafter(0)
+
+
+def test_a_composite_of_heads_and_lookup_has_the_tree_file_layout():
+    """Heads' nodes then the lookup chain, the chain first in ties: the node order and walk order of the tree
+    file, so decoding is as before the drafter seam."""
+    for tree in (Tree.chain(3).with_lookup(4), WIDE_TREE.with_lookup(6), Tree.from_paths([[0], [0, 0]], "t", 2)):
+        heads = random_heads(tiny_model("llama"))
+        drafter = tree_drafter(heads, tree)
+        assert isinstance(drafter, CompositeDrafter) and drafter.max_nodes == tree.num_nodes
+        state = drafter.new_state()
+        drafter.start(state, torch.zeros(1, 64), T([11]))
+        draft = drafter.propose(state, T(11), T([5, 6, 11]), TopK())
+        expected = tree_buffers(tree)
+        for name in ("depth", "ancestor_mask", "node_paths", "parents", "walk_rank"):
+            assert torch.equal(getattr(draft.layout, name), getattr(expected, name)), (tree.name, name)
+        assert draft.layout.children == expected.children
+        assert draft.copied.tolist() == expected.lookup_nodes.tolist()
+        assert [d.nodes.tolist() for d in draft.draws] == [c.tolist() for c in expected.level_children]
 
 
 def test_walk_follows_the_children_of_twin_nodes():
@@ -206,6 +228,14 @@ def base_logits():
     return tabulated_base_logits()
 
 
+def table_drafter(heads, tree):
+    """The tree file's drafter over table heads, its state started (``drafter.state``)."""
+    drafter = tree_drafter(heads, tree)
+    drafter.state = drafter.new_state()
+    drafter.start(drafter.state, torch.zeros(1, 4), T([11]))
+    return drafter
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("copied", ["likely", "unlikely"])
 @pytest.mark.parametrize("kind", ["random", "base"])
@@ -218,15 +248,14 @@ def test_rejection_sampling_with_a_copied_chain_is_exact(base_logits, kind, copi
     tree = Tree(TREE.paths, "t", lookup_length=2)
     buffers = tree_buffers(tree)
     context = T([1, 2, 11, x, y, 3, 11])  # the root 11 last: the lookup copies x, y
-    base_rule = rejection_rule({"temperature": 1.0})
-    rule = RejectionSampling(buffers, base_rule.head_to_base, V, base_rule.draft_warp, base_rule.generator)
-    heads = make_heads(kind, base_logits)
+    rule = rejection_rule({"temperature": 1.0})
+    drafter = table_drafter(make_heads(kind, base_logits), tree)
     probs = [torch.softmax(t, dim=-1) for t in tables]
     gen = torch.Generator().manual_seed(2)
     samples = torch.empty(DRAWS, 3, dtype=torch.long)
     accepted_copy = 0
     for i in range(DRAWS):
-        draft = draft_tree(heads, torch.zeros(4), T(11), buffers, rule.choose, sequence=context)
+        draft = drafter.propose(drafter.state, T(11), context, rule.sampler)
         assert draft.tokens[buffers.lookup_nodes].tolist() == [x, y]
         result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
         accepted_copy += int(result.path_nodes[-1]) in buffers.lookup_nodes.tolist()
@@ -247,10 +276,10 @@ def test_typical_acceptance_tries_the_copied_token_first(base_logits):
     order = p1.argsort(descending=True).tolist()
     tree = Tree(TREE.paths, "t", lookup_length=2)
     buffers = tree_buffers(tree)
-    heads = make_heads("base", base_logits)
+    drafter = table_drafter(make_heads("base", base_logits), tree)
     for copied, expect_chain in ((order[0], True), (order[-1], False)):
-        rule = TypicalAcceptance(buffers, epsilon=0.3, delta=0.09, generator=torch.Generator().manual_seed(0))
-        draft = draft_tree(heads, torch.zeros(4), T(11), buffers, rule.choose, sequence=T([11, copied, 3, 11]))
+        rule = TypicalAcceptance(epsilon=0.3, delta=0.09, generator=torch.Generator().manual_seed(0))
+        draft = drafter.propose(drafter.state, T(11), T([11, copied, 3, 11]), rule.sampler)
         result = rule.accept(draft, table_logits_at(tables, buffers, draft.tokens))
         on_chain = result.accepted > 0 and int(result.path_nodes[1]) == int(buffers.lookup_nodes[0])
         assert on_chain == expect_chain

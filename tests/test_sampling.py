@@ -10,6 +10,8 @@ to hold at least 5 draws plus one "other" bin.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from tiny import tiny_model
@@ -58,8 +60,17 @@ def processed(settings: dict, tables):
 class TableHeads:
     """Heads whose logits come from a function of (depth, path below the root), on the truncated head vocabulary."""
 
+    config = types.SimpleNamespace(num_heads=2)
+    head_vocab_size = len(HEAD_VOCAB)
+
     def __init__(self, logits_fn):
         self.logits_fn = logits_fn
+
+    def new_context(self):
+        return None
+
+    def extend_context(self, context, hidden, next_tokens):
+        return hidden[-1]
 
     def draft_logits(self, k, hidden, path_tokens):
         return torch.stack([self.logits_fn(k, p[1:].tolist()) for p in path_tokens])[:, HEAD_VOCAB]  # (P, Vh)

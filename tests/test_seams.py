@@ -1,0 +1,147 @@
+"""The three seams from outside the package: a drafter and an engine defined here, registered through the public
+registries, decode exactly (greedy = the base's greedy tokens; seeded sampling reproducible), with trees that change
+shape from step to step, and without a file of the package edited."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import hf_greedy, random_heads
+from tiny import tiny_model
+
+from medusa import kv_cache
+from medusa.drafters.base import DraftTree, Draws, drafter_class, register_drafter
+from medusa.engine import ENGINES, Engine, make_engine, register_engine
+from medusa.generate import GenerationStats, decode_steps
+from medusa.model import MedusaModel
+from medusa.sampling import acceptance_rule
+from medusa.tree import Tree, layout_from_parents
+
+
+@register_engine("test-counting")
+class CountingEngine(Engine):
+    """transformers' DynamicCache through medusa.kv_cache, counting its forwards and the tokens they carried."""
+
+    summary = "a DynamicCache engine that counts its forwards (tests)"
+
+    def __init__(self, model, max_cache_len=None, scores_all_nodes=None):
+        super().__init__(model, scores_all_nodes)
+        self.forwards, self.tokens = 0, 0
+
+    def new_cache(self, capacity):
+        return kv_cache.new_cache()
+
+    def cache_length(self, cache):
+        return kv_cache.cache_length(cache)
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+        self.forwards += 1
+        self.tokens += len(input_ids)
+        return kv_cache.forward(self.model, input_ids, positions, tree_mask, cache, logits_for)
+
+    def keep_positions(self, cache, prefix_len, keep):
+        kv_cache.keep_positions(cache, prefix_len, keep)
+
+
+@register_drafter("test-bigram")
+class BigramDrafter:
+    """Drafts from the context's own bigram counts: a copied node (the token that followed the root last time) and,
+    on odd steps, a drawn group of two under the root from the bigram distribution (so trees change shape). Its
+    state records every token it was told was accepted."""
+
+    max_nodes, max_depth = 4, 2
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def new_state(self):
+        return {"seen": [], "steps": 0}
+
+    def start(self, state, hidden, next_tokens):
+        state["seen"] += next_tokens[-1:].tolist()
+
+    def propose(self, state, root, sequence, sampler):
+        state["steps"] += 1
+        seq = sequence.tolist()
+        after = [seq[i + 1] for i in range(len(seq) - 1) if seq[i] == int(root)]
+        copied = after[-1] if after else int(root)
+        if state["steps"] % 2 == 0:  # root -> copied -> copied again: a chain of two copied nodes
+            tokens = torch.tensor([int(root), copied, copied])
+            return DraftTree(tokens, layout_from_parents([-1, 0, 1]), copied=torch.tensor([1, 2]))
+        counts = torch.bincount(torch.tensor(after or [int(root)]), minlength=self.vocab_size).float()
+        logits = (counts + 0.1).log()[None]  # (1, V)
+        candidates, q = sampler.draw(logits, 2)  # (1, 2)
+        tokens = torch.cat([root[None], torch.tensor([copied]), candidates[0]])
+        layout = layout_from_parents([-1, 0, 0, 0], [[1, 2, 3], [], [], []])
+        draws = Draws(torch.tensor([0]), logits, candidates, torch.tensor([2, 3]), torch.tensor([0, 0]),
+                      torch.tensor([0, 1]), q)
+        return DraftTree(tokens, layout, [draws], copied=torch.tensor([1]))
+
+    def update(self, state, draft, path, hidden, next_tokens):
+        state["seen"] += next_tokens.tolist()
+
+
+def repetitive_prompt():
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(4))
+    return torch.cat([ids, ids, ids[:5]])
+
+
+@pytest.mark.parametrize("scores_all_nodes", [True, False])
+def test_a_drafter_and_an_engine_from_outside_decode_exactly(scores_all_nodes):
+    model = tiny_model("llama")
+    ids = repetitive_prompt()
+    reference = hf_greedy(model, ids, 40)
+    assert "test-counting" in ENGINES and drafter_class("test-bigram") is BigramDrafter
+    engine = make_engine("test-counting", model, scores_all_nodes=scores_all_nodes)
+    drafter = BigramDrafter(model.config.vocab_size)
+    stats = GenerationStats()
+    out = [t for step in decode_steps(model, drafter, ids, 40, set(), stats, engine=engine) for t in step.tokens]
+    assert out == reference
+    assert stats.tau > 1.0  # the copied nodes are accepted on this repetitive text
+    assert engine.forwards == 1 + stats.decode_steps  # one prefill, then one forward per step
+    assert engine.tokens == len(ids) + sum(3 if s % 2 == 0 else 4 for s in range(1, stats.decode_steps + 1))
+
+
+def test_the_model_decodes_through_a_registered_drafter_and_engine_by_name():
+    model = tiny_model("llama")
+    ids = repetitive_prompt()
+    reference = hf_greedy(model, ids, 32)
+    medusa = MedusaModel(model, random_heads(model), Tree.chain(3), engine="test-counting",
+                         drafter=BigramDrafter(model.config.vocab_size))
+    assert isinstance(medusa.engine, CountingEngine)
+    out, stats = medusa.generate(ids, 32, stop_token_ids=set())
+    assert out == reference
+    first, _ = medusa.generate(ids, 24, stop_token_ids=set(), do_sample=True, temperature=0.8, seed=3)
+    again, _ = medusa.generate(ids, 24, stop_token_ids=set(), do_sample=True, temperature=0.8, seed=3)
+    assert first == again and len(first) == 24
+
+
+def test_the_drafter_is_told_every_accepted_token():
+    model = tiny_model("llama")
+    ids = repetitive_prompt()
+    drafter = BigramDrafter(model.config.vocab_size)
+    state = drafter.new_state()
+    original = drafter.new_state
+    drafter.new_state = lambda: state
+    out = [t for step in decode_steps(model, drafter, ids, 30, set(), engine=make_engine("test-counting", model))
+           for t in step.tokens]
+    drafter.new_state = original
+    # The prefill's token, then each step's accepted drafts and bonus token: the whole output, in order.
+    assert state["seen"][: len(out)] == out
+
+
+def test_rejection_sampling_reads_the_drafters_q_and_refuses_top_k_drafts():
+    from medusa.logits_process import resolve_decoding
+
+    rule = acceptance_rule(resolve_decoding(do_sample=True, seed=0), 320, "cpu")
+    assert rule.lossless and rule.sampler.__class__.__name__ == "SampleWithoutReplacement"
+    drafter = BigramDrafter(320)
+    state = drafter.new_state()
+    draft = drafter.propose(state, torch.tensor(5), torch.tensor([5, 7, 5]), rule.sampler)
+    assert draft.draws[0].q is not None
+    torch.testing.assert_close(draft.draws[0].q.sum(), torch.tensor(1.0))
+    conf = draft.confidence()
+    assert conf[1] == 1.0 and 0 < float(conf[2]) <= 1.0  # copied: q one-hot; drawn: its q probability
+    draft.draws[0].q = None  # drawn as if by top-k: the rule cannot be exact and says so
+    with pytest.raises(ValueError, match="drawn from a distribution q"):
+        rule.accept(draft, lambda node: torch.zeros(320))
