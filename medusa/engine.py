@@ -58,7 +58,8 @@ def attention_kernels(allowed) -> contextlib.AbstractContextManager:
 
     The no-op case keeps the choice local: a caller's own narrower choice (its ``sdpa_kernel``) is never widened,
     and a forward that starts while another thread's block is open leaves the flags to that block, so overlapping
-    blocks never leave them changed.
+    blocks never leave them changed (torch keeps the flags process-wide; if that block ends first, the rest of this
+    forward runs with the kernels enabled outside: speed, and float rounding as between any two kernels).
     """
     enabled = [b for b, on in _SDPA_ENABLED.items() if on()]
     keep = [b for b in enabled if b in allowed] or enabled

@@ -70,7 +70,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, module: nn.Linear):
         super().__init__()
-        self.module = module
+        # Held, not registered as a child: the shadow's module tree stays its own (and the lookup stays cheap).
+        object.__setattr__(self, "module", module)
         self.key = None  # what the copy was made from (see refresh)
         self.packed = None
         self.refresh()
