@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa import kv_cache
 from medusa.draft import draft_tree
+from medusa.engine import EagerEngine
 from medusa.generate import GenerationStats, Step, _emit, check_context
 from medusa.tree import Tree, TreeBuffers, tree_buffers
 
@@ -63,8 +63,8 @@ def check_prompts(prompts: list[torch.Tensor]) -> None:
 
 @torch.inference_mode()
 def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
-                stop_token_ids: set[int] | None = None, stats: BatchStats | None = None, verify_logits: str = "all"
-                ) -> Iterator[list[tuple[int, Step]]]:
+                stop_token_ids: set[int] | None = None, stats: BatchStats | None = None, verify_logits: str = "all",
+                engine=None) -> Iterator[list[tuple[int, Step]]]:
     """Batched greedy Medusa decoding; yields, per base forward, ``(prompt index, Step)`` for each row still running.
 
     Args:
@@ -78,15 +78,21 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         verify_logits: ``"all"`` scores every node of every row with the lm_head in one product (best on a GPU);
             ``"path"`` only the nodes along each row's accepted path, one product per tree level over the rows still
             matching (cheaper on a CPU). Both accept exactly the same tokens.
+        engine: runs the batched forwards and cache operations (:class:`medusa.engine.Engine`, whose
+            ``supports_batch`` is true); ``None``: the eager engine (a ``DynamicCache`` and the model's own modules).
 
     Raises:
-        ValueError: an empty batch or prompt (named), a prompt that does not fit the context, or a tree that does not
-            fit the heads.
+        ValueError: an empty batch or prompt (named), a prompt that does not fit the context, a tree that does not
+            fit the heads, or an engine without batched decoding.
     """
     stats = stats if stats is not None else BatchStats()
     stop = stop_token_ids or set()
     if verify_logits not in ("all", "path"):
         raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
+    if engine is None:
+        engine = EagerEngine(model)
+    if not engine.supports_batch:
+        raise ValueError(f"engine {engine.name!r} does not run batched decoding")
     check_prompts(prompts)
     if heads is None and tree.head_depth > 0:
         raise ValueError(f"tree {tree.name!r} has heads' nodes down to depth {tree.head_depth}: drafting needs heads")
@@ -100,7 +106,7 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     start = time.perf_counter()
     # The heads' own per-sequence state (their attention layer's cache), one per row, if they keep one.
     contexts = [heads.new_context() for _ in prompts] if heads is not None else [None] * len(prompts)
-    cache, roots, last_hidden, valid_len = _prefill(model, heads, prompts, contexts)
+    cache, roots, last_hidden, valid_len = _prefill(engine, heads, prompts, contexts)
     stats.prefill_s = time.perf_counter() - start
     for row in stats.rows:
         row.prefill_s = stats.prefill_s
@@ -117,11 +123,11 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
         if len(running) < len(rows):
             keep = torch.tensor(running, dtype=torch.long, device=device)
             valid_len, roots, last_hidden = valid_len[keep], roots[keep], last_hidden[keep]
-            kv_cache.select_rows(cache, keep, int(valid_len.max()))
+            engine.select_rows(cache, keep, int(valid_len.max()))
             rows, contexts = [rows[j] for j in running], [contexts[j] for j in running]
             sequences = [sequences[j] for j in running]
         start = time.perf_counter()
-        roots, last_hidden, valid_len, emitted = _step(model, heads, contexts, sequences, buffers, cache, roots,
+        roots, last_hidden, valid_len, emitted = _step(engine, heads, contexts, sequences, buffers, cache, roots,
                                                        last_hidden, valid_len, verify_logits)
         sequences = [torch.cat([seq, seq.new_tensor(e)]) for seq, e in zip(sequences, emitted, strict=True)]
         elapsed = time.perf_counter() - start
@@ -132,7 +138,7 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
             stats.rows[i].decode_s += elapsed
 
 
-def _prefill(model, heads, prompts: list[torch.Tensor], contexts: list):
+def _prefill(engine, heads, prompts: list[torch.Tensor], contexts: list):
     """Each prompt's own forward (as when decoded alone: no padding computed), then one batched cache.
 
     Returns:
@@ -140,16 +146,13 @@ def _prefill(model, heads, prompts: list[torch.Tensor], contexts: list):
     """
     caches, roots, last = [], [], []
     for ids, context in zip(prompts, contexts, strict=True):
-        cache = kv_cache.new_cache()
-        positions = torch.arange(len(ids), device=ids.device)
-        logits, hidden = kv_cache.forward(model, ids, positions, kv_cache.causal_mask(len(ids), ids.device), cache,
-                                          logits_for=slice(-1, None))
+        cache, logits, hidden = engine.prefill_row(ids)  # (1, V), (T, H)
         root = logits[-1].argmax()
         caches.append(cache)
         roots.append(root)
         last.append(_drafting_input(heads, context, hidden, torch.cat([ids[1:], root[None]])))
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=prompts[0].device)  # (B,)
-    return kv_cache.stack_rows(caches), torch.stack(roots), torch.stack(last), lengths
+    return engine.stack_rows(caches), torch.stack(roots), torch.stack(last), lengths
 
 
 def _drafting_input(heads, context, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -158,7 +161,7 @@ def _drafting_input(heads, context, hidden: torch.Tensor, next_tokens: torch.Ten
     return hidden[-1] if heads is None else heads.extend_context(context, hidden, next_tokens)
 
 
-def _step(model, heads, contexts: list, sequences: list[torch.Tensor], buffers: TreeBuffers, cache,
+def _step(engine, heads, contexts: list, sequences: list[torch.Tensor], buffers: TreeBuffers, cache,
           roots: torch.Tensor, last_hidden: torch.Tensor, valid_len: torch.Tensor, verify_logits: str):
     """Draft, verify and accept one tree per row (``sequences[b]``: row b's prompt and emitted tokens, root last).
 
@@ -170,21 +173,20 @@ def _step(model, heads, contexts: list, sequences: list[torch.Tensor], buffers: 
     tokens = torch.stack([draft_tree(heads, last_hidden[b], roots[b], buffers, sequence=sequences[b]).tokens
                           for b in range(batch)])  # (B, N)
     positions = valid_len[:, None] + buffers.depth[None, :]  # (B, N)
-    prefix_len = kv_cache.cache_length(cache)
-    hidden = kv_cache.forward_rows(model, tokens, positions, valid_len, buffers.ancestor_mask, cache)  # (B, N, H)
+    prefix_len = engine.rows_cache_length(cache)
+    hidden = engine.forward_rows(tokens, positions, valid_len, buffers.ancestor_mask, cache)  # (B, N, H)
     if verify_logits == "all":
-        predicted = kv_cache.lm_logits(model, hidden).argmax(dim=-1)  # (B, N)
+        predicted = engine.lm_logits(hidden).argmax(dim=-1)  # (B, N)
         paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
         roots = predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0]  # (B,)
     else:
         def next_token_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
             picked = hidden[rows, nodes]  # (R, H)
-            logits = kv_cache.lm_logits_rows(model, picked) if len(rows) == 1 else kv_cache.lm_logits(model, picked)
-            return logits.argmax(dim=-1)  # (R,)
+            return engine.batch_lm_logits(picked).argmax(dim=-1)  # (R,)
 
         paths, accepted, roots = greedy_accept_rows_along_path(tokens, next_token_at, buffers)
     keep = [paths[b, : int(accepted[b]) + 1] for b in range(batch)]
-    valid_len = kv_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
+    valid_len = engine.keep_row_paths(cache, prefix_len, valid_len, keep)
     emitted = [torch.cat([tokens[b, k[1:]], roots[b, None]]) for b, k in enumerate(keep)]  # (A_b,) each
     last_hidden = torch.stack([_drafting_input(heads, contexts[b], hidden[b, k], emitted[b])
                                for b, k in enumerate(keep)])  # (B, H)
@@ -257,12 +259,13 @@ def _children_table(buffers: TreeBuffers, device) -> torch.Tensor:
 
 
 def batch_generate(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
-                   stop_token_ids: set[int] | None = None, verify_logits: str = "all"
+                   stop_token_ids: set[int] | None = None, verify_logits: str = "all", engine=None
                    ) -> tuple[list[list[int]], BatchStats]:
     """Run :func:`batch_steps` to the end; returns ``(new token ids per prompt, stats)``."""
     stats = BatchStats()
     out: list[list[int]] = [[] for _ in prompts]
-    for step in batch_steps(model, heads, prompts, tree, max_new_tokens, stop_token_ids, stats, verify_logits):
+    for step in batch_steps(model, heads, prompts, tree, max_new_tokens, stop_token_ids, stats, verify_logits,
+                            engine):
         for i, s in step:
             out[i].extend(s.tokens)
     return out, stats

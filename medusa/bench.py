@@ -345,14 +345,12 @@ def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain
 def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_tokens: int) -> dict:
     """Compile the engine's steps (plain and tree) for every cache size the prompts need, before any timing;
     returns the compile seconds (empty for an engine that does not compile)."""
-    warm_up = getattr(model.engine, "warm_up", None)
-    if warm_up is None:
-        return {}
     nodes = model.tree.num_nodes
+    compile_s: dict = {}
     # Plain decoding (one node) and the tree can need caches of different capacities: warm both.
     for needed in sorted({len(ids) + max_new_tokens + n for ids in encoded for n in (1, nodes)}):
-        warm_up([1, nodes], needed)
-    return dict(model.engine.compile_s)
+        compile_s = model.engine.warm_up([1, nodes], needed)
+    return dict(compile_s)
 
 
 def predict(model: MedusaModel, result: dict) -> dict:

@@ -203,11 +203,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
+    from medusa.engine import DEFAULT_ENGINE, ENGINES
+
     p.add_argument("--engine", default=None,
-                   help="KV cache and step: eager (DynamicCache), static (preallocated, in place), onednn "
-                        "(static + oneDNN prepacked linear weights on a CPU, the default; as much memory again as "
-                        "the weights; runs as static elsewhere) or compiled (static + torch.compile; falls back to "
-                        "static with a warning where it cannot compile); default: medusa.engine.DEFAULT_ENGINE")
+                   help="KV cache and step: " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
+                   + f"; default: {DEFAULT_ENGINE}")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
                         "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")

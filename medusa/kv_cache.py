@@ -76,12 +76,55 @@ def attention_layout(config) -> tuple[set[str], int | None]:
     return kinds, (window if SLIDING in kinds else None)
 
 
+def additive_masks(visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                   layout: tuple[set[str], int | None], dtype, out: dict[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """The one mask builder: 4D additive masks (0 where a query may attend, dtype-min where not) per attention kind.
+
+    Every other builder (:func:`build_attention_mask`, :func:`build_rows_attention_mask`,
+    :class:`medusa.static_cache.StaticMask`) says which keys each query may see; this adds the sliding window
+    (keys ``sliding_window`` or more positions behind the query are hidden) and writes the additive form.
+
+    Args:
+        visible: ``(..., N, K)`` bool, True where query i may see key j before the window is applied.
+        query_pos: ``(..., N)`` long positions of the queries.
+        key_pos: ``(..., K)`` long positions of the keys.
+        layout: the model's attention kinds and sliding window (:func:`attention_layout`).
+        dtype: dtype of the masks.
+        out: attention kind -> a preallocated tensor of ``visible``'s shape (or one it broadcasts into) to fill in
+            place; ``None``: new tensors.
+
+    Returns:
+        Attention kind -> its ``visible``-shaped additive mask.
+    """
+    kinds, window = layout
+    masks = {}
+    for kind in kinds:
+        allowed = visible
+        if kind == SLIDING:
+            allowed = visible & (query_pos[..., :, None] - key_pos[..., None, :] < window)  # (..., N, K)
+        if out is None:
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=visible.device)
+        else:
+            additive = out[kind].zero_()
+        additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+        masks[kind] = additive
+    return masks
+
+
+def model_masks(config, masks: dict[str, torch.Tensor]):
+    """What the model's forward takes: the dict of masks by layer type when its config has ``layer_types``, else the
+    one mask."""
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    return masks if layer_types is not None else next(iter(masks.values()))
+
+
 def build_attention_mask(config, prefix_len: int, positions: torch.Tensor, tree_mask: torch.Tensor, dtype):
     """The attention mask for ``N`` new tokens after ``prefix_len`` cached ones, in the form the model expects.
 
     Each new token sees the whole cached prefix and the new tokens that ``tree_mask`` allows (a causal
     lower-triangle for ordinary decoding, ancestors for a Medusa tree); sliding-window layers additionally hide
-    keys ``sliding_window`` or more positions behind the query.
+    keys ``sliding_window`` or more positions behind the query (:func:`additive_masks`).
 
     Args:
         config: the base model's config.
@@ -93,20 +136,11 @@ def build_attention_mask(config, prefix_len: int, positions: torch.Tensor, tree_
     Returns:
         A ``(1, 1, N, prefix_len + N)`` additive float mask, or a dict of them keyed by attention layer type.
     """
-    kinds, window = attention_layout(config)
     device = positions.device
     key_pos = torch.cat([torch.arange(prefix_len, device=device), positions])  # (L+N,)
     visible = torch.cat([torch.ones(len(positions), prefix_len, dtype=torch.bool, device=device), tree_mask], 1)
-    masks = {}
-    for kind in kinds:
-        allowed = visible
-        if kind == SLIDING:
-            allowed = visible & (positions[:, None] - key_pos[None, :] < window)  # (N, L+N)
-        additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        additive.masked_fill_(~allowed, torch.finfo(dtype).min)
-        masks[kind] = additive[None, None]  # (1, 1, N, L+N)
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-    return masks if layer_types is not None else next(iter(masks.values()))
+    masks = additive_masks(visible, positions, key_pos, attention_layout(config), dtype)  # (N, L+N) each
+    return model_masks(config, {kind: m[None, None] for kind, m in masks.items()})  # (1, 1, N, L+N)
 
 
 def causal_mask(n: int, device) -> torch.Tensor:
@@ -114,7 +148,8 @@ def causal_mask(n: int, device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Tensor | slice | None = None):
+def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Tensor | slice | None = None,
+            decoder: torch.nn.Module | None = None):
     """One forward of the stock model over new tokens at explicit positions with an explicit mask.
 
     Args:
@@ -124,16 +159,17 @@ def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Ten
         tree_mask: ``(N, N)`` bool mask among the new tokens (see :func:`build_attention_mask`).
         cache: the cache; the new keys/values are appended to it.
         logits_for: which of the N positions need logits (index tensor or slice); ``None`` for all.
+        decoder: runs in place of the model's decoder stack (an engine's copy of it sharing its weights).
 
     Returns:
         ``(logits, hidden)``: ``(M, V)`` float logits for the selected positions and ``(N, H)`` last hidden states.
     """
-    decoder = decoder_of(model)
+    stack = decoder_of(model)
     dtype = model.get_output_embeddings().weight.dtype
     mask = build_attention_mask(model.config, cache_length(cache), positions, tree_mask, dtype)
-    kwargs = {_cache_kwarg(type(decoder)): cache}
-    out = decoder(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
-                  **kwargs)
+    kwargs = {_cache_kwarg(type(stack)): cache}
+    run = stack if decoder is None else decoder
+    out = run(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True, **kwargs)
     hidden = out.last_hidden_state[0]  # (N, H)
     selected = hidden if logits_for is None else hidden[logits_for]
     return lm_logits(model, selected), hidden
@@ -159,31 +195,71 @@ def weight_version(weight: torch.Tensor) -> int | None:
     return None if weight.is_inference() else weight._version
 
 
-# id(lm_head weight) -> (a weak reference to it, its version counter, a transposed (H, V) copy); see lm_logits_rows.
-_TRANSPOSED: dict[int, tuple] = {}
+class TransposedLMHead:
+    """A transposed ``(H, V)`` copy of a model's lm_head weight, for products with one or a few rows.
 
-
-def lm_logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
-    """:func:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)``, through a transposed copy of the lm_head.
-
-    On a CPU a product of one row with the ``(V, H)`` weight runs a matrix-vector kernel about 1.7x slower than with
-    the ``(H, V)`` layout (SmolLM2-135M: 11.5 vs 6.6 ms for 49,152 x 576). The copy is made once per weight (and
-    again if the weight is changed in place) and costs the lm_head's size in memory; the logits equal
-    :func:`lm_logits` up to float summation order.
+    On a CPU a product of one row with the ``(V, H)`` weight runs a matrix-vector kernel that is slower than the
+    same product with the ``(H, V)`` layout (measured in docs/engines.md). The copy belongs to whoever made this
+    object (an engine); it is made at the first use and again when the weight is replaced or changed in place
+    (:func:`weight_version`), and costs the lm_head's size in memory. The logits equal :func:`lm_logits` up to float
+    summation order.
     """
-    head = model.get_output_embeddings()
-    weight = head.weight
-    cached = _TRANSPOSED.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1] != weight_version(weight):
-        key = id(weight)
-        # Dropped with the weight (a model freed); made again when the weight changes in place.
-        cached = (weakref.ref(weight, lambda _: _TRANSPOSED.pop(key, None)), weight_version(weight),
-                  weight.detach().T.contiguous())  # (H, V)
-        _TRANSPOSED[key] = cached
-    logits = hidden @ cached[2]  # (M, V)
-    if getattr(head, "bias", None) is not None:
-        logits = logits + head.bias
-    return soft_cap(model, logits)
+
+    def __init__(self):
+        self._weight = None  # a weak reference to the weight copied
+        self._version = None
+        self._copy = None  # (H, V)
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """:func:`lm_logits` for ``(M, H)`` rows -> ``(M, V)``, through the transposed copy."""
+        head = model.get_output_embeddings()
+        weight = head.weight
+        if self._copy is None or self._weight() is not weight or self._version != weight_version(weight):
+            self._weight, self._version = weakref.ref(weight), weight_version(weight)
+            self._copy = weight.detach().T.contiguous()  # (H, V)
+        logits = hidden @ self._copy  # (M, V)
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias
+        return soft_cap(model, logits)
+
+
+def lm_logits_rows(model, hidden: torch.Tensor, head: TransposedLMHead | None = None) -> torch.Tensor:
+    """:func:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)`` through a transposed lm_head copy: the one
+    ``head`` keeps (an engine's, :meth:`medusa.engine.Engine.lm_logits_rows`), else one made for this call."""
+    return (head if head is not None else TransposedLMHead()).logits(model, hidden)
+
+
+def _filled_layers(cache):
+    """The cache's layers that hold keys and values (a layer not written yet holds none)."""
+    return [layer for layer in cache.layers
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0]
+
+
+def move_slots(cache, src: torch.Tensor, start: int, rows: torch.Tensor | None = None,
+               dst: torch.Tensor | None = None, end: int | None = None) -> None:
+    """The one path compaction: copy cached slots ``src`` down to where the kept path goes, in every filled layer.
+
+    Gather first (a copy), then write: a kept slot's source is never before its destination, and nothing else
+    (no prefix) is copied. The keys/values are ``(B, H_kv, S, d)``.
+
+    Args:
+        src: ``(M,)`` long slots to keep, in order.
+        start: with ``rows=None``, every batch row's kept slots go to ``start .. start+M-1``.
+        rows: ``(M,)`` long batch row of each kept slot, which goes to that row's slot ``dst`` ``(M,)``.
+        end: the cache is then cut to ``end`` slots (a ``DynamicCache``); ``None``: left as long (a preallocated one).
+    """
+    for layer in _filled_layers(cache):
+        device = layer.keys.device
+        s = src.to(device)
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            if rows is None:
+                t[:, :, start : start + len(src)] = t.index_select(2, s)
+            else:
+                r, d = rows.to(device), dst.to(device)
+                t[r, :, d, :] = t[r, :, s, :]  # (M, H_kv, d)
+            if end is not None:
+                setattr(layer, name, t[:, :, :end])
 
 
 def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
@@ -195,16 +271,7 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
     Args:
         keep: ``(A,)`` long indices into the N new positions, in the order they should be kept.
     """
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        index = keep.to(layer.keys.device) + prefix_len
-        end = prefix_len + len(keep)
-        # Gather first (a copy), then write into place: the prefix is never copied.
-        kept_k, kept_v = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
-        layer.keys[..., prefix_len:end, :] = kept_k
-        layer.values[..., prefix_len:end, :] = kept_v
-        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+    move_slots(cache, keep + prefix_len, prefix_len, end=prefix_len + len(keep))
 
 
 # Batched decoding (medusa.batch). Layout of a batched cache: row b's cached slots 0..valid_len[b]-1 hold its
@@ -227,27 +294,18 @@ def build_rows_attention_mask(config, valid_len: torch.Tensor, cache_len: int, p
     Returns:
         A ``(B, 1, N, cache_len + N)`` additive float mask, or a dict of them keyed by attention layer type.
     """
-    kinds, window = attention_layout(config)
     device = positions.device
     batch, n = positions.shape
     slots = torch.arange(cache_len, device=device)  # (L,)
     prefix = (slots[None, :] < valid_len[:, None])[:, None, :].expand(batch, n, cache_len)  # (B, N, L)
     visible = torch.cat([prefix, new_visible.expand(batch, n, n)], dim=-1)  # (B, N, L+N)
     key_pos = torch.cat([slots[None, :].expand(batch, cache_len), positions], dim=1)  # (B, L+N)
-    masks = {}
-    for kind in kinds:
-        allowed = visible
-        if kind == SLIDING:
-            allowed = visible & (positions[:, :, None] - key_pos[:, None, :] < window)  # (B, N, L+N)
-        additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        additive.masked_fill_(~allowed, torch.finfo(dtype).min)
-        masks[kind] = additive[:, None]  # (B, 1, N, L+N)
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-    return masks if layer_types is not None else next(iter(masks.values()))
+    masks = additive_masks(visible, positions, key_pos, attention_layout(config), dtype)  # (B, N, L+N) each
+    return model_masks(config, {kind: m[:, None] for kind, m in masks.items()})  # (B, 1, N, L+N)
 
 
 def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
-                 new_visible: torch.Tensor, cache) -> torch.Tensor:
+                 new_visible: torch.Tensor, cache, decoder: torch.nn.Module | None = None) -> torch.Tensor:
     """One forward of the stock model over ``N`` new tokens per row, rows with cached prefixes of different lengths.
 
     Args:
@@ -256,21 +314,18 @@ def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_
         valid_len: ``(B,)`` long cached positions per row (see the batched layout above).
         new_visible: ``(N, N)`` or ``(B, N, N)`` bool mask among the new tokens.
         cache: the batched cache (``B`` rows, or empty); the new keys/values are appended to every row.
+        decoder: runs in place of the model's decoder stack (as in :func:`forward`).
 
     Returns:
         ``(B, N, H)`` last hidden states (logits: :func:`lm_logits`).
     """
-    decoder = decoder_of(model)
+    stack = decoder_of(model)
     dtype = model.get_output_embeddings().weight.dtype
     mask = build_rows_attention_mask(model.config, valid_len, cache_length(cache), positions, new_visible, dtype)
-    kwargs = {_cache_kwarg(type(decoder)): cache}
-    out = decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    kwargs = {_cache_kwarg(type(stack)): cache}
+    run = stack if decoder is None else decoder
+    out = run(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
     return out.last_hidden_state  # (B, N, H)
-
-
-def _filled_layers(cache):
-    return [layer for layer in cache.layers
-            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0]
 
 
 def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
@@ -295,14 +350,7 @@ def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[t
     offsets = torch.arange(len(rows), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     dst = valid_len[rows] + offsets  # (M,)
     src = torch.cat([k.to(device) for k in keep]) + prefix_len  # (M,)
-    end = int(new_len.max())
-    for layer in _filled_layers(cache):
-        r, s, d = (t.to(layer.keys.device) for t in (rows, src, dst))
-        # Gather first (a copy), then write: a kept node's source slot is never before its destination.
-        kept_k, kept_v = layer.keys[r, :, s, :], layer.values[r, :, s, :]  # (M, Hkv, D)
-        layer.keys[r, :, d, :] = kept_k
-        layer.values[r, :, d, :] = kept_v
-        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+    move_slots(cache, src, 0, rows, dst, end=int(new_len.max()))
     return new_len
 
 

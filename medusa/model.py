@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,14 +52,12 @@ class MedusaModel(nn.Module):
     def use_engine(self, name: str, **options) -> None:
         """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it).
 
-        Also sets :attr:`verify_logits`: one lm_head product over all tree nodes on an accelerator or with a
-        prepacked lm_head (the ``onednn`` engine), else on a CPU one lm_head row at a time along the accepted path
-        (MKL's matrix-vector kernel beats its few-row product there). Both accept the same tokens.
+        Also sets :attr:`verify_logits` from the engine's declared ``scores_all_nodes``: one lm_head product over all
+        tree nodes, or one row at a time along the accepted path. Both accept the same tokens.
         """
-        self.engine = None  # the previous engine (and a packed copy only it used) is freed first
+        self.engine = None  # the previous engine (and the packed copy it owns) is freed first
         self.engine = make_engine(name, self.base, **options)
-        cpu = self.base.device.type == "cpu"
-        self.verify_logits = "all" if not cpu or getattr(self.engine, "packs_lm_head", False) else "path"
+        self.verify_logits = "all" if self.engine.scores_all_nodes else "path"
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
@@ -168,12 +165,11 @@ class MedusaModel(nn.Module):
             raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
                                       f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
-        # Batched decoding keeps its own cache (no engine), but runs the base's linear layers on the onednn engine's
-        # prepacked weights when there are some; on a CPU, lm_head rows along the paths.
+        # Through the engine's batch operations (the onednn engine's on its prepacked linear layers); batched logits
+        # come from the base's lm_head, so on a CPU rows along the paths.
         verify_logits = "path" if self.device.type == "cpu" else "all"
-        packed = self.engine.packed if getattr(self.engine, "uses_packed", lambda: False)() else None
-        with packed.swapped() if packed is not None else contextlib.nullcontext():
-            return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits)
+        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits,
+                              self.engine)
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,25 @@
 """oneDNN prepacked weights for the base's linear layers and lm_head (CPU): a verify step cheaper per token.
 
 Why: on a CPU, PyTorch's ``nn.Linear`` calls the BLAS it was built with (MKL). On the AMD EPYC machines this project
-measures on, MKL's product of a few rows (the 8-16 tokens of a verify step) with a layer's weight is 1.6-2x slower
-than oneDNN's product with the same weight reordered once into oneDNN's blocked layout, and the one-row product is
-faster too. A verify forward over 11 tokens of SmolLM2-135M went from 98 to 76 ms, a plain one from 56 to 50 ms, and
-the lm_head over 11 rows from 34 ms (or 5.5 ms a row, one row at a time) to 9 ms (measured in README, "Decode
-engines"). This is the same reordering CPU inductor's weight freezing does for bf16; for fp32 inductor keeps MKL.
+measures on, MKL's product of a few rows (the 8-16 tokens of a verify step) with a layer's weight is slower than
+oneDNN's product with the same weight reordered once into oneDNN's blocked layout, and the one-row product is
+faster too; the lm_head becomes cheap enough to score every tree node at once (measured in docs/engines.md). This is
+the same reordering CPU inductor's weight freezing does for bf16; for fp32 inductor keeps MKL.
 
-How: :class:`PackedLinears` keeps one reordered copy of every ``nn.Linear`` weight under the decoder stack and of the
-lm_head (the base's own modules are never changed). :meth:`PackedLinears.swapped` makes those modules run
-``torch.ops.mkldnn._linear_pointwise`` on the copies for the length of a ``with`` block and restores their own
-``forward`` afterwards, so the same model still runs unchanged outside it (Hugging Face ``generate``, training).
-A copy is made again when its weight was replaced or changed in place (a merged adapter). The results equal
-``nn.Linear``'s up to float summation order (about 1e-6 apart).
+How: :class:`PackedLinears` builds a shadow of the decoder stack: new module objects that share the base's
+parameters and buffers (the same tensors), with every plain ``nn.Linear`` replaced by a :class:`PackedLinear`
+holding the original module and a reordered copy of its weight. The onednn engine runs that shadow
+(``static_cache.forward(..., decoder=shadow)``); nothing in the base model is changed, so the base runs as before
+everywhere else, in any thread (Hugging Face ``generate``, training). A copy is made again when its weight was
+replaced or changed in place (a merged adapter), and the shadow is rebuilt when a module of the base was replaced or
+its train/eval mode changed. The results equal ``nn.Linear``'s up to float summation order (about 1e-6 apart).
 
-Cost: the copies take as much memory as the weights they copy (about 540 MB for SmolLM2-135M in fp32).
+Cost: the copies take as much memory as the weights they copy; each engine owns its own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
-from collections.abc import Iterator
+import copy
 
 import torch
 from torch import nn
@@ -30,7 +27,8 @@ from torch import nn
 from medusa import kv_cache
 
 PACK_ROWS = 16
-"""The number of rows oneDNN is told to expect when reordering (any number of rows works; 11-16 measured best)."""
+"""The number of rows oneDNN is told to expect when reordering (any number of rows works; measured best near a
+verify step's size)."""
 
 
 def onednn_unavailable(model) -> str | None:
@@ -61,17 +59,34 @@ def _plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-class _Packed:
-    """One linear module's reordered weight, remade when the module's weight changes."""
+class PackedLinear(nn.Module):
+    """In a shadow decoder, one plain ``nn.Linear`` of the base: the same product on a oneDNN reordered copy of its
+    weight. The original module stays where it was, unchanged; this holds it for its bias, to see its weight change,
+    and to run it (its own forward, a hook's wrapper included, and a backward) where gradients are needed.
 
-    def __init__(self, module: nn.Linear, local: threading.local | None = None):
-        self.module = module
-        self.local = local  # the PackedLinears' per-thread count of open swapped() blocks (no cycle to it)
-        self.key = None
+    Args:
+        module: the base's ``nn.Linear``.
+    """
+
+    def __init__(self, module: nn.Linear):
+        super().__init__()
+        # Held, not registered as a child: the shadow's module tree stays its own (and the lookup stays cheap).
+        object.__setattr__(self, "module", module)
+        self.key = None  # what the copy was made from (see refresh)
         self.packed = None
-        self.own = None  # the module's own instance-level forward, if any, while swapped (the fallback runs it)
+        self.refresh()
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.module.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.module.bias
 
     def refresh(self, force: bool = False) -> None:
+        """Reorder the weight again when it was replaced or changed in place since the copy was made (``force``:
+        always; a change through ``weight.data`` keeps the version counter)."""
         weight = self.module.weight
         # data_ptr/dtype/device: `.data = ...` and `.to(dtype)` keep the Parameter and its _version.
         key = (id(weight), kv_cache.weight_version(weight), weight.data_ptr(), weight.dtype, weight.device)
@@ -79,19 +94,18 @@ class _Packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self.key = key
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
-        # Another thread's plain use of the base, or a forward that needs gradients: the module's own product.
-        if (self.local is not None and not getattr(self.local, "depth", 0)) or (
-                torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
-            return self.own(x) if self.own is not None else nn.Linear.forward(module, x)
+        if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
+            return module(x)  # the reordered product has no backward
         bias = module.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none",
                                                   [], "")
 
 
 class PackedLinears:
-    """oneDNN reordered copies of every ``nn.Linear`` weight in ``decoder`` and of ``lm_head`` (see module docstring).
+    """A shadow of ``decoder`` on oneDNN reordered copies of its plain linear weights, and of ``lm_head`` (see the
+    module docstring).
 
     Args:
         decoder: the base's decoder stack (``model.model``).
@@ -104,69 +118,54 @@ class PackedLinears:
     def __init__(self, decoder: nn.Module, lm_head: nn.Module):
         if not isinstance(lm_head, nn.Linear):
             raise TypeError(f"oneDNN packing needs an nn.Linear lm_head, got {type(lm_head).__name__}")
-        self._lock = threading.Lock()
-        self._depth = 0  # swapped() blocks open, all threads
-        self._local = threading.local()  # .depth: this thread's open blocks
-        self.layers = [_Packed(m, self._local) for m in decoder.modules() if _plain_linear(m)]
-        self.lm_head = _Packed(lm_head)
+        self.base_decoder = decoder
+        self.lm_head = PackedLinear(lm_head)
         self.dtype = lm_head.weight.dtype
-        self._saved: list = []
-        self.refresh()
+        self.layers: dict[nn.Linear, PackedLinear] = {}  # base linear module -> its packed stand-in
+        self.decoder: nn.Module = decoder
+        self._links: list[tuple] = []  # (base parent, child name, base child, shadow child or None for a packed one)
+        self._build()
+
+    def _build(self) -> None:
+        """Make the shadow of the base decoder as it is now, keeping the packed copies of linears still in it."""
+        previous, self.layers, self._links = self.layers, {}, []
+        self.decoder = self._shadow(self.base_decoder, {}, previous)
+
+    def _shadow(self, module: nn.Module, made: dict[int, nn.Module], previous: dict) -> nn.Module:
+        if id(module) in made:  # a module used twice stays one module
+            return made[id(module)]
+        if _plain_linear(module):
+            packed = previous.get(module)
+            packed = packed if packed is not None else PackedLinear(module)
+            self.layers[module] = made[id(module)] = packed
+            return packed
+        shadow = copy.copy(module)  # a new object; its _parameters/_buffers dicts are the base's own
+        shadow.__dict__["_modules"] = {}
+        made[id(module)] = shadow
+        for name, child in module._modules.items():
+            child_shadow = None if child is None else self._shadow(child, made, previous)
+            shadow._modules[name] = child_shadow
+            self._links.append((module, name, child, None if isinstance(child_shadow, PackedLinear) else child_shadow))
+        return shadow
+
+    def shadow_decoder(self) -> nn.Module:
+        """The shadow decoder, rebuilt first when a module under the base decoder was replaced or its train/eval
+        mode changed since it was made."""
+        stale = self.decoder.training != self.base_decoder.training or any(
+            parent._modules.get(name) is not child or (shadow is not None and shadow.training != child.training)
+            for parent, name, child, shadow in self._links)
+        if stale:
+            self._build()
+        return self.decoder
 
     def refresh(self, force: bool = False) -> None:
         """Reorder again every weight replaced or changed in place since the last call (cheap when none was).
         A change through ``weight.data`` is invisible (no version bump): ``force`` repacks everything."""
-        for packed in self.layers:
+        for packed in self.layers.values():
             packed.refresh(force)
         self.lm_head.refresh(force)
-
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        """Inside the block, the decoder's linear modules run on their reordered copies; outside, as before.
-
-        Not for training: the reordered product has no backward.
-        """
-        with self._lock:
-            if self._depth == 0:
-                self.refresh()
-                # A module's own instance-level forward (a hook library's wrapper) is put back afterwards.
-                self._saved = [packed.module.__dict__.get("forward") for packed in self.layers]
-                for packed, own in zip(self.layers, self._saved, strict=True):
-                    packed.own = own
-                    packed.module.forward = packed  # an instance attribute, shadowing nn.Linear.forward
-            self._depth += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.depth -= 1
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    for packed, own in zip(self.layers, self._saved, strict=True):
-                        if own is None:
-                            del packed.module.forward
-                        else:
-                            packed.module.forward = own
 
     def lm_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``: ``(..., H)`` -> ``(..., V)`` raw logits (bias included, no soft-capping)."""
         self.lm_head.refresh()
-        return self.lm_head(hidden)
-
-
-_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weakref to its PackedLinears
-
-
-def packed_linears(model, decoder: nn.Module) -> PackedLinears:
-    """The :class:`PackedLinears` of ``model`` (decoder stack ``decoder``), shared by the engines of that model that
-    are alive (dropped with the last of them). A new engine repacks every weight (changes through ``.data``, as peft's
-    merge makes, are invisible otherwise) and gets a new PackedLinears when the lm_head module was replaced."""
-    ref = _BY_MODEL.get(model)
-    packed = ref() if ref is not None else None
-    if packed is None or packed.lm_head.module is not model.get_output_embeddings():
-        packed = PackedLinears(decoder, model.get_output_embeddings())
-        _BY_MODEL[model] = weakref.ref(packed)
-    else:
-        packed.refresh(force=True)
-    return packed
+        return self.lm_head.forward(hidden)

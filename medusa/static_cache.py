@@ -119,14 +119,8 @@ class SlotCache(Cache):
 
         One gather and one write per layer's keys and values; the prefix is never copied.
         """
-        index = keep.to(self._slots.device) + prefix_len  # (A,)
-        end = prefix_len + len(keep)
-        for layer in self.layers:
-            if layer.keys is None:
-                continue
-            layer.keys[:, :, prefix_len:end] = layer.keys.index_select(2, index)
-            layer.values[:, :, prefix_len:end] = layer.values.index_select(2, index)
-        self.length = end
+        kv_cache.move_slots(self, keep.to(self._slots.device) + prefix_len, prefix_len)  # (A,) slots kept
+        self.length = prefix_len + len(keep)
 
     def to_device(self, device) -> None:
         self._slots = self._slots.to(device)
@@ -134,8 +128,9 @@ class SlotCache(Cache):
 
 
 class StaticMask:
-    """The 4D additive attention mask of a step, written into buffers kept per step size (see
-    :func:`medusa.kv_cache.build_attention_mask` for the form; here the key axis is the cache's slots).
+    """The 4D additive attention mask of a step, written into buffers kept per step size by
+    :func:`medusa.kv_cache.additive_masks` (the form of :func:`medusa.kv_cache.build_attention_mask`; here the key
+    axis is the cache's slots).
 
     Slot ``j < length`` holds position ``j``; the new tokens' slots hold their ``positions``. A new token sees the
     prefix slots, the new slots ``tree_mask`` allows, nothing else; sliding-window layers also hide keys
@@ -144,7 +139,7 @@ class StaticMask:
 
     def __init__(self, config, dtype):
         self.config = config
-        self.kinds, self.window = kv_cache.attention_layout(config)
+        self.layout = kv_cache.attention_layout(config)  # (kinds, sliding window)
         self.per_layer_type = getattr(config.get_text_config(decoder=True), "layer_types", None) is not None
         self.dtype = dtype
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # (kind, N) -> (1, 1, N, capacity)
@@ -164,14 +159,8 @@ class StaticMask:
         new = torch.zeros(n, visible, dtype=torch.bool, device=device)  # (N, S)
         new[:, length : length + n] = tree_mask
         allowed = seen | new  # (N, S)
-        masks = {}
-        for kind in self.kinds:
-            ok = allowed
-            if kind == kv_cache.SLIDING:
-                ok = allowed & (positions[:, None] - key_pos[None, :] < self.window)  # (N, S)
-            buffer = self._buffer(kind, n, cache.capacity, device)[..., :visible]
-            buffer.zero_().masked_fill_(~ok, torch.finfo(self.dtype).min)
-            masks[kind] = buffer
+        buffers = {kind: self._buffer(kind, n, cache.capacity, device)[..., :visible] for kind in self.layout[0]}
+        masks = kv_cache.additive_masks(allowed, positions, key_pos, self.layout, self.dtype, out=buffers)
         return masks if self.per_layer_type else next(iter(masks.values()))
 
     def _buffer(self, kind: str, n: int, capacity: int, device) -> torch.Tensor:
@@ -193,8 +182,8 @@ def new_cache(model, capacity: int, fixed_shape: bool = False) -> SlotCache:
 def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: StaticMask, decoder=None,
             logits_for: torch.Tensor | slice | None = None):
     """:func:`medusa.kv_cache.forward` through a :class:`SlotCache`; ``decoder`` replaces the model's decoder stack
-    (a compiled one) when given. The new tokens are written after ``cache.length`` slots and counted in it;
-    :meth:`SlotCache.keep` then decides which stay.
+    when given (a compiled one, or the onednn engine's copy on prepacked weights). The new tokens are written after
+    ``cache.length`` slots and counted in it; :meth:`SlotCache.keep` then decides which stay.
 
     Returns:
         ``(logits, hidden)``: ``(M, V)`` logits for the selected positions and ``(N, H)`` last hidden states.

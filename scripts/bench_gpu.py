@@ -182,8 +182,7 @@ def main(argv=None) -> dict:
     for name in args.engines:
         engines[name] = make_engine(name, model, **({} if name == "eager" else {"max_cache_len": needed}))
         engines[name].sync_timing = True
-        if hasattr(engines[name], "warm_up"):
-            engines[name].warm_up(sorted({*args.sizes, *[n + 1 for n in args.trees]}), needed)
+        engines[name].warm_up(sorted({*args.sizes, *[n + 1 for n in args.trees]}), needed)
     result["step_ms"] = step_costs(engines, args.sizes, args.prefix, args.repeats)
     for name, engine in engines.items():
         result["plain"][name] = decode(engine, heads, prompt, Tree.chain(0), args.new_tokens)

@@ -253,3 +253,141 @@ def test_attention_kernel_ab_script_runs_on_cpu(tmp_path):
     assert {f"{e}/{t}/round{r}" for e in ("static-default-sdpa", "static-no-cudnn", "eager")
             for t in ("plain", "tree16", "tree64") for r in (0, 1)} <= set(result)
     assert result["eager/plain/round0"]["tau"] == 1.0
+
+
+# -- the Engine interface: registry, declared capabilities, a new engine with no package file edited ----------------
+def test_every_engine_declares_its_capabilities_and_warms_up():
+    model = tiny_model("llama")
+    for name, cls in engines.ENGINES.items():
+        assert cls.name == name and cls.summary
+        engine = engines.make_engine(name, model)
+        assert isinstance(engine, engines.Engine)
+        assert engine.scores_all_nodes is (name == "onednn")  # on a CPU: only a packed lm_head scores every node
+        assert engines.make_engine(name, model, scores_all_nodes=True).scores_all_nodes is True
+        assert engine.supports_batch and engine.step_buckets is None
+        assert engine.fixed_shapes is (name == "compiled" and engine.settings()["compiled"])
+        if name != "compiled":  # compiling is the slow test above
+            assert engine.warm_up([1, 4], 32) == {}
+    assert engines.DEFAULT_ENGINE in engines.ENGINES
+
+
+class ToyEngine(engines.Engine):
+    """A whole new engine, defined outside the package: it keeps only the accepted token ids and recomputes their
+    keys and values at every forward."""
+
+    summary = "recomputes the whole sequence every forward (a test)"
+
+    def new_cache(self, capacity):
+        return {"ids": []}
+
+    def cache_length(self, cache):
+        return len(cache["ids"])
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+        prefix = torch.tensor(cache["ids"], dtype=torch.long)
+        inner = kv_cache.new_cache()
+        if len(prefix):
+            kv_cache.forward(self.model, prefix, torch.arange(len(prefix)), kv_cache.causal_mask(len(prefix), "cpu"),
+                             inner)
+        cache["ids"] = cache["ids"] + input_ids.tolist()
+        return kv_cache.forward(self.model, input_ids, positions, tree_mask, inner, logits_for)
+
+    def keep_positions(self, cache, prefix_len, keep):
+        cache["ids"] = cache["ids"][:prefix_len] + [cache["ids"][prefix_len + int(k)] for k in keep]
+
+
+def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
+    monkeypatch.setitem(engines.ENGINES, "toy", ToyEngine)
+    engines.register_engine("toy")(ToyEngine)  # registering the same class again is fine
+    with pytest.raises(ValueError, match="taken by"):
+        engines.register_engine("toy")(type("Other", (ToyEngine,), {}))
+    model = tiny_model("llama")
+    ids = ids_of(12)
+    reference = hf_greedy(model, ids, 16)
+    engine = engines.make_engine("toy", model)
+    for scores_all in (True, False):
+        engine.scores_all_nodes = scores_all
+        out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 16, engine=engine,
+                                 verify_logits="all" if scores_all else "path")
+        assert out == reference
+    from medusa.batch import batch_generate
+
+    outs, _ = batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
+    assert outs == [reference, hf_greedy(model, ids_of(7, seed=3), 16)]
+    with pytest.raises(ValueError, match="choose one of eager, static, onednn, compiled, toy"):
+        engines.make_engine("turbo", model)
+
+
+# -- attention kernels on CUDA: narrowed around the engine's own forward only --------------------------------------
+def _cuda_looking_engine(forward):
+    from types import SimpleNamespace
+
+    engine = engines.StaticEngine.__new__(engines.StaticEngine)
+    engines.Engine.__init__(engine, SimpleNamespace(device=torch.device("cuda")))
+    engine._forward = forward
+    return engine
+
+
+def test_two_threads_decoding_leave_the_process_attention_flags_as_they_were():
+    """torch keeps the kernel choice in process-wide flags and sdpa_kernel saves/restores them: if A enters, B enters
+    (saving A's set), A leaves and B leaves restoring A's set, cuDNN attention stays off for the whole process."""
+    import threading
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a_forward(*_):
+        a_in.set()
+        b_in.wait(10)
+
+    def b_forward(*_):
+        b_in.set()
+        a_out.wait(10)
+
+    a, b = _cuda_looking_engine(a_forward), _cuda_looking_engine(b_forward)
+    ta = threading.Thread(target=a.forward, args=(None, None, None, None))
+    ta.start()
+    a_in.wait(10)
+    tb = threading.Thread(target=b.forward, args=(None, None, None, None))
+    tb.start()
+    ta.join(10)
+    a_out.set()
+    tb.join(10)
+    try:
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_the_engine_narrows_attention_kernels_only_inside_its_forward():
+    seen = {}
+
+    def forward(*_):
+        seen["cudnn"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    _cuda_looking_engine(forward).forward(None, None, None, None)
+    assert seen == {"cudnn": False} and torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_a_callers_own_kernel_choice_is_not_widened():
+    """A caller that asked for the math kernel only (reproducibility) keeps flash and efficient off inside."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen = {}
+
+    def forward(*_):
+        seen["flash"] = torch.backends.cuda.flash_sdp_enabled()
+        seen["efficient"] = torch.backends.cuda.mem_efficient_sdp_enabled()
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        _cuda_looking_engine(forward).forward(None, None, None, None)
+    assert seen == {"flash": False, "efficient": False}
+
+
+def test_a_compiled_engine_that_fell_back_avoids_cudnn_like_static():
+    engine = engines.CompiledEngine.__new__(engines.CompiledEngine)
+    engine.fallback_reason, engine.decoder = None, object()
+    with pytest.warns(RuntimeWarning):
+        engine._fall_back("test")
+    assert engine.sdpa_backends == engines.StaticEngine.sdpa_backends and not engine.fixed_shapes

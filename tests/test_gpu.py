@@ -101,3 +101,29 @@ def test_batched_decoding_on_cuda_equals_the_base_row_by_row(arch):
                 outs, _ = batch_generate(model, random_heads(model, head_type=head_type), prompts, WIDE_TREE, 24,
                                          verify_logits=verify_logits)
             assert outs == references, (arch, head_type, verify_logits)
+    for name in ("static", "onednn"):  # batched decoding through an engine's batch operations
+        with torch.no_grad():
+            outs, _ = batch_generate(model, random_heads(model), prompts, WIDE_TREE, 24,
+                                     engine=engines.make_engine(name, model))
+        assert outs == references, (arch, name)
+
+
+def test_the_static_engine_narrows_attention_kernels_only_inside_its_forward_on_cuda():
+    def flags():
+        b = torch.backends.cuda
+        return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+    model = tiny_model("llama").to(DEVICE)
+    engine = engines.make_engine("static", model)
+    before, inside = flags(), []
+    original = engine._forward
+    engine._forward = lambda *args: inside.append(flags()) or original(*args)
+    ids = ids_of(20)
+    with torch.no_grad():
+        out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 16, engine=engine)
+    assert out == hf_greedy(model, ids, 16)
+    assert flags() == before and inside
+    if torch.device(DEVICE).type == "cuda":  # not cuDNN's attention inside (see StaticEngine.sdpa_backends)
+        assert all(not cudnn for cudnn, *_ in inside)
+    else:  # nothing narrowed elsewhere
+        assert all(f == before for f in inside)

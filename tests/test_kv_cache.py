@@ -1,11 +1,13 @@
 """KV-cache surgery, masks and the explicit-mask forward, checked against the stock transformers model.
 
-Run on every supported transformers version (5.17 via ``PYTHONPATH=/work/tf517``, and the installed 5.24).
+Run on every supported transformers version: the installed one by the suite, another one with
+``scripts/test_transformers_version.sh 5.17.0`` (a second virtual environment with that release).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import pytest
@@ -181,7 +183,20 @@ def test_unsupported_layer_types_are_refused():
 def test_lm_logits_rows_match_lm_logits_and_follow_weight_changes(arch):
     model = tiny_model(arch)
     hidden = torch.randn(3, model.get_output_embeddings().weight.shape[1])
+    head = kv_cache.TransposedLMHead()  # the copy an engine keeps
     torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden), kv_cache.lm_logits(model, hidden))
+    torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden, head), kv_cache.lm_logits(model, hidden))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(2.0)  # an in-place change: the transposed copy is made again
-    torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden), kv_cache.lm_logits(model, hidden))
+    torch.testing.assert_close(kv_cache.lm_logits_rows(model, hidden, head), kv_cache.lm_logits(model, hidden))
+    model.get_output_embeddings().weight = torch.nn.Parameter(torch.zeros_like(model.get_output_embeddings().weight))
+    assert kv_cache.lm_logits_rows(model, hidden, head).abs().max() == 0  # replaced: made again
+
+
+@pytest.mark.other_transformers
+@pytest.mark.skipif(not os.environ.get("MEDUSA_TRANSFORMERS_VERSION"),
+                    reason="run by scripts/test_transformers_version.sh VERSION")
+def test_the_other_transformers_release_is_the_one_asked_for():
+    import transformers
+
+    assert transformers.__version__ == os.environ["MEDUSA_TRANSFORMERS_VERSION"]
