@@ -357,8 +357,7 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost measured here (a verify forward over the
     tree's nodes after 256 cached tokens, relative to one token): the seed's analysis next to the measured figures."""
     nodes = model.tree.num_nodes
-    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, verify_logits=model.verify_logits,
-                              engine=model.engine)
+    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, engine=model.engine)
     return {**chain_prediction(result["accepted_histogram"], curve[nodes]), "step_cost": curve[nodes]}
 
 
@@ -469,7 +468,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "max_new_tokens": max_new_tokens,
         "tree": model.tree.name,
         "tree_nodes": model.tree.num_nodes,
-        "verify_logits": model.verify_logits,
+        "verify_logits": "all" if model.engine.scores_all_nodes else "path",
         "engine": model.engine.settings(),
         "head_type": model.heads.config.head_type,
         "num_heads": model.heads.config.num_heads,
@@ -484,11 +483,11 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
 
 
 def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5,
-                      verify_logits: str = "all", engine=None) -> dict:
+                      engine=None) -> dict:
     """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
 
-    ``verify_logits`` as in :func:`medusa.generate.medusa_steps`: ``"all"`` applies the lm_head to all n tokens,
-    ``"path"`` to one (the walk along the accepted path scores about tau rows, one at a time).
+    The lm_head is applied as decoding applies it on that engine (:attr:`medusa.engine.Engine.scores_all_nodes`): to
+    all n tokens, or to one (the walk along the accepted path scores about tau rows, one at a time).
 
     The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
     is timed ``repeats`` times (median), interleaved across sizes to spread machine noise. ``engine``: the decode
@@ -511,7 +510,7 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
                 positions = prefix_len + torch.arange(n, device=device)
                 _sync(device)
                 start = time.perf_counter()
-                rows = None if verify_logits == "all" else slice(-1, None)
+                rows = None if engine.scores_all_nodes else slice(-1, None)
                 engine.forward(ids, positions, kv_cache.causal_mask(n, device), cache, logits_for=rows)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)

@@ -553,8 +553,7 @@ def cmd_build_tree(args) -> int:
     replays = replay_data(model.heads, sequence_states(model.base, sequences), args.top_k, max(args.lookup_lengths),
                           ngram)
     accuracy = rank_accuracy_from_replays(replays, args.top_k)
-    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, verify_logits=model.verify_logits,
-                              engine=model.engine)
+    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, engine=model.engine)
     cost = level_cost(model, curve["one_token_s"])
     name = args.name or Path(args.out).stem
     tree, table = choose_tree(accuracy, curve, args.max_nodes, cost, name=name, replays=replays,

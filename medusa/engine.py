@@ -250,10 +250,6 @@ class EagerEngine(Engine):
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
         super().__init__(model, scores_all_nodes)
 
-    @property
-    def scores_all_nodes(self) -> bool:  # TEMPORARY until the engines branch lands
-        return self.model.device.type != "cpu" or getattr(self, "packed", None) is not None
-
     def new_cache(self, capacity: int):
         return kv_cache.new_cache()
 

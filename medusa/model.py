@@ -11,7 +11,7 @@ from torch import nn
 
 from medusa.adapter import check_adapter_folder, merge_adapter
 from medusa.base import load_base, stop_token_ids
-from medusa.batch import BatchStats, batch_generate
+from medusa.batch import BatchStats, batch_decode_steps
 from medusa.checkpoint import check_heads_folder, load_heads
 from medusa.engine import DEFAULT_ENGINE, make_engine
 from medusa.drafters.composite import tree_drafter
@@ -50,14 +50,13 @@ class MedusaModel(nn.Module):
         self.use_engine(engine, **engine_options)
 
     def use_engine(self, name: str, **options) -> None:
-        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it).
-
-        Also sets :attr:`verify_logits` from the engine's declared ``scores_all_nodes``: one lm_head product over all
-        tree nodes, or one row at a time along the accepted path. Both accept the same tokens.
+        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it, e.g.
+        ``scores_all_nodes=``). The engine declares whether one lm_head product over all tree nodes or one row at a
+        time along the accepted path is cheaper (:attr:`medusa.engine.Engine.scores_all_nodes`); both accept the
+        same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
         self.engine = make_engine(name, self.base, **options)
-        self.verify_logits = "all" if self.engine.scores_all_nodes else "path"
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
@@ -166,10 +165,14 @@ class MedusaModel(nn.Module):
                                       f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
         # Through the engine's batch operations (the onednn engine's on its prepacked linear layers); batched logits
-        # come from the base's lm_head, so on a CPU rows along the paths.
-        verify_logits = "path" if self.device.type == "cpu" else "all"
-        return batch_generate(self.base, self.heads, ids, tree or self.tree, max_new_tokens, stop, verify_logits,
-                              self.engine)
+        # come from the base's lm_head, so on a CPU rows along the paths (batch_decode_steps' default).
+        drafter = self.drafter if tree is None else tree_drafter(self.heads, tree)
+        stats = BatchStats()
+        out: list[list[int]] = [[] for _ in ids]
+        for step in batch_decode_steps(self.base, drafter, ids, max_new_tokens, stop, stats, engine=self.engine):
+            for i, s in step:
+                out[i].extend(s.tokens)
+        return out, stats
 
 
 def _as_1d(input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from test_decoding import ARCHS, WIDE_TREE, OracleHeads, StatelessContext, hf_gr
 from tiny import tiny_model
 
 from medusa import kv_cache
-from medusa.batch import batch_generate, greedy_accept_rows, greedy_accept_rows_along_path
+from medusa.batch import batch_generate
 from medusa.generate import medusa_generate
 from medusa.tree import Tree, tree_buffers
 
@@ -106,31 +106,51 @@ def test_plain_batched_decoding_is_greedy(arch):
         assert stats.forwards == 15 and all(s.tau == 1 for s in stats.rows)
 
 
-def test_greedy_accept_rows_matches_the_single_row_rule():
-    from medusa.verify import greedy_accept
+def trie_walk(tokens: list[int], predicted: list[int], children) -> tuple[list[int], int]:
+    """The greedy walk over the tree read as a trie (the rule before the drafter seam, kept here as the reference):
+    follow the children of every twin, keep the first twin, ask the base at that first twin."""
+    twins, path = [0], [0]
+    while True:
+        want = predicted[twins[0]]
+        twins = [c for node in twins for c in children[node] if tokens[c] == want]
+        if not twins:
+            return path, want
+        path.append(twins[0])
 
-    buffers = tree_buffers(WIDE_TREE)
-    index = {(): 0} | {p: i for i, p in enumerate(WIDE_TREE.paths, 1)}
+
+@pytest.mark.parametrize("tree", [WIDE_TREE, WIDE_TREE.with_lookup(4), Tree.chain(3).with_lookup(3)],
+                         ids=["wide", "wide+lookup", "chain+lookup"])
+def test_vectorised_and_walked_greedy_acceptance_agree_with_the_trie_walk(tree):
+    """Random drafts over 3 tokens (many twins between the lookup chain and the heads' nodes): every row, both ways,
+    accepts the path the trie walk accepts."""
+    from medusa.verify import greedy_accept, greedy_paths, greedy_walk
+
+    buffers = tree_buffers(tree)
+    index = {(): 0} | {p: i for i, p in enumerate(tree.paths, 1)}
     gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        # Siblings hold distinct tokens (one head's top-k), as drafting guarantees.
-        offsets = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)  # per (row, parent)
-        tokens = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
-        for i, path in enumerate(WIDE_TREE.paths, 1):
-            parent = index[path[:-1]]
-            tokens[:, i] = (path[-1] + offsets[:, parent]) % 3
-        predicted = torch.randint(0, 3, (4, WIDE_TREE.num_nodes), generator=gen)
-        paths, accepted = greedy_accept_rows(tokens, predicted, buffers)
-        walked, walked_accepted, bonus = greedy_accept_rows_along_path(
-            tokens, lambda rows, nodes: predicted[rows, nodes], buffers)  # noqa: B023
-        assert torch.equal(walked, paths.masked_fill(torch.arange(paths.shape[1]) > accepted[:, None], -1))
-        assert torch.equal(walked_accepted, accepted)
-        assert torch.equal(bonus, predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0])
+    for _ in range(100):
+        # Siblings among the heads' nodes hold distinct tokens (one head's top-k), as drafting guarantees.
+        offsets = torch.randint(0, 3, (4, tree.num_nodes), generator=gen)  # per (row, parent)
+        tokens = torch.randint(0, 3, (4, tree.num_nodes), generator=gen)
+        for i, path in enumerate(tree.paths, 1):
+            tokens[:, i] = (path[-1] + offsets[:, index[path[:-1]]]) % 3
+        predicted = torch.randint(0, 3, (4, tree.num_nodes), generator=gen)
+        paths, accepted = greedy_paths(tokens, predicted, buffers)
+        asked = []
+
+        def next_tokens_at(rows, nodes, asked=asked, predicted=predicted):
+            asked.append(len(rows))
+            return predicted[rows, nodes]
+
+        walked, walked_accepted, bonus = greedy_walk(tokens, next_tokens_at, buffers)
+        assert torch.equal(walked, paths) and torch.equal(walked_accepted, accepted)
+        assert sum(asked) == int(accepted.sum()) + 4  # only along each row's path
         for b in range(4):
-            logits = torch.nn.functional.one_hot(predicted[b], 3).float()
-            single = greedy_accept(tokens[b], logits, buffers)
-            assert int(accepted[b]) == single.accepted
-            assert paths[b, : single.accepted + 1].tolist() == single.path_nodes.tolist()
+            path, want = trie_walk(tokens[b].tolist(), predicted[b].tolist(), buffers.children)
+            assert paths[b, : len(path)].tolist() == path and int(accepted[b]) == len(path) - 1
+            assert int(bonus[b]) == want == int(predicted[b, paths[b, accepted[b]]])
+            single = greedy_accept(tokens[b], predicted[b], buffers)
+            assert single.path_nodes.tolist() == path and int(single.next_token) == want
 
 
 def test_keep_row_paths_moves_only_the_kept_slots():

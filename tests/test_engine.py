@@ -306,9 +306,8 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
     reference = hf_greedy(model, ids, 16)
     engine = engines.make_engine("toy", model)
     for scores_all in (True, False):
-        engine.scores_all_nodes = scores_all
-        out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 16, engine=engine,
-                                 verify_logits="all" if scores_all else "path")
+        engine = engines.make_engine("toy", model, scores_all_nodes=scores_all)
+        out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 16, engine=engine)
         assert out == reference
     from medusa.batch import batch_generate
 

@@ -92,12 +92,12 @@ def test_near_zero_temperature_sampling_is_greedy(llama):
     ids = prompt(seed=2)
     reference = hf_tokens(llama, ids, 24)
     medusa = MedusaModel(llama, random_heads(llama), WIDE_TREE)
-    for verify_logits in ("all", "path"):
-        medusa.verify_logits = verify_logits
+    for scores_all_nodes in (True, False):
+        medusa.use_engine("static", scores_all_nodes=scores_all_nodes)
         for acceptance in ("rejection", "typical"):
             out, _ = medusa.generate(ids, 24, stop_token_ids={EOS}, do_sample=True, temperature=1e-3, seed=0,
                                      acceptance=acceptance)
-            assert out == reference, (verify_logits, acceptance)
+            assert out == reference, (scores_all_nodes, acceptance)
 
 
 def test_same_seed_same_tokens(llama):

@@ -131,13 +131,13 @@ def test_onednn_engine_decodes_the_base_greedy_tokens_and_leaves_hf_generate_alo
     heads = random_heads(model)
     medusa = MedusaModel(model, heads)
     medusa.use_engine("onednn")
-    assert medusa.verify_logits == "all"  # a prepacked lm_head scores every node at once
+    assert medusa.engine.scores_all_nodes  # a prepacked lm_head scores every node at once
     model.generation_config.eos_token_id = None
     out, stats = medusa.generate(IDS, max_new_tokens=32, stop_token_ids=set(), do_sample=False)
     assert out == reference and stats.decode_steps > 0
     assert hf_greedy(model, IDS, 32) == reference  # the base's own modules still run as before
     medusa.use_engine("static")
-    assert medusa.verify_logits == "path"
+    assert not medusa.engine.scores_all_nodes
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

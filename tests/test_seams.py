@@ -18,7 +18,6 @@ from medusa.sampling import acceptance_rule
 from medusa.tree import Tree, layout_from_parents
 
 
-@register_engine("test-counting")
 class CountingEngine(Engine):
     """transformers' DynamicCache through medusa.kv_cache, counting its forwards and the tokens they carried."""
 
@@ -43,7 +42,6 @@ class CountingEngine(Engine):
         kv_cache.keep_positions(cache, prefix_len, keep)
 
 
-@register_drafter("test-bigram")
 class BigramDrafter:
     """Drafts from the context's own bigram counts: a copied node (the token that followed the root last time) and,
     on odd steps, a drawn group of two under the root from the bigram distribution (so trees change shape). Its
@@ -79,6 +77,18 @@ class BigramDrafter:
 
     def update(self, state, draft, path, hidden, next_tokens):
         state["seen"] += next_tokens.tolist()
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    """Register the toy engine and drafter through the public decorators, and take them out again afterwards."""
+    from medusa.drafters import base
+
+    register_engine("test-counting")(CountingEngine)
+    register_drafter("test-bigram")(BigramDrafter)
+    yield
+    ENGINES.pop("test-counting")
+    base._DRAFTERS.pop("test-bigram")
 
 
 def repetitive_prompt():
