@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from medusa.report import batch_bench_table, bench_table, drift_text
-from medusa.report import same_prompts_text as _same_prompts_text  # noqa: F401 (tests/test_review_gpu.py)
+from medusa.tools.report import batch_bench_table, bench_table, drift_text
+from medusa.tools.report import same_prompts_text as _same_prompts_text  # noqa: F401 (tests/test_review_gpu.py)
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -203,7 +203,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    from medusa.engine import DEFAULT_ENGINE, ENGINES
+    from medusa.engines import DEFAULT_ENGINE, ENGINES
 
     p.add_argument("--engine", default=None,
                    help="KV cache and step: " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
@@ -237,7 +237,7 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from medusa.engine import DEFAULT_ENGINE, check_dtype
+    from medusa.engines import DEFAULT_ENGINE, check_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -269,7 +269,7 @@ def _check_lookup_flags(args) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from medusa.prepare import prepare_model
+    from medusa.io.prepare import prepare_model
 
     out = prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
@@ -353,8 +353,8 @@ def _warn(warning: str | None) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from medusa.bench import encode_prompt, machine_load
-    from medusa.generate import GenerationStats
+    from medusa.decode.loop import GenerationStats
+    from medusa.tools.bench import encode_prompt, machine_load
 
     if args.prompts:
         return _generate_batched(args)
@@ -385,7 +385,7 @@ def _generate_batched(args) -> int:
     """``medusa generate --prompts FILE``: batched greedy decoding, each answer under a ``--- prompt i ---`` line."""
     import torch
 
-    from medusa.bench import encode_prompt, machine_load, read_prompts
+    from medusa.tools.bench import encode_prompt, machine_load, read_prompts
 
     if args.stream:
         raise ValueError("--stream prints one sequence as it is accepted: not with --prompts")
@@ -419,13 +419,13 @@ def _generate_batched(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from medusa.bench import machine_load, read_prompts, run_bench
-    from medusa.drift import drift_from
+    from medusa.tools.bench import machine_load, read_prompts, run_bench
+    from medusa.tools.drift import drift_from
 
     if args.plot and not args.out:
         raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
     if args.plot:
-        from medusa.plots import pyplot
+        from medusa.tools.plots import pyplot
 
         pyplot()  # fail now, not after the run, when matplotlib is missing
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
@@ -463,15 +463,15 @@ def cmd_bench(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
-        from medusa.plots import plot_bench
+        from medusa.tools.plots import plot_bench
 
         print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
     return 0
 
 
 def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
-    """``medusa bench --batch-size B...``: :func:`medusa.bench.run_batch_bench`, a table, and the JSON."""
-    from medusa.bench import run_batch_bench
+    """``medusa bench --batch-size B...``: :func:`medusa.tools.bench.run_batch_bench`, a table, and the JSON."""
+    from medusa.tools.bench import run_batch_bench
 
     if min(args.batch_size) < 1:
         raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
@@ -497,17 +497,17 @@ def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
 
 
 def cmd_merge(args) -> int:
-    from medusa.adapter import write_merged
+    from medusa.io.adapter import write_merged
 
     print(f"merged model written to {write_merged(args.base, args.adapter, args.out)}")
     return 0
 
 
 def cmd_drift(args) -> int:
-    from medusa.adapter import merge_adapter
     from medusa.base import load_base
-    from medusa.bench import read_distilled_sequences
-    from medusa.drift import drift
+    from medusa.io.adapter import merge_adapter
+    from medusa.tools.bench import read_distilled_sequences
+    from medusa.tools.drift import drift
 
     sequences = read_distilled_sequences(args.data, args.limit)
     original, _ = load_base(args.base)
@@ -524,8 +524,8 @@ def cmd_drift(args) -> int:
 
 
 def cmd_eval_heads(args) -> int:
-    from medusa.bench import read_distilled_sequences
-    from medusa.calibrate import rank_accuracy
+    from medusa.tools.bench import read_distilled_sequences
+    from medusa.tools.calibrate import rank_accuracy
 
     model = _load(args)
     sequences = read_distilled_sequences(args.data, args.limit)
@@ -540,10 +540,10 @@ def cmd_eval_heads(args) -> int:
 
 
 def cmd_build_tree(args) -> int:
-    from medusa.bench import level_cost, machine_name, read_distilled_sequences, verify_cost_curve
-    from medusa.calibrate import choose_tree, rank_accuracy_from_replays, replay_data, sequence_states
-    from medusa.plots import plot_tree_report
-    from medusa.tree import save_tree
+    from medusa.decode.tree import save_tree
+    from medusa.tools.bench import level_cost, machine_name, read_distilled_sequences, verify_cost_curve
+    from medusa.tools.calibrate import choose_tree, rank_accuracy_from_replays, replay_data, sequence_states
+    from medusa.tools.plots import plot_tree_report
 
     ngram = args.lookup_ngram or 3
     model = _load(args)
@@ -594,7 +594,7 @@ def _plot_or_warn(draw) -> None:
 
 
 def cmd_plot(args) -> int:
-    from medusa.plots import plot_bench, plot_training, plot_tree_report
+    from medusa.tools.plots import plot_bench, plot_training, plot_tree_report
     from train.history import CURVES_NAME, HISTORY_NAME, read_history
 
     if args.out and len(args.inputs) > 1:
@@ -631,8 +631,8 @@ def _base_lm_head(base: str | None):
 
 
 def cmd_export(args) -> int:
-    from medusa.checkpoint import check_heads_folder, load_heads
-    from medusa.interop import export_vllm
+    from medusa.io.checkpoint import check_heads_folder, load_heads
+    from medusa.io.interop import export_vllm
 
     config = check_heads_folder(args.heads)
     if config.share_lm_head and args.base is None:
@@ -649,8 +649,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from medusa.checkpoint import read_heads_config
-    from medusa.interop import import_medusa_v1, import_vllm
+    from medusa.io.checkpoint import read_heads_config
+    from medusa.io.interop import import_medusa_v1, import_vllm
 
     convert = {"medusa-v1": import_medusa_v1, "vllm": import_vllm}[args.source]
     out = convert(args.src, args.out, _base_lm_head(args.base))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from medusa.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
+from medusa.drafters.heads import IGNORE_INDEX, head_lookup_table, head_target_offset
 
 __all__ = ["IGNORE_INDEX", "LOSS_TYPES", "head_ce_sums", "head_lookup_table", "head_soft_sums",
            "head_target_counts", "head_targets", "medusa_loss", "next_token_kl_sum", "soft_cross_entropy"]

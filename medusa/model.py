@@ -9,16 +9,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medusa.adapter import check_adapter_folder, merge_adapter
 from medusa.base import load_base, stop_token_ids
-from medusa.batch import BatchStats, batch_decode_steps
-from medusa.checkpoint import check_heads_folder, load_heads
-from medusa.engine import DEFAULT_ENGINE, make_engine
+from medusa.decode.batch import BatchStats, batch_decode_steps
+from medusa.decode.logits_process import resolve_decoding
+from medusa.decode.loop import GenerationStats, Step, decode_steps
+from medusa.decode.tree import Tree, load_tree
 from medusa.drafters.composite import tree_drafter
-from medusa.generate import GenerationStats, Step, decode_steps
-from medusa.heads import HydraHeads, MedusaHeads
-from medusa.logits_process import resolve_decoding
-from medusa.tree import Tree, load_tree
+from medusa.drafters.heads import HydraHeads, MedusaHeads
+from medusa.engines import DEFAULT_ENGINE, make_engine
+from medusa.io.adapter import check_adapter_folder, merge_adapter
+from medusa.io.checkpoint import check_heads_folder, load_heads
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class MedusaModel(nn.Module):
         heads: heads trained for this base (same device and dtype as the base after construction).
         tree: default candidate tree; ``None`` means the top-1 chain over all heads.
         tokenizer: optional, used for stop tokens and by the CLI.
-        engine: the decode engine's name (:func:`medusa.engine.make_engine`; ``engine_options`` go to it).
+        engine: the decode engine's name (:func:`medusa.engines.make_engine`; ``engine_options`` go to it).
         drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads on ``tree`` (with its
             prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
     """
@@ -50,9 +50,9 @@ class MedusaModel(nn.Module):
         self.use_engine(engine, **engine_options)
 
     def use_engine(self, name: str, **options) -> None:
-        """Decode through the engine ``name`` (:func:`medusa.engine.make_engine`; ``options`` go to it, e.g.
+        """Decode through the engine ``name`` (:func:`medusa.engines.make_engine`; ``options`` go to it, e.g.
         ``scores_all_nodes=``). The engine declares whether one lm_head product over all tree nodes or one row at a
-        time along the accepted path is cheaper (:attr:`medusa.engine.Engine.scores_all_nodes`); both accept the
+        time along the accepted path is cheaper (:attr:`medusa.engines.Engine.scores_all_nodes`); both accept the
         same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
@@ -63,17 +63,17 @@ class MedusaModel(nn.Module):
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         attn_implementation: str | None = None, adapter: str | Path | None = None,
                         engine: str = DEFAULT_ENGINE, **engine_options) -> MedusaModel:
-        """Load a base model and a heads folder (see :mod:`medusa.checkpoint`).
+        """Load a base model and a heads folder (see :mod:`medusa.io.checkpoint`).
 
         ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are
-        verified against the adapted model the heads were trained with (:mod:`medusa.adapter`).
+        verified against the adapted model the heads were trained with (:mod:`medusa.io.adapter`).
 
         ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,
         else the top-1 chain (logged).
 
         Raises:
             FileNotFoundError: a folder or file is missing.
-            medusa.checkpoint.HeadsMismatchError: the heads were trained for another base.
+            medusa.io.checkpoint.HeadsMismatchError: the heads were trained for another base.
             ValueError: the tree does not fit the heads.
         """
         # Fail on a bad heads folder or tree file before spending time loading the base.
@@ -108,7 +108,7 @@ class MedusaModel(nn.Module):
                do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, acceptance: str = "rejection",
                typical_epsilon: float = 0.3, typical_delta: float = 0.09, **settings) -> Iterator[Step]:
-        """Yield :class:`~medusa.generate.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``.
+        """Yield :class:`~medusa.decode.loop.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``.
 
         Decoding settings as in :meth:`generate`.
         """
@@ -129,13 +129,13 @@ class MedusaModel(nn.Module):
         Settings left ``None`` come from the base's ``generation_config`` (then Hugging Face's defaults, as
         ``generate`` takes them); further generation-config fields (``repetition_penalty=...``) go in ``settings``.
         Greedy (``do_sample`` false): exactly the base's greedy tokens under those settings. Sampling with
-        ``acceptance="rejection"``: lossless, distributed exactly as the base's samples (:mod:`medusa.sampling`);
-        ``"typical"``: Medusa's typical acceptance, faster and lossy (``typical_epsilon``, ``typical_delta``).
-        The same ``seed`` gives the same tokens.
+        ``acceptance="rejection"``: lossless, distributed exactly as the base's samples
+        (:mod:`medusa.decode.acceptance`); ``"typical"``: Medusa's typical acceptance, faster and lossy
+        (``typical_epsilon``, ``typical_delta``). The same ``seed`` gives the same tokens.
 
         Raises:
             ValueError: bad settings, or one the base's generation config sets that Medusa cannot honour
-                (:func:`medusa.logits_process.resolve_decoding`).
+                (:func:`medusa.decode.logits_process.resolve_decoding`).
         """
         stats = GenerationStats()
         steps = self.stream(input_ids, max_new_tokens, tree, stop_token_ids, stats, do_sample, temperature, top_k,
@@ -144,7 +144,7 @@ class MedusaModel(nn.Module):
 
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128, tree: Tree | None = None,
                        stop_token_ids: set[int] | None = None, **settings) -> tuple[list[list[int]], BatchStats]:
-        """Batched greedy Medusa decoding of several prompts ``(T_b,)`` of any lengths (:mod:`medusa.batch`);
+        """Batched greedy Medusa decoding of several prompts ``(T_b,)`` of any lengths (:mod:`medusa.decode.batch`);
         returns ``(new_token_ids per prompt, stats)``. Each prompt gets exactly the tokens :meth:`generate` gives
         it alone. ``tree=Tree.chain(0)`` is plain batched greedy decoding.
 

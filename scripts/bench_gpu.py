@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from medusa import kv_cache
-from medusa.bench import machine_load
-from medusa.engine import ENGINES, check_dtype, make_engine
-from medusa.generate import medusa_generate
-from medusa.heads import MedusaHeadsConfig, build_heads
-from medusa.tree import Tree, grow_tree
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, grow_tree
+from medusa.drafters.heads import MedusaHeadsConfig, build_heads
+from medusa.engines import ENGINES, check_dtype, kv_cache, make_engine
+from medusa.tools.bench import machine_load
 
 SHAPES = {
     # Llama-2-7B: 32 layers, hidden 4096, MLP 11008, 32 heads, vocabulary 32000.

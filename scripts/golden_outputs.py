@@ -28,7 +28,7 @@ WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0,
 
 
 def random_heads(model, head_type: str, seed: int = 1):
-    from medusa.heads import MedusaHeadsConfig, build_heads
+    from medusa.drafters.heads import MedusaHeadsConfig, build_heads
 
     weight = model.get_output_embeddings().weight
     config = MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
@@ -48,8 +48,8 @@ def run(medusa, ids, **kw) -> dict:
 def tiny_cases(with_batch: bool = True) -> dict:
     from tiny import tiny_model
 
+    from medusa.decode.tree import Tree
     from medusa.model import MedusaModel
-    from medusa.tree import Tree
 
     results = {}
     tree = Tree.from_paths(WIDE, name="wide").with_lookup(3)
@@ -80,8 +80,8 @@ def tiny_cases(with_batch: bool = True) -> dict:
 
 
 def real_cases(base: str, heads: str, prompts_file: str, limit: int, max_new_tokens: int) -> dict:
-    from medusa.bench import encode_prompt
     from medusa.model import MedusaModel
+    from medusa.tools.bench import encode_prompt
 
     medusa = MedusaModel.from_pretrained(base, heads)
     rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()][:limit]

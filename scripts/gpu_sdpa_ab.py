@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import SHAPES, build_model, hf_generate_ms, random_heads, sync, tree_of  # noqa: E402
 
-from medusa.engine import make_engine  # noqa: E402
-from medusa.generate import medusa_generate  # noqa: E402
-from medusa.tree import Tree  # noqa: E402
+from medusa.decode.loop import medusa_generate  # noqa: E402
+from medusa.decode.tree import Tree  # noqa: E402
+from medusa.engines import make_engine  # noqa: E402
 
 
 def main(argv=None) -> dict:

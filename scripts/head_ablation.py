@@ -28,11 +28,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
-from medusa.calibrate import rank_accuracy_from_states, sequence_states
-from medusa.checkpoint import load_heads, save_heads
-from medusa.heads import MedusaHeadsConfig, build_heads, head_lookup_table, lm_head_fingerprint, most_frequent_tokens
+from medusa.decode.tree import expected_acceptance, grow_tree
+from medusa.drafters.heads import (
+    MedusaHeadsConfig,
+    build_heads,
+    head_lookup_table,
+    lm_head_fingerprint,
+    most_frequent_tokens,
+)
+from medusa.io.checkpoint import load_heads, save_heads
 from medusa.losses import head_ce_sums, head_soft_sums, head_target_counts
-from medusa.tree import expected_acceptance, grow_tree
+from medusa.tools.calibrate import rank_accuracy_from_states, sequence_states
 from train.data import load_conversations, split_held_out, target_token_counts, tokenize_conversations
 from train.store import HiddenStateStore, build_store
 from train.trainer import crop_window, step_loss, window_starts

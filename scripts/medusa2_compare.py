@@ -5,7 +5,7 @@ heads both runs started from as a reference row. Every row is scored on the same
 (the original base's greedy text), with the base each set of heads decodes with: the original for Medusa-1, the
 merged adapted base for Medusa-2. Reported: per-head top-1/top-5 (for Hydra heads conditional on the true tokens
 before the target), the expected tau of the greedy-grown tree at several node budgets (as ``scripts/head_ablation.py``
-and ``medusa build-tree``), and the drift of the decoding base from the original (:mod:`medusa.drift`; none for
+and ``medusa build-tree``), and the drift of the decoding base from the original (:mod:`medusa.tools.drift`; none for
 the original itself).
 
     python scripts/medusa2_compare.py --base models/smollm2-135m-instruct \\
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from medusa.adapter import merge_adapter
-from medusa.calibrate import rank_accuracy
-from medusa.checkpoint import load_heads
-from medusa.drift import drift
+from medusa.decode.tree import expected_acceptance, grow_tree
+from medusa.io.adapter import merge_adapter
+from medusa.io.checkpoint import load_heads
 from medusa.model import load_base
-from medusa.tree import expected_acceptance, grow_tree
+from medusa.tools.calibrate import rank_accuracy
+from medusa.tools.drift import drift
 
 logger = logging.getLogger("medusa2_compare")
 BUDGETS = (4, 8, 16, 32)

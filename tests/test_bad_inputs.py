@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import medusa.model
-from medusa.checkpoint import HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME, HeadsMismatchError, load_heads, save_heads
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.io.checkpoint import HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME, HeadsMismatchError, load_heads, save_heads
 from medusa.model import MedusaModel
 from train.config import load_config
 
@@ -187,7 +187,7 @@ def test_bad_tree_file_is_reported_before_the_base_loads(heads_dir, tmp_path, ca
 
 
 def test_tree_file_errors_name_the_file(tmp_path):
-    from medusa.tree import load_tree
+    from medusa.decode.tree import load_tree
 
     tree = tmp_path / "bad-tree.json"
     tree.write_text('{"paths": [[0, 0]]}')

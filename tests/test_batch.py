@@ -7,10 +7,10 @@ import torch
 from test_decoding import ARCHS, WIDE_TREE, OracleHeads, StatelessContext, hf_greedy, random_heads
 from tiny import tiny_model
 
-from medusa import kv_cache
-from medusa.batch import batch_generate
-from medusa.generate import medusa_generate
-from medusa.tree import Tree, tree_buffers
+from medusa.decode.batch import batch_generate
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, tree_buffers
+from medusa.engines import kv_cache
 
 LENGTHS = [5, 17, 1, 11, 23]
 
@@ -123,7 +123,7 @@ def trie_walk(tokens: list[int], predicted: list[int], children) -> tuple[list[i
 def test_vectorised_and_walked_greedy_acceptance_agree_with_the_trie_walk(tree):
     """Random drafts over 3 tokens (many twins between the lookup chain and the heads' nodes): every row, both ways,
     accepts the path the trie walk accepts."""
-    from medusa.verify import greedy_accept, greedy_paths, greedy_walk
+    from medusa.decode.greedy import greedy_accept, greedy_paths, greedy_walk
 
     buffers = tree_buffers(tree)
     index = {(): 0} | {p: i for i, p in enumerate(tree.paths, 1)}
@@ -195,9 +195,9 @@ def cli_setup(tmp_path_factory):
 
 
 def test_cli_generate_batched_equals_one_at_a_time(cli_setup, capsys):
-    from medusa.bench import encode_prompt, read_prompts
     from medusa.cli import main
     from medusa.model import MedusaModel
+    from medusa.tools.bench import encode_prompt, read_prompts
 
     root, base, prompts = cli_setup
     args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa import checkpoint
-from medusa.checkpoint import (
+from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.io import checkpoint
+from medusa.io.checkpoint import (
     HEADS_CONFIG_NAME,
     HEADS_WEIGHTS_NAME,
     HeadsMismatchError,
@@ -17,7 +18,6 @@ from medusa.checkpoint import (
     read_heads_config,
     save_heads,
 )
-from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
 
 H, V = 16, 64
 

@@ -10,7 +10,7 @@ import torch
 from tiny import save_cli_files, save_tiny
 
 from medusa.cli import main
-from medusa.tree import Tree, load_tree, save_tree
+from medusa.decode.tree import Tree, load_tree, save_tree
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_bench_with_a_lookup_chain_and_the_hf_prompt_lookup_baseline(setup, tmp_
 def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     root, base, prompts = setup
-    monkeypatch.setattr("medusa.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (64.0, 60.0, 50.0))
     out = tmp_path / "bench.json"
     assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
                  "--limit", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "--plot",
@@ -109,7 +109,7 @@ def test_bench_plot_needs_out(setup, capsys):
 
 def test_generate_stats_warns_on_a_busy_machine(setup, monkeypatch, capsys):
     root, base, _ = setup
-    monkeypatch.setattr("medusa.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (64.0, 60.0, 50.0))
     args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hello world",
             "--max-new-tokens", "4"]
     assert main(args) == 0
@@ -144,7 +144,7 @@ def test_train_help_shows_defaults(capsys):
 def test_prepare_errors_name_a_working_install_command(tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from medusa import prepare
+    from medusa.io import prepare
 
     real = importlib.util.find_spec
     monkeypatch.setattr(prepare.importlib.util, "find_spec",
@@ -238,7 +238,7 @@ def test_eval_heads_reports_accuracy(setup, tmp_path, capsys):
 
 
 def test_chain_prediction_from_the_acceptance_histogram():
-    from medusa.bench import chain_prediction
+    from medusa.tools.bench import chain_prediction
 
     assert chain_prediction([10, 0, 0])["predicted_tau"] == 1.0  # nothing accepted
     assert chain_prediction([0, 0, 7])["predicted_tau"] == 3.0  # everything accepted, depth 2

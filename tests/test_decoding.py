@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa import kv_cache
-from medusa.generate import medusa_generate
-from medusa.heads import MedusaHeadsConfig, build_heads, head_target_offset
-from medusa.tree import Tree, grow_tree
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, grow_tree
+from medusa.drafters.heads import MedusaHeadsConfig, build_heads, head_target_offset
+from medusa.engines import kv_cache
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
 WIDE_TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]])
@@ -24,7 +24,8 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
 
 
 class StatelessContext:
-    """The decoding-context interface for test heads that keep no state (as :class:`medusa.heads.MedusaHeads`)."""
+    """The decoding-context interface for test heads that keep no state (as
+    :class:`medusa.drafters.heads.MedusaHeads`)."""
 
     def new_context(self):
         return None

@@ -9,10 +9,10 @@ import torch
 from test_decoding import WIDE_TREE, OracleHeads, hf_greedy, random_heads
 from tiny import tiny_model
 
-from medusa import engine as engines
-from medusa import kv_cache, static_cache
-from medusa.generate import medusa_generate
-from medusa.tree import Tree, tree_buffers
+from medusa import engines
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, tree_buffers
+from medusa.engines import kv_cache, static_cache
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
 # Node indices (root 0): (0)=1 (1)=2 (0,0)=3 (1,0)=4 (1,1)=5 (1,0,0)=6.
@@ -121,7 +121,7 @@ def test_unknown_engine_and_bad_dtype_are_clear_errors():
 
 def test_compiled_engine_falls_back_with_a_warning_naming_why(monkeypatch):
     model = tiny_model("llama")
-    monkeypatch.setattr(engines, "compile_unavailable", lambda device: "no C++ compiler (test)")
+    monkeypatch.setattr(engines.compiled, "compile_unavailable", lambda device: "no C++ compiler (test)")
     with pytest.warns(RuntimeWarning, match=r"runs as 'static' \(uncompiled\): no C\+\+ compiler \(test\)"):
         engine = engines.make_engine("compiled", model)
     ids = ids_of(16)
@@ -210,7 +210,7 @@ def test_cli_refuses_an_unknown_engine_and_a_dtype_the_device_cannot_run(cli_set
 
 
 def test_ties_are_counted_within_the_dtype_rounding():
-    from medusa.bench import tie_tolerance
+    from medusa.tools.bench import tie_tolerance
 
     # bf16 keeps 8 significant bits: two units of 2**-7 relative at a logit of 20 are 0.31 (gaps of 0.016-0.19
     # were seen between tree and plain bf16 forwards); fp32's are 5e-6.
@@ -309,7 +309,7 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
         engine = engines.make_engine("toy", model, scores_all_nodes=scores_all)
         out, _ = medusa_generate(model, random_heads(model), ids, WIDE_TREE, 16, engine=engine)
         assert out == reference
-    from medusa.batch import batch_generate
+    from medusa.decode.batch import batch_generate
 
     outs, _ = batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
     assert outs == [reference, hf_greedy(model, ids_of(7, seed=3), 16)]

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa import cli
-from medusa.checkpoint import HEADS_CONFIG_NAME, load_heads, read_heads_config, save_heads
-from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
-from medusa.interop import (
+from medusa.drafters.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+from medusa.io.checkpoint import HEADS_CONFIG_NAME, load_heads, read_heads_config, save_heads
+from medusa.io.interop import (
     VLLM_CONFIG_NAME,
     VLLM_WEIGHTS_NAME,
     FormatError,
@@ -154,7 +154,7 @@ def test_export_refuses_a_config_field_it_cannot_express(tmp_path, monkeypatch):
     """A heads config field outside what the layout holds (e.g. prefix layers) must be at its default ("off")."""
     import dataclasses
 
-    from medusa import interop
+    from medusa.io import interop
 
     heads = trained_heads(base_weight(), share=False)
     field = dataclasses.field(default=0)

@@ -8,8 +8,8 @@ import torch
 from test_decoding import WIDE_TREE, random_heads
 from tiny import tiny_model
 
-from medusa.generate import medusa_generate
-from medusa.logits_process import resolve_decoding
+from medusa.decode.logits_process import resolve_decoding
+from medusa.decode.loop import medusa_generate
 from medusa.model import MedusaModel
 
 EOS = 2

@@ -13,11 +13,11 @@ from test_decoding import ARCHS, WIDE_TREE, hf_greedy, random_heads
 from test_hydra import tiny_hydra_for, train_on_greedy
 from tiny import tiny_model
 
-from medusa import engine as engines
-from medusa.batch import batch_generate
-from medusa.bench import divergence
-from medusa.generate import medusa_generate
-from medusa.tree import Tree
+from medusa import engines
+from medusa.decode.batch import batch_generate
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree
+from medusa.tools.bench import divergence
 
 DEVICE = os.environ.get("MEDUSA_GPU_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),

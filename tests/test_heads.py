@@ -6,15 +6,16 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa import heads as heads_module
-from medusa import kv_cache, losses
-from medusa.heads import (
+from medusa import losses
+from medusa.drafters import heads as heads_module
+from medusa.drafters.heads import (
     MedusaHeads,
     MedusaHeadsConfig,
     ResBlock,
     head_target_offset,
     most_frequent_tokens,
 )
+from medusa.engines import kv_cache
 
 H, V = 8, 20
 

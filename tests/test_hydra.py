@@ -9,13 +9,13 @@ import torch
 from test_decoding import ARCHS, WIDE_TREE, hf_greedy
 from tiny import tiny_model
 
-from medusa import kv_cache
-from medusa.checkpoint import load_heads, read_heads_config, save_heads
-from medusa.draft import draft_tree
-from medusa.generate import medusa_generate
-from medusa.heads import HydraHeads, MedusaHeadsConfig, build_heads, lm_head_fingerprint
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, tree_buffers
+from medusa.drafters.heads import HydraHeads, MedusaHeadsConfig, build_heads, lm_head_fingerprint
+from medusa.drafters.heads_drafter import draft_tree
+from medusa.engines import kv_cache
+from medusa.io.checkpoint import load_heads, read_heads_config, save_heads
 from medusa.losses import medusa_loss, soft_cross_entropy
-from medusa.tree import Tree, tree_buffers
 
 H, V = 8, 20
 

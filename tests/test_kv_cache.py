@@ -14,8 +14,8 @@ import pytest
 import torch
 from tiny import tiny_config, tiny_model
 
-from medusa import kv_cache
-from medusa.tree import Tree, tree_buffers
+from medusa.decode.tree import Tree, tree_buffers
+from medusa.engines import kv_cache
 
 ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
 WINDOW = 8  # tiny mistral and gemma3 sliding window

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from medusa.adapter import merge_adapter, write_merged
-from medusa.drift import drift
+from medusa.io.adapter import merge_adapter, write_merged
 from medusa.model import MedusaModel
+from medusa.tools.drift import drift
 from tests.test_train import make_config
 from tests.tiny import tiny_tokenizer
 from train.config import load_config

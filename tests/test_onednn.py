@@ -1,4 +1,4 @@
-"""oneDNN prepacked weights (medusa.onednn, the ``onednn`` engine): same results, the base left as it was."""
+"""oneDNN prepacked weights (medusa.engines.onednn, the ``onednn`` engine): same results, the base left as it was."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 from test_decoding import hf_greedy, random_heads
 from tiny import tiny_model
 
-from medusa import engine as engines
-from medusa import kv_cache, onednn
-from medusa.generate import medusa_generate
+from medusa import engines
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree
+from medusa.engines import kv_cache, onednn
 from medusa.model import MedusaModel
-from medusa.tree import Tree
 
 pytestmark = pytest.mark.skipif(onednn.onednn_unavailable(tiny_model("llama")) is not None,
                                 reason="oneDNN prepacked fp32 linear layers unavailable in this torch build")

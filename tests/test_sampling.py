@@ -16,11 +16,11 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from medusa.draft import draft_tree
+from medusa.decode.acceptance import RejectionSampling, TypicalAcceptance
+from medusa.decode.logits_process import logits_processors, resolve_decoding
+from medusa.decode.tree import Tree, tree_buffers
 from medusa.drafters.base import sample_without_replacement
-from medusa.logits_process import logits_processors, resolve_decoding
-from medusa.sampling import RejectionSampling, TypicalAcceptance
-from medusa.tree import Tree, tree_buffers
+from medusa.drafters.heads_drafter import draft_tree
 
 V = 32
 PROMPT = [5, 6, 7, 8, 9, 10]

@@ -9,17 +9,17 @@ import torch
 from test_decoding import hf_greedy, random_heads
 from tiny import tiny_model
 
-from medusa import kv_cache
+from medusa.decode.acceptance import acceptance_rule
+from medusa.decode.loop import GenerationStats, decode_steps
+from medusa.decode.tree import Tree, layout_from_parents
 from medusa.drafters.base import DraftTree, Draws, drafter_class, register_drafter
-from medusa.engine import ENGINES, Engine, make_engine, register_engine
-from medusa.generate import GenerationStats, decode_steps
+from medusa.engines import ENGINES, Engine, kv_cache, make_engine, register_engine
 from medusa.model import MedusaModel
-from medusa.sampling import acceptance_rule
-from medusa.tree import Tree, layout_from_parents
 
 
 class CountingEngine(Engine):
-    """transformers' DynamicCache through medusa.kv_cache, counting its forwards and the tokens they carried."""
+    """transformers' DynamicCache through medusa.engines.kv_cache, counting its forwards and the tokens they
+    carried."""
 
     summary = "a DynamicCache engine that counts its forwards (tests)"
 
@@ -141,7 +141,7 @@ def test_the_drafter_is_told_every_accepted_token():
 
 
 def test_rejection_sampling_reads_the_drafters_q_and_refuses_top_k_drafts():
-    from medusa.logits_process import resolve_decoding
+    from medusa.decode.logits_process import resolve_decoding
 
     rule = acceptance_rule(resolve_decoding(do_sample=True, seed=0), 320, "cpu")
     assert rule.lossless and rule.sampler.__class__.__name__ == "SampleWithoutReplacement"

@@ -154,7 +154,7 @@ def test_partitioned_lm_head_without_a_gather_is_refused(weight, message):
 def test_save_heads_refuses_weights_that_are_not_the_full_heads(tmp_path, case):
     """A ZeRO-3-partitioned ``(0,)`` weight (the unwrapped heads' own state dict) or a missing key: refused with the
     key named, nothing written. The full weights (``accelerator.get_state_dict``) save."""
-    from medusa.checkpoint import HeadsMismatchError, save_heads
+    from medusa.io.checkpoint import HeadsMismatchError, save_heads
     from train.trainer import heads_for_training
 
     heads = heads_for_training(train_config(), *base_weights(), [], [])
@@ -212,7 +212,7 @@ def test_deepspeed_checkpoint_holds_the_gathered_heads_and_the_engine_partitions
     the optimizer state is the engine's own checkpoint in ``deepspeed/``, reloaded from there on resume."""
     from accelerate.utils import DistributedType
 
-    from medusa.checkpoint import load_heads
+    from medusa.io.checkpoint import load_heads
     from train.checkpoints import DEEPSPEED_DIR, OPTIMIZER_NAME, load_optimizer_state, save_checkpoint
     from train.trainer import heads_for_training
 
@@ -375,7 +375,7 @@ def test_trainer_saves_full_heads_and_resumes_under_fsdp2_on_two_cpu_processes(t
     from test_train import heads_state, max_relative_difference, write_mixed_chats
     from transformers import AutoModelForCausalLM
 
-    from medusa.checkpoint import load_heads
+    from medusa.io.checkpoint import load_heads
     from tests.tiny import save_tiny
     from train.checkpoints import load_optimizer_state
     from train.config import TrainConfig

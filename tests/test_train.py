@@ -16,7 +16,7 @@ from processes import free_port, run_launcher
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from medusa.checkpoint import load_heads
+from medusa.io.checkpoint import load_heads
 from medusa.losses import head_ce_sums, head_target_counts, medusa_loss
 from tests.tiny import tiny_tokenizer
 from train.config import TrainConfig
@@ -329,7 +329,7 @@ def tiny_model_and_tokenizer(base_dir):
 
 
 def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, tmp_path, monkeypatch):
-    import medusa.files
+    import medusa.io.files
 
     config = make_config(base_dir, chats, tmp_path / "run", max_steps=2, save_every=1, eval_every=0)
     train(config)
@@ -340,13 +340,13 @@ def test_a_save_killed_before_its_rename_is_never_resumed_from(base_dir, chats, 
             raise KeyboardInterrupt("killed")  # stands in for the process dying between the writes and the rename
         return real_replace(src, dst)
 
-    monkeypatch.setattr(medusa.files.os, "replace", killed_before_rename)
+    monkeypatch.setattr(medusa.io.files.os, "replace", killed_before_rename)
     with pytest.raises(KeyboardInterrupt):
         train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
     root = tmp_path / "run" / "checkpoints"
     assert (root / ".step_3.tmp" / "trainer_state.json").is_file()  # written completely, but not visible
     assert latest_checkpoint(tmp_path / "run").name == "step_2"
-    monkeypatch.setattr(medusa.files.os, "replace", real_replace)
+    monkeypatch.setattr(medusa.io.files.os, "replace", real_replace)
     train(make_config(base_dir, chats, tmp_path / "run", max_steps=3, save_every=1, eval_every=0))
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa.draft import draft_tree
-from medusa.tree import Tree, expected_acceptance, grow_tree, load_tree, save_tree, tree_buffers
-from medusa.verify import greedy_accept
+from medusa.decode.greedy import greedy_accept
+from medusa.decode.tree import Tree, expected_acceptance, grow_tree, load_tree, save_tree, tree_buffers
+from medusa.drafters.heads_drafter import draft_tree
 
 TREE_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
 
@@ -222,7 +222,7 @@ def test_shipped_tree_files_are_valid():
 
 def test_accept_along_path_matches_accepting_on_all_nodes():
     """The one-node-at-a-time walk accepts what scoring every node at once accepts, on many random cases."""
-    from medusa.verify import greedy_accept_along_path
+    from medusa.decode.greedy import greedy_accept_along_path
 
     tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]])
     buffers = tree_buffers(tree)

@@ -92,8 +92,8 @@ def save_cli_files(root: Path, prompts: list[dict], num_heads: int = 3, seed: in
 
     import torch
 
-    from medusa.checkpoint import save_heads
-    from medusa.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+    from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig, lm_head_fingerprint
+    from medusa.io.checkpoint import save_heads
 
     base = save_tiny(root / "base", "llama")
     weight = tiny_model("llama").get_output_embeddings().weight

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from accelerate.utils import DistributedType
 
-from medusa.checkpoint import save_heads
-from medusa.files import atomic_folder, remove_folder
-from medusa.heads import read_json
+from medusa.io.checkpoint import save_heads
+from medusa.io.files import atomic_folder, read_json, remove_folder
 from train.config import TrainConfig, resume_mismatch
 from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.run import Run

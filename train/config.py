@@ -73,7 +73,7 @@ class TrainConfig:
     """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks."""
     prefix_layers: int = 0
     """1: Hydra heads get their own sliding-window attention layer over the base's hidden states (Hydra++'s extra
-    decoder layer, :mod:`medusa.prefix_layer`), so they can look back at the context; 0: none."""
+    decoder layer, :mod:`medusa.drafters.prefix_layer`), so they can look back at the context; 0: none."""
     prefix_window: int = 64
     """Positions that attention layer looks back over, in training and decoding alike."""
     share_lm_head: bool = True
@@ -161,7 +161,9 @@ class TrainConfig:
             raise ValueError("base (the base model folder) is required")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
-        from medusa.heads import HEAD_TYPES  # here, not at the top: flag parsing (train.cli) stays free of torch
+        from medusa.drafters.heads import (
+            HEAD_TYPES,  # here, not at the top: flag parsing (train.cli) stays free of torch
+        )
 
         _check_choice("head_type", self.head_type, HEAD_TYPES)
         _check_choice("loss", self.loss, LOSS_CHOICES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from medusa.heads import IGNORE_INDEX, head_target_offset
+from medusa.drafters.heads import IGNORE_INDEX, head_target_offset
 from train.config import TrainConfig
 from train.data import (
     Conversation,

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from medusa.heads import head_target_offset
+from medusa.drafters.heads import head_target_offset
 from train.data import collate, to_device
 from train.history import append_evaluation
 from train.objective import head_loss

@@ -49,7 +49,7 @@ def write_curves(output_dir: str | Path) -> Path | None:
 
     A missing matplotlib or an empty history is logged, not raised: the heads are already saved.
     """
-    from medusa.plots import plot_training
+    from medusa.tools.plots import plot_training
 
     history = read_history(output_dir)
     if not history:

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 from tqdm.auto import tqdm
 
-from medusa.heads import IGNORE_INDEX
+from medusa.drafters.heads import IGNORE_INDEX
 from medusa.losses import head_target_counts
 from train.checkpoints import latest_checkpoint, save_checkpoint
 from train.data import collate, to_device

@@ -8,7 +8,7 @@ it is, or the heads come trained from ``init_heads``; stage 2 trains both, the L
 and the heads' loss weight warming up (a fresh head's large gradient would otherwise pull the base around).
 
 An adapter folder is peft's own (``adapter_config.json``, ``adapter_model.safetensors``); ``medusa merge`` folds it
-into a plain model folder (:mod:`medusa.adapter`).
+into a plain model folder (:mod:`medusa.io.adapter`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from medusa.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-from medusa.files import atomic_folder
-from medusa.heads import IGNORE_INDEX
+from medusa.drafters.heads import IGNORE_INDEX
+from medusa.io.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from medusa.io.files import atomic_folder
 from medusa.losses import next_token_kl_sum
 from train.config import TrainConfig
 from train.store import base_hidden_states

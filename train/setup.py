@@ -14,8 +14,7 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from medusa.base import stop_token_ids
-from medusa.checkpoint import load_heads
-from medusa.heads import (
+from medusa.drafters.heads import (
     HydraHeads,
     MedusaHeads,
     MedusaHeadsConfig,
@@ -23,6 +22,7 @@ from medusa.heads import (
     lm_head_fingerprint,
     most_frequent_tokens,
 )
+from medusa.io.checkpoint import load_heads
 from medusa.losses import head_lookup_table
 from train.checkpoints import (
     HEADS_DIR,

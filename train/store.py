@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from medusa.files import atomic_file
-from medusa.heads import fingerprint_mismatch, lm_head_fingerprint
+from medusa.drafters.heads import fingerprint_mismatch, lm_head_fingerprint
+from medusa.io.files import atomic_file
 from train.data import collate
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import json
 import logging
 from pathlib import Path
 
-from medusa.checkpoint import save_heads
+from medusa.io.checkpoint import save_heads
 from train.checkpoints import (  # noqa: F401 (public names, importable from here)
     CHECKPOINT_PREFIX,
     CHECKPOINTS_DIR,
@@ -84,7 +84,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         tokenizer: its tokenizer; loaded from ``config.base`` when ``None``.
 
     Returns:
-        The heads folder (loadable with :func:`medusa.checkpoint.load_heads`).
+        The heads folder (loadable with :func:`medusa.io.checkpoint.load_heads`).
 
     Raises:
         ValueError: the data holds nothing to train on, or ``output_dir`` holds a checkpoint written with a

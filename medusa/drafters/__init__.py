@@ -1,7 +1,7 @@
 """Drafters: what proposes each decode step's candidate tree (:mod:`medusa.drafters.base` is the interface).
 
-Registered: ``heads`` (Medusa and Hydra heads, :mod:`medusa.draft`), ``lookup`` (prompt lookup,
-:mod:`medusa.prompt_lookup`), ``composite`` (several in one tree) and ``none`` (plain decoding),
+Registered: ``heads`` (Medusa and Hydra heads, :mod:`medusa.drafters.heads_drafter`), ``lookup`` (prompt lookup,
+:mod:`medusa.drafters.prompt_lookup`), ``composite`` (several in one tree) and ``none`` (plain decoding),
 :mod:`medusa.drafters.composite`.
 """
 
@@ -16,6 +16,7 @@ from medusa.drafters.base import (
     drafter_names,
     register_drafter,
 )
+from medusa.drafters.composite import CompositeDrafter, NoDrafter, tree_drafter
 
-__all__ = ["DraftSampler", "DraftTree", "Drafter", "Draws", "SampleWithoutReplacement", "TopK", "drafter_class",
-           "drafter_names", "register_drafter"]
+__all__ = ["CompositeDrafter", "DraftSampler", "DraftTree", "Drafter", "Draws", "NoDrafter",
+           "SampleWithoutReplacement", "TopK", "drafter_class", "drafter_names", "register_drafter", "tree_drafter"]

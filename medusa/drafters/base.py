@@ -1,8 +1,8 @@
 """The drafter seam: what proposes a decode step's candidate tree, and how candidates are drawn (pure tensor code).
 
-A decode step is draft -> verify -> accept (:mod:`medusa.generate`). The drafter proposes a tree of candidate tokens
+A decode step is draft -> verify -> accept (:mod:`medusa.decode.loop`). The drafter proposes a tree of candidate tokens
 hanging from the root (the base's own latest token) as a :class:`DraftTree`: node tokens, the tree's layout (parents,
-depth, tree-attention mask, see :class:`medusa.tree.TreeBuffers`), and for every node where its token came from:
+depth, tree-attention mask, see :class:`medusa.decode.tree.TreeBuffers`), and for every node where its token came from:
 
 - **drawn** nodes are siblings drawn at one parent from one distribution over a (possibly truncated) vocabulary
   (:class:`Draws`): the top-k of the drafter's logits for greedy and typical acceptance, or a sample without
@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from medusa.tree import TreeBuffers
+from medusa.decode.tree import TreeBuffers
 
 
 @dataclass

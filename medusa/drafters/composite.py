@@ -2,21 +2,21 @@
 
 Each part proposes its own tree below the shared root; the merged tree holds the root, then every part's nodes in
 the order the parts are given. A step accepts whichever branch the base agrees with for longer. Where two parts
-propose the same tokens (twins, see :mod:`medusa.verify`), ``priority`` says which part's node is kept: the shipped
-trees put the prompt-lookup chain first, since a copied span can run deeper than the heads.
+propose the same tokens (twins, see :mod:`medusa.decode.greedy`), ``priority`` says which part's node is kept: the
+shipped trees put the prompt-lookup chain first, since a copied span can run deeper than the heads.
 
-:func:`tree_drafter` builds what a :class:`medusa.tree.Tree` file describes: the heads' nodes and, when the tree has
-one, the prompt-lookup chain.
+:func:`tree_drafter` builds what a :class:`medusa.decode.tree.Tree` file describes: the heads' nodes and, when the
+tree has one, the prompt-lookup chain.
 """
 
 from __future__ import annotations
 
 import torch
 
-from medusa.draft import HeadsDrafter
+from medusa.decode.tree import Tree, TreeBuffers, layout_from_parents, tree_buffers
 from medusa.drafters.base import DraftSampler, DraftTree, Draws, register_drafter
-from medusa.prompt_lookup import PromptLookupDrafter
-from medusa.tree import Tree, TreeBuffers, layout_from_parents, tree_buffers
+from medusa.drafters.heads_drafter import HeadsDrafter
+from medusa.drafters.prompt_lookup import PromptLookupDrafter
 
 
 def merge_layouts(layouts: list[TreeBuffers], priority: list[int]) -> tuple[TreeBuffers, list[torch.Tensor]]:
@@ -129,9 +129,9 @@ class NoDrafter:
 
 
 def tree_drafter(heads, tree: Tree):
-    """The drafter a tree file describes: :class:`medusa.draft.HeadsDrafter` over its heads' nodes and, when it has
-    one, a :class:`medusa.prompt_lookup.PromptLookupDrafter` chain beside them (its nodes after the heads', first in
-    ties). ``heads`` may be ``None`` for a tree without heads' nodes.
+    """The drafter a tree file describes: :class:`medusa.drafters.heads_drafter.HeadsDrafter` over its heads' nodes
+    and, when it has one, a :class:`medusa.drafters.prompt_lookup.PromptLookupDrafter` chain beside them (its nodes
+    after the heads', first in ties). ``heads`` may be ``None`` for a tree without heads' nodes.
 
     Raises:
         ValueError: the tree has heads' nodes and no heads are given, or it does not fit the heads.

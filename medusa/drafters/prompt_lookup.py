@@ -4,17 +4,17 @@ Prompt lookup decoding (Saxena 2023; Hugging Face's ``prompt_lookup_num_tokens``
 latest earlier occurrence of the context's last n tokens and propose the tokens that followed it. A small chat model
 repeats its prompt and its own answer often (names, code, lists, phrasing), and its Medusa heads, which read one
 hidden state and the tokens after it, cannot see that context. Here the copied tokens are one more branch of the
-candidate tree (:class:`medusa.tree.Tree` ``lookup_length``), a chain from the root verified in the same forward as
-the heads' nodes, so a step accepts whichever branch the base agrees with for longer. It costs no model call; its
-price is the chain's tokens in the verify forward.
+candidate tree (:class:`medusa.decode.tree.Tree` ``lookup_length``), a chain from the root verified in the same
+forward as the heads' nodes, so a step accepts whichever branch the base agrees with for longer. It costs no model
+call; its price is the chain's tokens in the verify forward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from medusa.decode.tree import Tree, tree_buffers
 from medusa.drafters.base import DraftTree, register_drafter
-from medusa.tree import Tree, tree_buffers
 
 
 def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> torch.Tensor:
@@ -61,7 +61,7 @@ def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tor
 class PromptLookupDrafter:
     """Prompt lookup as a drafter: a chain of ``length`` tokens copied from the context (:func:`lookup_draft`),
     deterministic (q is one-hot), no model call, no state, nothing trained or saved: its settings live in the tree
-    file (``prompt_lookup``, :mod:`medusa.tree`).
+    file (``prompt_lookup``, :mod:`medusa.decode.tree`).
 
     Raises:
         ValueError: ``length`` < 1 or ``max_ngram`` < 1.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from medusa.files import atomic_folder
+from medusa.io.files import atomic_folder
 
 logger = logging.getLogger(__name__)
 

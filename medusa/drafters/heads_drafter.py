@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decode.tree import Tree, TreeBuffers, tree_buffers
 from medusa.drafters.base import DraftSampler, DraftTree, Draws, TopK, register_drafter
-from medusa.tree import Tree, TreeBuffers, tree_buffers
 
 
 def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, layout: TreeBuffers,
@@ -26,12 +26,12 @@ def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, layout: TreeBuff
     """Fill every heads' node of ``layout`` with a drafted token, level by level.
 
     Args:
-        heads: :class:`medusa.heads.MedusaHeads` or :class:`medusa.heads.HydraHeads` (anything with
+        heads: :class:`medusa.drafters.heads.MedusaHeads` or :class:`medusa.drafters.heads.HydraHeads` (anything with
             ``draft_logits(k, hidden, path_tokens)`` and ``to_base_ids``).
         hidden: ``(H,)`` the heads' drafting input at the last accepted position t (the base's last hidden state, or
             what the heads' own attention layer made of it).
         root: ``()`` long, the base's own next token t+1 (the tree root, not yet in the cache).
-        layout: a heads' tree layout (:func:`medusa.tree.tree_buffers` of a tree without a lookup chain).
+        layout: a heads' tree layout (:func:`medusa.decode.tree.tree_buffers` of a tree without a lookup chain).
         sampler: draws ``k`` candidates per parent (default :class:`medusa.drafters.base.TopK`).
         vocab: ``(Vh,)`` base ids of the head vocabulary (default: ``heads.to_base_ids`` of every head id).
 
@@ -67,11 +67,11 @@ class HeadsState:
 
 @register_drafter("heads")
 class HeadsDrafter:
-    """Medusa or Hydra heads proposing the nodes of a fixed tree of ranks (:class:`medusa.tree.Tree`, its heads'
+    """Medusa or Hydra heads proposing the nodes of a fixed tree of ranks (:class:`medusa.decode.tree.Tree`, its heads'
     paths; a lookup chain is another drafter, see :mod:`medusa.drafters.composite`).
 
     Training: the heads' decayed per-head loss over the frozen base's hidden states (:mod:`medusa.losses`, the
-    trainer in ``train/``); saved and loaded as a heads folder (:mod:`medusa.checkpoint`).
+    trainer in ``train/``); saved and loaded as a heads folder (:mod:`medusa.io.checkpoint`).
 
     Args:
         heads: the heads, on the base's device and dtype.
@@ -114,7 +114,7 @@ class HeadsDrafter:
         state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
 
     def save(self, out_dir) -> None:
-        """Write the heads folder (:func:`medusa.checkpoint.save_heads`)."""
-        from medusa.checkpoint import save_heads
+        """Write the heads folder (:func:`medusa.io.checkpoint.save_heads`)."""
+        from medusa.io.checkpoint import save_heads
 
         save_heads(self.heads, out_dir)

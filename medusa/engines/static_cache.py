@@ -3,17 +3,17 @@
 The stock model calls ``cache.update(keys, values, layer_idx, ...)`` in each attention layer and attends over what
 it returns. :class:`SlotCache` answers that call by copying the new keys/values into fixed slots of buffers
 allocated once (``(1, H_kv, capacity, d)`` per layer) and returning a view of the slots the step may read. The mask
-(4D additive, see :mod:`medusa.kv_cache`) hides every slot a query may not see, including unused ones, so the view
-can have a fixed length (``fixed_shape``: one shape per step size, what a compiled or graph-captured step needs) or
-end at the last written slot (less attention work in eager mode).
+(4D additive, see :mod:`medusa.engines.kv_cache`) hides every slot a query may not see, including unused ones, so the
+view can have a fixed length (``fixed_shape``: one shape per step size, what a compiled or graph-captured step needs)
+or end at the last written slot (less attention work in eager mode).
 
 transformers' own ``StaticCache`` keeps a write pointer of its own and ignores ``cache_position``: after a rejected
 tree it would append behind the rejected slots. Here the write slots are set by the caller before each forward
 (:meth:`SlotCache.begin_step`), so a tree is written at ``length .. length+N-1`` and the accepted path is moved down
 by one gather per layer (:meth:`SlotCache.keep`).
 
-Like :func:`medusa.kv_cache.new_cache`, every position is kept in every layer, sliding-window ones included; the
-window is enforced by the mask.
+Like :func:`medusa.engines.kv_cache.new_cache`, every position is kept in every layer, sliding-window ones included;
+the window is enforced by the mask.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from medusa import kv_cache
+from medusa.engines import kv_cache
 
 
 class CacheFullError(ValueError):
@@ -129,8 +129,8 @@ class SlotCache(Cache):
 
 class StaticMask:
     """The 4D additive attention mask of a step, written into buffers kept per step size by
-    :func:`medusa.kv_cache.additive_masks` (the form of :func:`medusa.kv_cache.build_attention_mask`; here the key
-    axis is the cache's slots).
+    :func:`medusa.engines.kv_cache.additive_masks` (the form of :func:`medusa.engines.kv_cache.build_attention_mask`;
+    here the key axis is the cache's slots).
 
     Slot ``j < length`` holds position ``j``; the new tokens' slots hold their ``positions``. A new token sees the
     prefix slots, the new slots ``tree_mask`` allows, nothing else; sliding-window layers also hide keys
@@ -181,9 +181,9 @@ def new_cache(model, capacity: int, fixed_shape: bool = False) -> SlotCache:
 
 def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: StaticMask, decoder=None,
             logits_for: torch.Tensor | slice | None = None):
-    """:func:`medusa.kv_cache.forward` through a :class:`SlotCache`; ``decoder`` replaces the model's decoder stack
-    when given (a compiled one, or the onednn engine's copy on prepacked weights). The new tokens are written after
-    ``cache.length`` slots and counted in it; :meth:`SlotCache.keep` then decides which stay.
+    """:func:`medusa.engines.kv_cache.forward` through a :class:`SlotCache`; ``decoder`` replaces the model's decoder
+    stack when given (a compiled one, or the onednn engine's copy on prepacked weights). The new tokens are written
+    after ``cache.length`` slots and counted in it; :meth:`SlotCache.keep` then decides which stay.
 
     Returns:
         ``(logits, hidden)``: ``(M, V)`` logits for the selected positions and ``(N, H)`` last hidden states.

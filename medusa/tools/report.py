@@ -1,7 +1,7 @@
 """The text the ``medusa`` command prints for bench, batched bench and drift results.
 
-Pure formatting of the result dictionaries :mod:`medusa.bench` and :mod:`medusa.drift` return (and write as JSON);
-no model, no timing.
+Pure formatting of the result dictionaries :mod:`medusa.tools.bench` and :mod:`medusa.tools.drift` return (and write
+as JSON); no model, no timing.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def same_prompts_text(result: dict, reference: dict) -> str | None:
 
 
 def prediction_text(prediction: dict | None) -> str:
-    """A bench's chain prediction (:func:`medusa.bench.chain_prediction`) as text."""
+    """A bench's chain prediction (:func:`medusa.tools.bench.chain_prediction`) as text."""
     if not prediction:
         return "not recorded"
     speedup = prediction.get("predicted_speedup")
@@ -119,6 +119,6 @@ def fmt(value) -> str:
 
 
 def drift_text(result: dict) -> str:
-    """A drift result (:func:`medusa.drift.drift`) in one line."""
+    """A drift result (:func:`medusa.tools.drift.drift`) in one line."""
     return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
             f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")

@@ -20,11 +20,14 @@ Cost: the copies take as much memory as the weights they copy; each engine owns 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
 
-from medusa import kv_cache
+from medusa.engines import kv_cache, static_cache
+from medusa.engines.base import register_engine
+from medusa.engines.static import StaticEngine
 
 PACK_ROWS = 16
 """The number of rows oneDNN is told to expect when reordering (any number of rows works; measured best near a
@@ -169,3 +172,63 @@ class PackedLinears:
         """``lm_head(hidden)``: ``(..., H)`` -> ``(..., V)`` raw logits (bias included, no soft-capping)."""
         self.lm_head.refresh()
         return self.lm_head.forward(hidden)
+
+
+@register_engine("onednn")
+class OneDNNEngine(StaticEngine):
+    """:class:`StaticEngine` whose forwards run a shadow of the decoder on oneDNN prepacked weights, and the
+    lm_head's prepacked copy (:mod:`medusa.engines.onednn`); the base's own modules are left as they are.
+
+    Where those cannot run (:func:`medusa.engines.onednn_unavailable`) it is exactly :class:`StaticEngine`;
+    :attr:`fallback_reason` says why, and on a CPU a ``RuntimeWarning`` says it too. It also runs as static while
+    the model's lm_head module, dtype or device is no longer the one it packed. Batched forwards run on the shadow
+    decoder too; batched logits stay the base lm_head's (:meth:`Engine.batch_lm_logits`).
+    """
+
+    summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
+               "as the weights; static elsewhere)")
+
+    def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
+        self.fallback_reason = onednn_unavailable(model)
+        self.packed: PackedLinears | None = None  # this engine's own copies
+        if self.fallback_reason is None:
+            self.packed = PackedLinears(kv_cache.decoder_of(model), model.get_output_embeddings())
+        elif model.device.type == "cpu":
+            warnings.warn(f"engine 'onednn' runs as 'static': {self.fallback_reason}", RuntimeWarning, stacklevel=3)
+        super().__init__(model, max_cache_len, scores_all_nodes)
+
+    def _scores_all_nodes(self) -> bool:
+        """Also with the lm_head prepacked: its product over every node is then cheapest."""
+        return super()._scores_all_nodes() or self.packed is not None
+
+    def _uses_packed(self) -> bool:
+        """Packed, and the model still has the dtype, device and lm_head module it was packed with."""
+        head = self.model.get_output_embeddings()
+        return (self.packed is not None and head is self.packed.lm_head.module
+                and head.weight.dtype == self.packed.dtype and head.weight.device.type == "cpu")
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+        if not self._uses_packed():
+            return super()._forward(input_ids, positions, tree_mask, cache, logits_for)
+        self.packed.refresh()
+        _, hidden = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
+                                         self.packed.shadow_decoder(), slice(0, 0))
+        selected = hidden if logits_for is None else hidden[logits_for]
+        return self.lm_logits_rows(selected), hidden
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._uses_packed():
+            return super().lm_logits_rows(hidden)
+        return kv_cache.soft_cap(self.model, self.packed.lm_head_product(hidden))
+
+    def _batch_decoder(self) -> torch.nn.Module | None:
+        if not self._uses_packed():
+            return None
+        self.packed.refresh()
+        return self.packed.shadow_decoder()
+
+    def settings(self) -> dict:
+        return super().settings() | {"packed": self.packed is not None, "fallback_reason": self.fallback_reason,
+                                     "pack_rows": PACK_ROWS}
+
+

@@ -42,7 +42,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     """Three panels from a ``medusa bench`` result: tokens per step, per-head acceptance, tokens/s per prompt.
 
     Args:
-        result: the bench JSON (:func:`medusa.bench.run_bench`); ``per_prompt`` is optional (older results lack
+        result: the bench JSON (:func:`medusa.tools.bench.run_bench`); ``per_prompt`` is optional (older results lack
             it; the third panel then shows the totals).
         path: PNG to write.
 
@@ -62,7 +62,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
                 ylim=(0, 115 * max(hist) / steps or 1))
     ax_hist.legend()
 
-    from medusa.bench import kept_by_depth
+    from medusa.tools.bench import kept_by_depth
 
     accept = kept_by_depth(hist)  # depth d: head d-1's draft or the d-th copied token of a prompt-lookup chain
     ticks = list(range(1, len(accept) + 1))

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from medusa.base import hf_greedy_batch
-from medusa.generate import STEP_PARTS
-from medusa.logits_process import resolve_decoding
+from medusa.decode.logits_process import resolve_decoding
+from medusa.decode.loop import STEP_PARTS
+from medusa.decode.tree import Tree
 from medusa.model import MedusaModel
-from medusa.tree import Tree
 
 PLAIN = Tree.chain(0)
 """A tree of one node (the root): plain decoding, one token per forward, through the same engine."""
@@ -486,15 +486,14 @@ def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 6
                       engine=None) -> dict:
     """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
 
-    The lm_head is applied as decoding applies it on that engine (:attr:`medusa.engine.Engine.scores_all_nodes`): to
+    The lm_head is applied as decoding applies it on that engine (:attr:`medusa.engines.Engine.scores_all_nodes`): to
     all n tokens, or to one (the walk along the accepted path scores about tau rows, one at a time).
 
     The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
     is timed ``repeats`` times (median), interleaved across sizes to spread machine noise. ``engine``: the decode
-    engine measured (:mod:`medusa.engine`; ``None``: the default one), so the curve is the one decoding will see.
+    engine measured (:mod:`medusa.engines`; ``None``: the default one), so the curve is the one decoding will see.
     """
-    from medusa import kv_cache
-    from medusa.engine import DEFAULT_ENGINE, make_engine
+    from medusa.engines import DEFAULT_ENGINE, kv_cache, make_engine
 
     engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
     device = model.device
@@ -563,7 +562,7 @@ def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int
     Returns:
         ``{"batch_sizes", "results": {B: {method: {tokens, seconds, tokens_per_s, identical, ...}}}, "notes", ...}``.
     """
-    from medusa.batch import BatchStats
+    from medusa.decode.batch import BatchStats
 
     stop = model.stop_token_ids()
     pad = next(iter(sorted(stop)), 0)

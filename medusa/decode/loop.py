@@ -1,9 +1,9 @@
 """The generation loop: prefill, then draft -> verify -> accept steps, yielding tokens as they are accepted.
 
 One generator (:func:`decode_steps`) is the core, over any drafter (:mod:`medusa.drafters`), engine
-(:mod:`medusa.engine`) and acceptance rule (:mod:`medusa.sampling`); :func:`medusa_steps` is the same for heads and a
-tree file, :func:`medusa_generate` collects it and streaming callers iterate it directly. Batch size 1 (as in the
-Medusa and EAGLE reference implementations); several prompts: :mod:`medusa.batch`.
+(:mod:`medusa.engines`) and acceptance rule (:mod:`medusa.decode.acceptance`); :func:`medusa_steps` is the same for
+heads and a tree file, :func:`medusa_generate` collects it and streaming callers iterate it directly. Batch size 1 (as
+in the Medusa and EAGLE reference implementations); several prompts: :mod:`medusa.decode.batch`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa import kv_cache
+from medusa.decode.acceptance import acceptance_rule
+from medusa.decode.greedy import Acceptance
+from medusa.decode.logits_process import Decoding, resolve_decoding
+from medusa.decode.tree import Tree
 from medusa.drafters import DraftTree
 from medusa.drafters.composite import tree_drafter
-from medusa.engine import DEFAULT_ENGINE, make_engine
-from medusa.logits_process import Decoding, resolve_decoding
-from medusa.sampling import acceptance_rule
-from medusa.tree import Tree
-from medusa.verify import Acceptance
+from medusa.engines import DEFAULT_ENGINE, kv_cache, make_engine
 
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
@@ -91,8 +90,9 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
 
     Each step the drafter proposes a tree below the base's latest token (:mod:`medusa.drafters.base`), the engine
     runs the base once over every node with tree attention, the acceptance rule keeps the longest path the base
-    agrees with (:mod:`medusa.verify`, :mod:`medusa.sampling`), the cache keeps only that path, and the drafter is told
-    what was accepted. Greedy: exactly the base's greedy tokens; rejection sampling: exactly the base's distribution.
+    agrees with (:mod:`medusa.decode.greedy`, :mod:`medusa.decode.acceptance`), the cache keeps only that path, and
+    the drafter is told what was accepted. Greedy: exactly the base's greedy tokens; rejection sampling: exactly the
+    base's distribution.
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
@@ -101,13 +101,13 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         max_new_tokens: generation budget.
         stop_token_ids: stop after emitting any of these (included in the output).
         stats: filled in as decoding proceeds, when given.
-        decoding: generation settings and acceptance rule (:func:`medusa.logits_process.resolve_decoding`);
+        decoding: generation settings and acceptance rule (:func:`medusa.decode.logits_process.resolve_decoding`);
             ``None``: plain greedy, no logits processor.
-        engine: where the KV cache lives and how a forward runs (:func:`medusa.engine.make_engine`);
+        engine: where the KV cache lives and how a forward runs (:func:`medusa.engines.make_engine`);
             ``None``: the default engine for ``model``.
         scores_all_nodes: score every node with the lm_head in one product (``True``) or one node at a time along
             the accepted path (``False``); both accept the same tokens. ``None``: what the engine declares cheaper
-            (:attr:`medusa.engine.Engine.scores_all_nodes`).
+            (:attr:`medusa.engines.Engine.scores_all_nodes`).
 
     Raises:
         ValueError: the prompt and budget do not fit the context.

@@ -7,9 +7,9 @@ last. Every prefix of a path must be in the tree. (Medusa report, Cai et al. 202
 the same layout as the research code's ``medusa_choices``.)
 
 A tree may also carry a prompt-lookup chain (``lookup_length`` > 0): that many more nodes, a chain hanging from the
-root after the heads' nodes, whose tokens are copied from the context by :mod:`medusa.prompt_lookup` (the tokens
-that followed the latest earlier occurrence of the context's last n-gram; prompt lookup decoding, Saxena 2023). It
-is verified in the same forward as the heads' nodes, so it costs ``lookup_length`` more tree tokens and no model
+root after the heads' nodes, whose tokens are copied from the context by :mod:`medusa.drafters.prompt_lookup` (the
+tokens that followed the latest earlier occurrence of the context's last n-gram; prompt lookup decoding, Saxena 2023).
+It is verified in the same forward as the heads' nodes, so it costs ``lookup_length`` more tree tokens and no model
 call; it pays where the base copies its context, which the heads cannot see.
 
 File format (JSON)::
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.heads import read_json
+from medusa.io.files import read_json
 
 Path_ = tuple[int, ...]
 
@@ -195,7 +195,7 @@ class TreeBuffers:
     walk_rank: torch.Tensor | None = None
     """(N,) long: each node's place in a breadth-first walk that visits children in :attr:`children` order (the root
     0). Of twin nodes (the same tokens from the root down), the one with the lowest rank stands for all of them in
-    greedy acceptance (:mod:`medusa.verify`)."""
+    greedy acceptance (:mod:`medusa.decode.greedy`)."""
 
 
 def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -226,7 +226,7 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
     for row, leaf in enumerate(leaves):
         retrieve[row, : int(depth[leaf]) + 1] = node_paths[leaf, : int(depth[leaf]) + 1]
     children = [[] for _ in range(n)]
-    # The lookup children first (see medusa.verify.greedy_accept_along_path).
+    # The lookup children first (see medusa.decode.greedy.greedy_accept_along_path).
     for parent, child in zip(([0] + lookup)[:-1], lookup, strict=True):
         children[parent].append(child)
     for path in tree.paths:

@@ -11,7 +11,7 @@ The accepted path is the longest one of the tree read as a trie of token sequenc
 all its twins count. Of twins, the first in the layout's walk order (``TreeBuffers.walk_rank``: breadth first,
 children in ``TreeBuffers.children`` order) stands for all of them, gives the prediction, and is the node kept.
 
-Two ways to the same answer, chosen by where the base's logits come from (:attr:`medusa.engine.Engine.
+Two ways to the same answer, chosen by where the base's logits come from (:attr:`medusa.engines.Engine.
 scores_all_nodes`):
 - :func:`greedy_paths`: the base's prediction at every node is known (one lm_head product over all nodes); the path
   is found with tensor operations only, for a batch of rows at once (no host sync per node on a GPU).
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.tree import TreeBuffers
+from medusa.decode.tree import TreeBuffers
 
 
 @dataclass

@@ -9,7 +9,7 @@ lm_head, it starts as the base's next-token predictor.
 Hydra heads (Ankner et al., 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding", section 3):
 head k also reads the base's frozen input embeddings of the k + 1 tokens between t and its target (t+1 .. t+k+1):
 the true tokens in training, the tokens on the tree path from the root down to the node in decoding. A tree of
-depth D is then drafted level by level, one batched head call per level (:mod:`medusa.draft`).
+depth D is then drafted level by level, one batched head call per level (:mod:`medusa.drafters.heads_drafter`).
 
 The vocab projection is either the base's frozen lm_head (shared, not saved with the heads) or a trainable per-head
 copy. Either may be truncated to the ``head_vocab_size`` most frequent target tokens (a ``token_map`` from head
@@ -19,14 +19,13 @@ the base forward on small models with large vocabularies.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from medusa.prefix_layer import PrefixAttention, PrefixContext
+from medusa.drafters.prefix_layer import PrefixAttention, PrefixContext
+from medusa.io.files import read_json  # noqa: F401 - read by medusa.io.checkpoint from here too
 
 # Head k (0-based) reading the hidden state at position t predicts the token at t + k + HEAD_TOKEN_OFFSET.
 HEAD_TOKEN_OFFSET = 2
@@ -35,8 +34,8 @@ IGNORE_INDEX = -100
 HEAD_TYPES: dict[str, type] = {}
 """The registry of head types: ``head_type`` name -> heads class (filled by :func:`register_head_type`). A class is
 built as ``cls(config, lm_head_weight, embed_weight=..., token_map=...)`` and decodes through
-:class:`medusa.draft.HeadsDrafter` when it has ``draft_logits``, ``new_context``, ``extend_context`` and
-``to_base_ids``."""
+:class:`medusa.drafters.heads_drafter.HeadsDrafter` when it has ``draft_logits``, ``new_context``, ``extend_context``
+and ``to_base_ids``."""
 # Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra). Version 3: the heads'
 # own attention layer (prefix_layers, prefix_window).
 FORMAT_VERSION = 3
@@ -85,7 +84,7 @@ class MedusaHeadsConfig:
     tokens t+1 .. t+k+1 (sequentially dependent heads)."""
     prefix_layers: int = 0
     """1: Hydra heads read ``h_t`` plus the output of their own sliding-window attention layer over the base's hidden
-    states (:mod:`medusa.prefix_layer`); 0: no such layer."""
+    states (:mod:`medusa.drafters.prefix_layer`); 0: no such layer."""
     prefix_window: int = 64
     """Positions that layer attends over (training and decoding alike)."""
     model_type: str = "medusa_heads"
@@ -129,23 +128,6 @@ class MedusaHeadsConfig:
         config = cls(**data)
         config.format_version = FORMAT_VERSION  # read as version 1 or 2, held (and re-saved) as the current one
         return config
-
-
-def read_json(path: str | Path, what: str):
-    """Read a JSON file; ``what`` names the file in errors.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not valid JSON.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path} is not valid JSON: {e}") from e
-    return data
 
 
 def lm_head_fingerprint(weight: torch.Tensor, rows: int = 16) -> dict:

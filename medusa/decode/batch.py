@@ -2,14 +2,14 @@
 
 Each step drafts a tree for every row, verifies all ``B x N`` tree tokens in one forward of the stock model (per-row
 positions and a 4D additive mask), and lets each row accept its own path. The rows' caches then differ in length;
-they share one cache with holes (:mod:`medusa.kv_cache`, "batched decoding"): row b's slot s holds its position s up
-to its own length, the slots beyond are hidden by the mask and overwritten as the row advances, and no row's prefix
-is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards. Heads that
-keep per-sequence state (an attention layer of their own) keep one state per row. Acceptance is
-:mod:`medusa.verify`'s, row by row in one set of tensor operations.
+they share one cache with holes (:mod:`medusa.engines.kv_cache`, "batched decoding"): row b's slot s holds its
+position s up to its own length, the slots beyond are hidden by the mask and overwritten as the row advances, and no
+row's prefix is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards.
+Heads that keep per-sequence state (an attention layer of their own) keep one state per row. Acceptance is
+:mod:`medusa.decode.greedy`'s, row by row in one set of tensor operations.
 
 Greedy only: each row's tokens are exactly the base's greedy tokens, as when the prompt is decoded alone
-(:func:`medusa.generate.medusa_steps`). A tree of one node (``Tree.chain(0)``) is plain batched greedy decoding.
+(:func:`medusa.decode.loop.medusa_steps`). A tree of one node (``Tree.chain(0)``) is plain batched greedy decoding.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from medusa.decode.greedy import greedy_paths, greedy_walk
+from medusa.decode.loop import GenerationStats, Step, _emit, check_context
+from medusa.decode.tree import Tree
 from medusa.drafters.base import TopK
 from medusa.drafters.composite import tree_drafter
-from medusa.engine import EagerEngine
-from medusa.generate import GenerationStats, Step, _emit, check_context
-from medusa.tree import Tree
-from medusa.verify import greedy_paths, greedy_walk
+from medusa.engines import EagerEngine
 
 GREEDY = TopK()
 
@@ -84,7 +84,7 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
         scores_all_nodes: score every node of every row with the lm_head in one product (``True``), or only the
             nodes along each row's accepted path, one product per tree level over the rows still matching
             (``False``). Both accept exactly the same tokens. ``None``: all nodes on an accelerator, the path on a CPU.
-        engine: runs the batched forwards and cache operations (:class:`medusa.engine.Engine`, whose
+        engine: runs the batched forwards and cache operations (:class:`medusa.engines.Engine`, whose
             ``supports_batch`` is true); ``None``: the eager engine (a ``DynamicCache`` and the model's own modules).
 
     Raises:

@@ -82,7 +82,7 @@ def additive_masks(visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torc
     """The one mask builder: 4D additive masks (0 where a query may attend, dtype-min where not) per attention kind.
 
     Every other builder (:func:`build_attention_mask`, :func:`build_rows_attention_mask`,
-    :class:`medusa.static_cache.StaticMask`) says which keys each query may see; this adds the sliding window
+    :class:`medusa.engines.static_cache.StaticMask`) says which keys each query may see; this adds the sliding window
     (keys ``sliding_window`` or more positions behind the query are hidden) and writes the additive form.
 
     Args:
@@ -225,7 +225,7 @@ class TransposedLMHead:
 
 def lm_logits_rows(model, hidden: torch.Tensor, head: TransposedLMHead | None = None) -> torch.Tensor:
     """:func:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)`` through a transposed lm_head copy: the one
-    ``head`` keeps (an engine's, :meth:`medusa.engine.Engine.lm_logits_rows`), else one made for this call."""
+    ``head`` keeps (an engine's, :meth:`medusa.engines.Engine.lm_logits_rows`), else one made for this call."""
     return (head if head is not None else TransposedLMHead()).logits(model, hidden)
 
 
@@ -274,7 +274,7 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
     move_slots(cache, keep + prefix_len, prefix_len, end=prefix_len + len(keep))
 
 
-# Batched decoding (medusa.batch). Layout of a batched cache: row b's cached slots 0..valid_len[b]-1 hold its
+# Batched decoding (medusa.decode.batch). Layout of a batched cache: row b's cached slots 0..valid_len[b]-1 hold its
 # positions 0..valid_len[b]-1 (slot == position); slots from valid_len[b] to the cache length are holes, hidden by
 # the mask and overwritten as the row advances. The cache length is max(valid_len): the longest row has no hole.
 

@@ -54,7 +54,7 @@ def drift_from(original: str | Path, adapted, data: str | Path, limit: int | Non
     """:func:`drift` of the loaded ``adapted`` model from the base folder ``original`` (loaded in ``adapted``'s dtype,
     on its device) on the first ``limit`` self-distilled records of ``data``; the result names both."""
     from medusa.base import load_base
-    from medusa.bench import read_distilled_sequences
+    from medusa.tools.bench import read_distilled_sequences
 
     base, _ = load_base(original, adapted.dtype, adapted.device)
     return {"original": str(original), "data": data,

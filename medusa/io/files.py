@@ -7,6 +7,7 @@ file or folder: everything is written under a temporary name next to its target 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -91,3 +92,20 @@ def atomic_file(path: Path, tmp_prefix: str = ".tmp-", sync: bool = False) -> It
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def read_json(path: str | Path, what: str):
+    """Read a JSON file; ``what`` names the file in errors.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not valid JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON: {e}") from e
+    return data

@@ -23,9 +23,9 @@ from typing import Protocol
 
 import torch
 
+from medusa.decode.greedy import Acceptance, greedy_accept, greedy_accept_along_path
+from medusa.decode.logits_process import Decoding
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
-from medusa.logits_process import Decoding
-from medusa.verify import Acceptance, greedy_accept, greedy_accept_along_path
 
 __all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
            "register_acceptance", "residual", "sample", "sample_without_replacement"]
@@ -138,7 +138,8 @@ class _WalkCache:
 
 class GreedyAcceptance:
     """Greedy decoding: top-k candidates, accept the child equal to the base's argmax (Medusa report, section 2.3;
-    :mod:`medusa.verify`). The emitted tokens are exactly the base's greedy tokens under the same logits processors.
+    :mod:`medusa.decode.greedy`). The emitted tokens are exactly the base's greedy tokens under the same logits
+    processors.
     """
 
     name = "greedy"
@@ -160,9 +161,9 @@ class RejectionSampling:
     replacement (SpecInfer, Miao et al. 2024, section 4.2, multi-step speculative sampling; EAGLE's multi-draft
     verification, Li et al. 2024; Sequoia, Chen et al. 2024, section 3.2, sampling without replacement).
 
-    Drafting (:attr:`sampler`, done by the drafter): at every tree parent, the candidates ``x_1 .. x_k`` are drawn one after another without
-    replacement from the heads' processed distribution q (``draft_warp`` then softmax): ``x_i ~ q_i``, q with
-    ``x_1 .. x_{i-1}`` removed and renormalised.
+    Drafting (:attr:`sampler`, done by the drafter): at every tree parent, the candidates ``x_1 .. x_k`` are drawn one
+    after another without replacement from the heads' processed distribution q (``draft_warp`` then softmax): ``x_i ~
+    q_i``, q with ``x_1 .. x_{i-1}`` removed and renormalised.
 
     Verification (``accept``), starting at the root with r = p, the base's processed distribution at the node: for
     the children in rank order, accept ``x_i`` with probability ``min(1, r(x_i) / q_i(x_i))``; on rejection
@@ -181,11 +182,11 @@ class RejectionSampling:
     The ratio must use the q the candidates were drawn from: deterministic top-k candidates scored against a
     softmax q are not exact (kept as a control in the tests).
 
-    A copied child (prompt lookup, :mod:`medusa.prompt_lookup`) is tried first at its parent, as a draft from a
-    one-hot q: accepted with probability ``r(x)``, else ``r <- r`` without x, renormalised (the same lemma). The copied
-    token depends only on the context, not on the drawn candidates, so those are tested after it as before, against
-    that residual; several groups of candidates drawn independently at one parent are tested one group after another
-    the same way.
+    A copied child (prompt lookup, :mod:`medusa.drafters.prompt_lookup`) is tried first at its parent, as a draft from
+    a one-hot q: accepted with probability ``r(x)``, else ``r <- r`` without x, renormalised (the same lemma). The
+    copied token depends only on the context, not on the drawn candidates, so those are tested after it as before,
+    against that residual; several groups of candidates drawn independently at one parent are tested one group after
+    another the same way.
 
     The q of each drawn candidate is the one its drafter drew it from (:attr:`medusa.drafters.base.Draws.q`): the
     drafter draws with :attr:`sampler`, this rule only reads.

@@ -35,9 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from medusa.checkpoint import save_heads
-from medusa.files import atomic_folder
-from medusa.heads import (
+from medusa.drafters.heads import (
     MedusaHeads,
     MedusaHeadsConfig,
     ResBlock,
@@ -46,6 +44,8 @@ from medusa.heads import (
     lm_head_fingerprint,
     read_json,
 )
+from medusa.io.checkpoint import save_heads
+from medusa.io.files import atomic_folder
 
 logger = logging.getLogger(__name__)
 

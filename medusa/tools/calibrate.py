@@ -2,13 +2,13 @@
 
 Two measurements decide the tree: how often each head's rank-r token is right (per-head, per-rank accuracy on
 held-out base continuations) and what a verify forward over n tokens costs relative to one token on this machine.
-The tree for each node budget is grown greedily (:func:`medusa.tree.grow_tree`) and the budget with the best
+The tree for each node budget is grown greedily (:func:`medusa.decode.tree.grow_tree`) and the budget with the best
 predicted speedup, expected acceptance length divided by verify cost, is chosen (Medusa report, section 2.1.2 and
 appendix on optimised tree construction).
 
-With prompt lookup (:mod:`medusa.prompt_lookup`) the acceptance length is not a product of per-head accuracies: the
-copied chain and the heads' branches win on different positions. There the tau of each (heads' nodes, lookup
-length) pair is replayed: greedy decoding is deterministic, so the held-out base continuations say exactly which
+With prompt lookup (:mod:`medusa.drafters.prompt_lookup`) the acceptance length is not a product of per-head
+accuracies: the copied chain and the heads' branches win on different positions. There the tau of each (heads' nodes,
+lookup length) pair is replayed: greedy decoding is deterministic, so the held-out base continuations say exactly which
 tokens each step would accept (:func:`replayed_tau`).
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa import kv_cache
-from medusa.heads import HydraHeads, MedusaHeads, head_target_offset
-from medusa.prompt_lookup import lookup_draft
-from medusa.tree import Tree, expected_acceptance, grow_tree
+from medusa.decode.tree import Tree, expected_acceptance, grow_tree
+from medusa.drafters.heads import HydraHeads, MedusaHeads, head_target_offset
+from medusa.drafters.prompt_lookup import lookup_draft
+from medusa.engines import kv_cache
 
 
 @torch.inference_mode()
@@ -150,10 +150,10 @@ def replayed_tau(tree: Tree, replays: list[Replay]) -> float:
     """Mean tokens per verify step of greedy decoding with ``tree`` over held-out base continuations.
 
     Each step accepts the longest tree path the base agrees with: the heads' nodes whose ranks along the true path
-    are in the tree, or the lookup chain's correct prefix (:func:`medusa.verify.greedy_accept_along_path`), whichever
-    is longer, then the base's own token. Exact for greedy decoding up to the lookup depth ``max_lookup`` the replay
-    data were built with, and up to a path :func:`medusa.verify.greedy_accept_along_path` would take: the
-    prediction of one step holds for the decode.
+    are in the tree, or the lookup chain's correct prefix (:func:`medusa.decode.greedy.greedy_accept_along_path`),
+    whichever is longer, then the base's own token. Exact for greedy decoding up to the lookup depth ``max_lookup``
+    the replay data were built with, and up to a path :func:`medusa.decode.greedy.greedy_accept_along_path` would
+    take: the prediction of one step holds for the decode.
 
     Raises:
         ValueError: no replay has a response to decode.
@@ -195,7 +195,7 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
     Args:
         accuracy: ``(K, top_k)`` per-head per-rank accuracy (:func:`rank_accuracy`).
         cost_curve: relative verify cost by number of new tokens (1 -> 1.0), e.g. from
-            :func:`medusa.bench.verify_cost_curve`.
+            :func:`medusa.tools.bench.verify_cost_curve`.
         max_nodes: largest heads' node budget tried (root and lookup chain excluded).
         level_cost: cost of drafting one tree level (one head call), relative to one single-token base forward;
             a tree of depth D pays it D times per step.

@@ -23,8 +23,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from medusa.files import atomic_folder
-from medusa.heads import HydraHeads, MedusaHeads, MedusaHeadsConfig, build_heads, fingerprint_mismatch, read_json
+from medusa.drafters.heads import (
+    HydraHeads,
+    MedusaHeads,
+    MedusaHeadsConfig,
+    build_heads,
+    fingerprint_mismatch,
+    read_json,
+)
+from medusa.io.files import atomic_folder
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,28 @@
+"""Engines: where the base's KV cache lives and how one forward over new tokens runs (:mod:`medusa.engines.base`).
+
+Registered: ``eager`` (:mod:`.eager`), ``static`` (:mod:`.static`), ``onednn`` (:mod:`.onednn`), ``compiled``
+(:mod:`.compiled`). All touch-points with transformers' cache and mask APIs are in :mod:`.kv_cache` and
+:mod:`.static_cache`.
+"""
+
+# The order the engines register in is the order they are listed in (CLI help, errors).
+# isort: off
+from medusa.engines import kv_cache, static_cache
+from medusa.engines.base import (
+    DEFAULT_ENGINE,
+    ENGINES,
+    Engine,
+    attention_kernels,
+    check_dtype,
+    make_engine,
+    register_engine,
+)
+from medusa.engines.eager import EagerEngine
+from medusa.engines.static import StaticEngine
+from medusa.engines.onednn import OneDNNEngine
+from medusa.engines.compiled import CAPACITY_BUCKET, CompiledEngine, compile_unavailable
+# isort: on
+
+__all__ = ["CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine", "OneDNNEngine",
+           "StaticEngine", "attention_kernels", "check_dtype", "compile_unavailable", "kv_cache", "make_engine",
+           "register_engine", "static_cache"]

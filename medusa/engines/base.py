@@ -1,0 +1,269 @@
+"""The engine seam: where the base's KV cache lives and how one forward over new tokens runs.
+
+Every engine subclasses :class:`Engine`, which states the contract the generation loop (:mod:`medusa.decode.loop`) and
+batched decoding (:mod:`medusa.decode.batch`) rely on, with shapes, and declares what each engine is good at as
+attributes (:attr:`Engine.scores_all_nodes`, :attr:`Engine.fixed_shapes`, :attr:`Engine.step_buckets`,
+:attr:`Engine.supports_batch`), never probed. Engines are registered by name (:func:`register_engine`,
+:data:`ENGINES`) and made by :func:`make_engine`.
+
+- ``eager``: transformers' ``DynamicCache``, grown by concatenation and cut after each tree
+(:mod:`medusa.engines.kv_cache`).
+- ``static``: a cache preallocated for prompt + budget + tree, written in place; the accepted path is moved down by
+  one gather per layer; masks written into buffers kept per step size (:mod:`medusa.engines.static_cache`).
+- ``onednn``: ``static`` running its own shadow of the decoder whose linear layers, and the lm_head, use oneDNN
+  prepacked copies of the base's weights (:mod:`medusa.engines.onednn`), on a CPU: a verify step cheaper, and the
+  lm_head cheap enough to score every tree node at once (measured in docs/engines.md). Elsewhere (a GPU, or a CPU dtype
+  oneDNN cannot run) it runs as ``static`` and says so (a warning on a CPU, since one was expected to pay there).
+- ``compiled``: ``static`` with fixed shapes (attention reads all slots of a capacity rounded up to
+  :data:`CAPACITY_BUCKET`, so one compilation serves many prompts) and the decoder stack under ``torch.compile``:
+  CPU inductor with weight freezing (constant-folded, prepacked weights), CUDA graphs (``reduce-overhead``) on a
+  GPU. Compilation happens in :meth:`CompiledEngine.warm_up` (or at the first step of each size) and its time is
+  reported; where compiling fails the engine warns with the reason and runs as ``static``.
+
+No engine changes anything outside itself: the base's modules are never swapped (the onednn engine runs its own
+shadow modules that share the base's weights), derived weights (the transposed lm_head, packed copies) belong to the
+engine object, and attention kernels are narrowed only around the engine's own forward.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import time
+from typing import ClassVar
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from medusa.engines import kv_cache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE = "onednn"
+"""The engine used when none is named (the measured comparison is in docs/engines.md)."""
+
+_SDPA_ENABLED = {  # kernel -> whether torch allows it now (torch keeps these flags process-wide)
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+    SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}
+
+
+def attention_kernels(allowed) -> contextlib.AbstractContextManager:
+    """A ``torch.nn.attention.sdpa_kernel`` block narrowing scaled-dot-product attention to the kernels enabled now
+    that are in ``allowed`` (all enabled now when none is), or a no-op when that is what is enabled already.
+
+    The no-op case keeps the choice local: a caller's own narrower choice (its ``sdpa_kernel``) is never widened,
+    and a forward that starts while another thread's block is open leaves the flags to that block, so overlapping
+    blocks never leave them changed (torch keeps the flags process-wide; if that block ends first, the rest of this
+    forward runs with the kernels enabled outside: speed, and float rounding as between any two kernels).
+    """
+    enabled = [b for b, on in _SDPA_ENABLED.items() if on()]
+    keep = [b for b in enabled if b in allowed] or enabled
+    return contextlib.nullcontext() if keep == enabled else sdpa_kernel(keep)
+
+
+class Engine(abc.ABC):
+    """Cache plus forward: what the decoding loops ask of the base model, with shapes.
+
+    A base class, not a ``Protocol``: every engine needs the same timing and attention-kernel block around its
+    forward, the same owned transposed lm_head for few-row products and the same batched decoding on a
+    ``DynamicCache``, so those live here once and an engine writes only its cache and its forward (the four abstract
+    methods). A new engine is one subclass and one :func:`register_engine` line.
+
+    Args:
+        model: a transformers ``*ForCausalLM``.
+        scores_all_nodes: override :attr:`scores_all_nodes` (``None``: the engine's own choice).
+    """
+
+    name: ClassVar[str] = ""
+    """The registry name (set by :func:`register_engine`)."""
+    summary: ClassVar[str] = ""
+    """One line for the CLI's ``--engine`` help."""
+    fixed_shapes: bool = False
+    """Each step size (and cache capacity) is compiled once, so a new size costs a compilation: warm up the sizes
+    decoding will use (:meth:`warm_up`)."""
+    step_buckets: tuple[int, ...] | None = None
+    """The step sizes this engine pads a step up to, or ``None``: any step size costs the same to set up (no
+    engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
+    supports_batch: ClassVar[bool] = True
+    """Batched decoding (:mod:`medusa.decode.batch`) can run through this engine's batch operations."""
+    sdpa_backends: tuple | None = None
+    """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""
+
+    def __init__(self, model, scores_all_nodes: bool | None = None):
+        self.model = model
+        self.scores_all_nodes: bool = self._scores_all_nodes() if scores_all_nodes is None else scores_all_nodes
+        """True when one lm_head product over every tree node is cheaper than scoring along the accepted path one
+        row at a time (:meth:`lm_logits_rows`); both accept the same tokens."""
+        self.last_forward_s = 0.0
+        """Seconds the last :meth:`forward` took (the mask, the decoder and the lm_head rows asked for)."""
+        self.sync_timing = False
+        """Wait for the device at the end of each forward so :attr:`last_forward_s` is its true cost (CUDA)."""
+        self._transposed = kv_cache.TransposedLMHead()  # this engine's (H, V) lm_head copy, made at first use
+
+    def _scores_all_nodes(self) -> bool:
+        """The default of :attr:`scores_all_nodes`: on an accelerator, yes; on a CPU, one lm_head row at a time
+        along the path (its matrix-vector kernel beats its few-row product there)."""
+        return self.model.device.type != "cpu"
+
+    # -- one sequence -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def new_cache(self, capacity: int):
+        """An empty cache for a decode call that needs ``capacity`` positions (prompt + budget + tree nodes)."""
+
+    @abc.abstractmethod
+    def cache_length(self, cache) -> int:
+        """Positions held by ``cache``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache,
+                logits_for: torch.Tensor | slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over new tokens after the cached ones; their keys/values are added to ``cache``.
+
+        Args:
+            input_ids: ``(N,)`` long token ids.
+            positions: ``(N,)`` long position ids.
+            tree_mask: ``(N, N)`` bool, ``[i, j]`` True when new token i may attend to new token j.
+            cache: from :meth:`new_cache`.
+            logits_for: which of the N rows need logits (index tensor or slice); ``None``: all.
+
+        Returns:
+            ``(logits (M, V), hidden (N, H))``; times itself (:attr:`last_forward_s`).
+        """
+        start = time.perf_counter()
+        cuda = self.model.device.type == "cuda"
+        with attention_kernels(self.sdpa_backends) if cuda and self.sdpa_backends is not None else (
+                contextlib.nullcontext()):
+            out = self._forward(input_ids, positions, tree_mask, cache, logits_for)
+        if self.sync_timing and cuda:
+            torch.cuda.synchronize(self.model.device)
+        self.last_forward_s = time.perf_counter() - start
+        return out
+
+    @abc.abstractmethod
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+        """:meth:`forward` without the timing and the attention-kernel block."""
+
+    @abc.abstractmethod
+    def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
+        """Keep the first ``prefix_len`` cached positions and after them the new ones at indices ``keep`` ``(A,)``
+        (into the last forward's N tokens), in that order."""
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base's own lm_head (and soft-capping): ``(..., H)`` -> ``(..., V)``."""
+        return kv_cache.lm_logits(self.model, hidden)
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)``, this engine's cheapest way (here a
+        transposed lm_head copy the engine keeps, :class:`medusa.engines.kv_cache.TransposedLMHead`)."""
+        return self._transposed.logits(self.model, hidden)
+
+    def warm_up(self, step_sizes: list[int], needed: int = 32) -> dict[str, float]:
+        """Prepare the steps of these sizes for a call needing ``needed`` cache positions (compile them, where the
+        engine compiles); returns the seconds each took by ``"N@capacity"`` (empty: nothing to prepare)."""
+        return {}
+
+    def settings(self) -> dict:
+        """What the bench records about this engine."""
+        return {"engine": self.name, "scores_all_nodes": self.scores_all_nodes}
+
+    # -- batched decoding (medusa.decode.batch): a DynamicCache with per-row holes, see medusa.engines.kv_cache --
+    def _batch_decoder(self) -> torch.nn.Module | None:
+        """The decoder stack batched forwards run (``None``: the model's own)."""
+        return None
+
+    def prefill_row(self, input_ids: torch.Tensor) -> tuple:
+        """One prompt's own forward ``(T,)`` into a fresh single-row cache: ``(cache, logits (1, V) of its last
+        position, hidden (T, H))``."""
+        cache = kv_cache.new_cache()
+        n = len(input_ids)
+        positions = torch.arange(n, device=input_ids.device)
+        logits, hidden = kv_cache.forward(self.model, input_ids, positions, kv_cache.causal_mask(n, input_ids.device),
+                                          cache, logits_for=slice(-1, None), decoder=self._batch_decoder())
+        return cache, logits, hidden
+
+    def stack_rows(self, caches: list):
+        """One batched cache from :meth:`prefill_row` caches of different lengths
+        (:func:`medusa.engines.kv_cache.stack_rows`)."""
+        return kv_cache.stack_rows(caches)
+
+    def rows_cache_length(self, cache) -> int:
+        """Slots in a batched cache (the longest row's length)."""
+        return kv_cache.cache_length(cache)
+
+    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
+                     new_visible: torch.Tensor, cache) -> torch.Tensor:
+        """One forward over ``(B, N)`` new tokens at ``(B, N)`` positions, rows with ``valid_len`` ``(B,)`` cached
+        positions; ``new_visible`` ``(N, N)`` or ``(B, N, N)`` bool among the new tokens. Returns the hidden states
+        ``(B, N, H)`` (:func:`medusa.engines.kv_cache.forward_rows`)."""
+        return kv_cache.forward_rows(self.model, input_ids, positions, valid_len, new_visible, cache,
+                                     self._batch_decoder())
+
+    def keep_row_paths(self, cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]
+                       ) -> torch.Tensor:
+        """Keep each row's accepted nodes ``keep[b]`` ``(A_b,)`` after its own prefix; returns the new ``valid_len``
+        ``(B,)`` (:func:`medusa.engines.kv_cache.keep_row_paths`)."""
+        return kv_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
+
+    def select_rows(self, cache, rows: torch.Tensor, length: int) -> None:
+        """Keep only batch rows ``rows`` ``(B',)`` and ``length`` slots
+        (:func:`medusa.engines.kv_cache.select_rows`)."""
+        kv_cache.select_rows(cache, rows, length)
+
+    def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of ``(M, H)`` rows picked from a batched forward: one row through the transposed copy, several
+        through the base's lm_head (the same on every engine: batched decoding never uses a packed lm_head)."""
+        return self._transposed.logits(self.model, hidden) if len(hidden) == 1 else self.lm_logits(hidden)
+
+
+ENGINES: dict[str, type[Engine]] = {}
+"""The registered engines by name, in registration order (:func:`register_engine`)."""
+
+
+def register_engine(name: str):
+    """Class decorator: register an :class:`Engine` subclass under ``name`` for :func:`make_engine` and the CLI.
+
+    Raises:
+        ValueError: ``name`` is taken by another class.
+    """
+    def register(cls: type[Engine]) -> type[Engine]:
+        if name in ENGINES and ENGINES[name] is not cls:
+            raise ValueError(f"engine name {name!r} is taken by {ENGINES[name].__qualname__}")
+        cls.name = name
+        ENGINES[name] = cls
+        return cls
+
+    return register
+
+
+def make_engine(name: str, model, max_cache_len: int | None = None, **options) -> Engine:
+    """The engine registered as ``name`` (:data:`ENGINES`) bound to ``model``; ``options`` go to its constructor
+    (every engine takes ``scores_all_nodes``: ``True``/``False`` overrides its own choice).
+
+    Raises:
+        ValueError: an unknown engine name (naming the registered ones).
+    """
+    import medusa.engines  # noqa: F401 - the built-in engines register themselves on import
+
+    cls = ENGINES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+    if max_cache_len is not None:
+        options["max_cache_len"] = max_cache_len
+    return cls(model, **options)
+
+
+def check_dtype(dtype: torch.dtype, device) -> None:
+    """Raise ``ValueError`` when ``device`` cannot run a forward in ``dtype`` (not floating, or no kernels)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point dtype; use float32, bfloat16 or float16")
+    device = torch.device(device)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{device} does not support bfloat16; use float16 or float32")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None])
+        torch.nn.functional.linear(x, x).softmax(-1)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{device} cannot run {dtype}: {e}") from e

@@ -1,0 +1,2 @@
+"""Files in and out: heads folders (:mod:`.checkpoint`), Medusa-2 adapters (:mod:`.adapter`), vLLM and
+FasterDecoding formats (:mod:`.interop`), the reference model (:mod:`.prepare`), atomic writes (:mod:`.files`)."""
