@@ -541,41 +541,25 @@ def cmd_eval_heads(args) -> int:
 
 def cmd_build_tree(args) -> int:
     from medusa.decode.tree import save_tree
-    from medusa.tools.bench import level_cost, machine_name, read_distilled_sequences, verify_cost_curve
-    from medusa.tools.calibrate import choose_tree, rank_accuracy_from_replays, replay_data, sequence_states
+    from medusa.tools.bench import read_distilled_sequences
+    from medusa.tools.calibrate import build_tree
     from medusa.tools.plots import plot_tree_report
 
-    ngram = args.lookup_ngram or 3
     model = _load(args)
     sequences = read_distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    replays = replay_data(model.heads, sequence_states(model.base, sequences), args.top_k, max(args.lookup_lengths),
-                          ngram)
-    accuracy = rank_accuracy_from_replays(replays, args.top_k)
-    curve = verify_cost_curve(model.base, prefix_len=args.cost_prefix, engine=model.engine)
-    cost = level_cost(model, curve["one_token_s"])
-    name = args.name or Path(args.out).stem
-    tree, table = choose_tree(accuracy, curve, args.max_nodes, cost, name=name, replays=replays,
-                              lookup_lengths=tuple(sorted(set(args.lookup_lengths))), lookup_max_ngram=ngram)
-    best = next(r for r in table if r["nodes"] == len(tree.paths) and r["lookup"] == tree.lookup_length)
-    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
-    note = (f"{len(tree.paths)} heads' nodes{lookup}, from measured per-rank head accuracy and greedy decoding "
-            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on "
-            f"{machine_name()}; "
-            f"replayed tau {best['replayed_tau']:.2f}, predicted speedup {best['predicted_speedup']:.2f}x over plain "
-            "decoding")
+    tree, report, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
+                                    args.lookup_ngram or 3, args.cost_prefix, args.name or Path(args.out).stem)
     save_tree(tree, args.out, note=note)
-    report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
-              "level_cost": cost, "table": table, "chosen_nodes": len(tree.paths),
-              "chosen_lookup": tree.lookup_length, "lookup_max_ngram": ngram,
-              "dtype": str(model.base.dtype), "engine": model.engine.settings()}
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     if not args.no_plot:
         _plot_or_warn(lambda: plot_tree_report(report, report_path.with_suffix(".png")))
-    print(f"top-1 accuracy per head: {[round(a, 3) for a in accuracy[:, 0].tolist()]}")
-    print(f"cost curve: { {k: round(v, 3) for k, v in curve.items()} }")
+    best = report["chosen"]
+    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
+    print(f"top-1 accuracy per head: {[round(a[0], 3) for a in report['accuracy']]}")
+    print(f"cost curve: { {int(k) if k.isdigit() else k: round(v, 3) for k, v in report['cost_curve'].items()} }")
     if best["predicted_speedup"] < 1:
         print(f"warning: even the best tree is predicted {best['predicted_speedup']:.2f}x of plain decoding on this "
               "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)

@@ -155,3 +155,37 @@ def test_rejection_sampling_reads_the_drafters_q_and_refuses_top_k_drafts():
     draft.draws[0].q = None  # drawn as if by top-k: the rule cannot be exact and says so
     with pytest.raises(ValueError, match="drawn from a distribution q"):
         rule.accept(draft, lambda node: torch.zeros(320))
+
+
+def test_old_import_paths_are_the_moved_modules_and_the_package_names_its_api():
+    import importlib
+
+    import medusa
+    from medusa._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from medusa.generate import medusa_generate  # the names callers of earlier releases imported still work
+    from medusa.heads import MedusaHeads
+
+    assert medusa_generate.__module__ == "medusa.decode.loop" and MedusaHeads is medusa.MedusaHeads
+    assert medusa.MedusaModel is MedusaModel and medusa.Tree is Tree and callable(medusa.load_heads)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        medusa.nothing  # noqa: B018
+
+
+def test_a_heads_drafter_saves_and_loads_its_heads(tmp_path):
+    from medusa.drafters.heads_drafter import HeadsDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    drafter = HeadsDrafter(heads, Tree.from_paths([[0], [1], [0, 0]]))
+    drafter.save(tmp_path / "heads")
+    loaded = HeadsDrafter.load(tmp_path / "heads", model)
+    assert loaded.tree == Tree.chain(3)  # no tree.json in the folder: the top-1 chain
+    for a, b in zip(heads.state_dict().values(), loaded.heads.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    ids = repetitive_prompt()
+    reference = hf_greedy(model, ids, 24)
+    out = [t for s in decode_steps(model, loaded, ids, 24, set()) for t in s.tokens]
+    assert out == reference

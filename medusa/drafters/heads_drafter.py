@@ -114,7 +114,29 @@ class HeadsDrafter:
         state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
 
     def save(self, out_dir) -> None:
-        """Write the heads folder (:func:`medusa.io.checkpoint.save_heads`)."""
+        """Write the heads folder (:func:`medusa.io.checkpoint.save_heads`; the tree is a file of its own,
+        :func:`medusa.decode.tree.save_tree`)."""
         from medusa.io.checkpoint import save_heads
 
         save_heads(self.heads, out_dir)
+
+    @classmethod
+    def load(cls, heads_dir, base, tree: Tree | None = None) -> HeadsDrafter:
+        """The heads of ``heads_dir`` for ``base`` (a transformers causal LM) on ``tree`` (default: the folder's
+        ``tree.json``, else the top-1 chain over all heads).
+
+        Raises:
+            FileNotFoundError, medusa.io.checkpoint.HeadsMismatchError: as :func:`medusa.io.checkpoint.load_heads`.
+        """
+        from pathlib import Path
+
+        from medusa.decode.tree import load_tree
+        from medusa.io.checkpoint import load_heads
+
+        heads = load_heads(heads_dir, base.get_output_embeddings().weight,
+                           embed_weight=base.get_input_embeddings().weight)
+        heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
+        if tree is None:
+            path = Path(heads_dir) / "tree.json"
+            tree = load_tree(path) if path.is_file() else Tree.chain(heads.config.num_heads)
+        return cls(heads, tree)

@@ -228,3 +228,37 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
             if best is None or row["predicted_speedup"] > best[1]["predicted_speedup"]:
                 best = (tree, row)
     return best[0], table
+
+
+def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_nodes: int, lookup_lengths,
+               lookup_max_ngram: int, cost_prefix: int, name: str) -> tuple[Tree, dict, str]:
+    """``medusa build-tree``: replay greedy decoding on ``sequences`` (token ids, response start) to measure the
+    heads' per-rank accuracy and the lookup chain's correct prefixes, measure this machine's verify cost curve on
+    ``model``'s engine, and choose the tree with the best predicted speedup (:func:`choose_tree`).
+
+    Returns:
+        ``(tree, report, note)``: the report (accuracy, cost curve, level cost, the table of candidates, the chosen
+        row under ``"chosen"``, dtype and engine) and the note the tree file carries.
+    """
+    from medusa.tools.bench import level_cost, machine_name, verify_cost_curve
+
+    lookup_lengths = tuple(sorted(set(lookup_lengths)))
+    replays = replay_data(model.heads, sequence_states(model.base, sequences), top_k, max(lookup_lengths),
+                          lookup_max_ngram)
+    accuracy = rank_accuracy_from_replays(replays, top_k)
+    curve = verify_cost_curve(model.base, prefix_len=cost_prefix, engine=model.engine)
+    cost = level_cost(model, curve["one_token_s"])
+    tree, table = choose_tree(accuracy, curve, max_nodes, cost, name=name, replays=replays,
+                              lookup_lengths=lookup_lengths, lookup_max_ngram=lookup_max_ngram)
+    best = next(r for r in table if r["nodes"] == len(tree.paths) and r["lookup"] == tree.lookup_length)
+    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
+    note = (f"{len(tree.paths)} heads' nodes{lookup}, from measured per-rank head accuracy and greedy decoding "
+            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on "
+            f"{machine_name()}; "
+            f"replayed tau {best['replayed_tau']:.2f}, predicted speedup {best['predicted_speedup']:.2f}x over plain "
+            "decoding")
+    report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
+              "level_cost": cost, "table": table, "chosen_nodes": len(tree.paths),
+              "chosen_lookup": tree.lookup_length, "lookup_max_ngram": lookup_max_ngram,
+              "dtype": str(model.base.dtype), "engine": model.engine.settings(), "chosen": best}
+    return tree, report, note
