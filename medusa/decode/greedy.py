@@ -16,7 +16,8 @@ scores_all_nodes`):
 - :func:`greedy_paths`: the base's prediction at every node is known (one lm_head product over all nodes); the path
   is found with tensor operations only, for a batch of rows at once (no host sync per node on a GPU).
 - :func:`greedy_walk`: the prediction is asked for one node at a time, only along the accepted path (one lm_head row
-  per accepted node per row: cheaper on a CPU, where the one-row product takes a matrix-vector kernel).
+  per accepted node per row: cheaper on a CPU, where the one-row product takes a matrix-vector kernel). The walk
+  itself is a loop over plain ints on the host.
 """
 
 from __future__ import annotations
@@ -89,10 +90,19 @@ def greedy_paths(tokens: torch.Tensor, predicted: torch.Tensor, layout: TreeBuff
 
 
 def greedy_accept(tree_tokens: torch.Tensor, predicted: torch.Tensor, layout: TreeBuffers) -> Acceptance:
-    """:func:`greedy_paths` for one tree: ``tree_tokens`` ``(N,)``, ``predicted`` ``(N,)`` long (or ``(N, V)``
-    logits, whose argmax is taken). One host sync (the accepted count)."""
+    """Greedy acceptance of one tree from the base's prediction at every node: ``tree_tokens`` ``(N,)``,
+    ``predicted`` ``(N,)`` long (or ``(N, V)`` logits, whose argmax is taken).
+
+    On an accelerator :func:`greedy_paths` (tensor operations, one host sync for the accepted count); on a CPU,
+    where each small tensor operation costs more than a loop over a few ints, the same rule as :func:`greedy_walk`
+    over plain lists (tested equal).
+    """
     if predicted.ndim == 2:
         predicted = predicted.argmax(dim=-1)  # (N,)
+    if predicted.device.type == "cpu":
+        want = predicted.tolist()
+        (path,), (bonus,) = _walk([tree_tokens.tolist()], lambda rows, nodes: [want[n] for n in nodes], layout)
+        return Acceptance(len(path) - 1, torch.tensor(path, dtype=torch.long), predicted[path[-1]])
     paths, accepted = greedy_paths(tree_tokens[None], predicted[None], layout)
     count = int(accepted[0])
     path = paths[0, : count + 1]
@@ -103,12 +113,38 @@ def greedy_accept(tree_tokens: torch.Tensor, predicted: torch.Tensor, layout: Tr
 NextTokens = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _walk(tokens: list[list[int]], predict: Callable[[list[int], list[int]], list[int]], layout: TreeBuffers
+          ) -> tuple[list[list[int]], list[int]]:
+    """The walk on plain lists: per row, the reached twins (a list in walk order, see the module docstring) go one
+    level down at a time; ``predict(rows, nodes)`` gives the base's token after each row's first twin. Returns the
+    kept nodes per row (root first) and each row's bonus token."""
+    children = layout.children
+    twins = [[0] for _ in tokens]
+    paths = [[0] for _ in tokens]
+    bonus = [0] * len(tokens)
+    active = list(range(len(tokens)))
+    while active:
+        predicted = predict(active, [twins[b][0] for b in active])
+        still = []
+        for b, want in zip(active, predicted, strict=True):
+            row = tokens[b]
+            below = [c for node in twins[b] for c in children[node] if row[c] == want]
+            if below:
+                twins[b] = below
+                paths[b].append(below[0])
+                still.append(b)
+            else:
+                bonus[b] = want
+        active = still
+    return paths, bonus
+
+
 def greedy_walk(tokens: torch.Tensor, next_tokens_at: NextTokens, layout: TreeBuffers
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`greedy_paths`, asking for the base's prediction only along each row's accepted path.
 
     One call of ``next_tokens_at`` per tree level, for the rows whose path still matches, at the node standing for
-    the reached twins (see module docstring).
+    the reached twins (see module docstring); the walk itself runs on the host.
 
     Args:
         tokens: ``(B, N)`` long node tokens per row.
@@ -118,34 +154,27 @@ def greedy_walk(tokens: torch.Tensor, next_tokens_at: NextTokens, layout: TreeBu
     Returns:
         ``(paths (B, D+1), accepted (B,), next_tokens (B,))``: as :func:`greedy_paths`, and each row's bonus token.
     """
-    batch, device = tokens.shape[0], tokens.device
-    rep = twin_representatives(tokens, layout)  # (B, N)
-    parent_rep = rep[:, layout.parents.clamp_min(0)]  # (B, N)
-    paths = torch.full((batch, layout.node_paths.shape[1]), -1, dtype=torch.long, device=device)  # (B, D+1)
-    paths[:, 0] = 0
-    accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    next_tokens = torch.empty(batch, dtype=torch.long, device=device)
-    rows, nodes = torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
-    while len(rows):
-        predicted = next_tokens_at(rows, nodes)  # (R,)
-        # Children of the reached twins: nodes whose parent's stand-in is the current node.
-        kids = (parent_rep[rows] == nodes[:, None]) & (tokens[rows] == predicted[:, None])  # (R, N)
-        kids[:, 0] = False
-        found = kids.any(dim=1)  # (R,)
-        next_tokens[rows[~found]] = predicted[~found]
-        child = torch.where(kids, layout.walk_rank, len(layout.depth)).argmin(dim=1)  # (R,) first in walk order
-        rows, nodes = rows[found], child[found]
-        accepted[rows] += 1
-        paths[rows, accepted[rows]] = nodes
-    return paths, accepted, next_tokens
+    device = tokens.device
+
+    def predict(rows: list[int], nodes: list[int]) -> list[int]:
+        return next_tokens_at(torch.tensor(rows, device=device), torch.tensor(nodes, device=device)).tolist()
+
+    kept, bonus = _walk(tokens.tolist(), predict, layout)
+    paths = torch.full((len(kept), layout.node_paths.shape[1]), -1, dtype=torch.long)  # (B, D+1)
+    for b, path in enumerate(kept):
+        paths[b, : len(path)] = torch.tensor(path)
+    accepted = torch.tensor([len(p) - 1 for p in kept], dtype=torch.long)
+    return paths.to(device), accepted.to(device), torch.tensor(bonus, dtype=torch.long, device=device)
 
 
 def greedy_accept_along_path(tree_tokens: torch.Tensor, next_token_at: Callable[[int], torch.Tensor],
                              layout: TreeBuffers) -> Acceptance:
-    """:func:`greedy_walk` for one tree: ``next_token_at(node) -> ()`` long asks for one node's prediction."""
-    def next_tokens_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        return next_token_at(int(nodes[0])).reshape(1)
+    """The walk for one tree: ``next_token_at(node) -> ()`` long asks for one node's prediction."""
+    asked: list[torch.Tensor] = []
 
-    paths, accepted, bonus = greedy_walk(tree_tokens[None], next_tokens_at, layout)
-    count = int(accepted[0])
-    return Acceptance(count, paths[0, : count + 1], bonus[0])
+    def predict(rows: list[int], nodes: list[int]) -> list[int]:
+        asked.append(next_token_at(nodes[0]))
+        return [int(asked[-1])]
+
+    (path,), _ = _walk([tree_tokens.tolist()], predict, layout)
+    return Acceptance(len(path) - 1, torch.tensor(path, dtype=torch.long, device=tree_tokens.device), asked[-1])

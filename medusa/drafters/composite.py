@@ -11,6 +11,8 @@ tree has one, the prompt-lookup chain.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from medusa.decode.tree import Tree, TreeBuffers, layout_from_parents, tree_buffers
@@ -43,6 +45,14 @@ def merge_layouts(layouts: list[TreeBuffers], priority: list[int]) -> tuple[Tree
     return layout_from_parents(parents, children, device), [m.to(device) for m in maps]
 
 
+@dataclass
+class _Merged:
+    layouts: list[TreeBuffers]
+    layout: TreeBuffers
+    draws: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per part, per draws group: merged (parents, nodes)
+    copied: torch.Tensor | None
+
+
 @register_drafter("composite")
 class CompositeDrafter:
     """Drafters ``parts`` proposing one merged tree (see module docstring).
@@ -69,12 +79,19 @@ class CompositeDrafter:
         self.max_depth = max(p.max_depth for p in parts)
         self._merged: dict[tuple, tuple] = {}
 
-    def _merge(self, layouts: list[TreeBuffers]):
+    def _merged_for(self, drafts: list[DraftTree]) -> _Merged:
+        """The merged layout and index maps for the parts' layouts, made once per set of layout objects (a part
+        keeps the same draws structure for the same layout object, so their mapped indices are kept too)."""
+        layouts = [d.layout for d in drafts]
         key = tuple(id(layout) for layout in layouts)
         hit = self._merged.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], layouts, strict=True)):
-            hit = self._merged[key] = (layouts, *merge_layouts(layouts, self.priority))
-        return hit[1], hit[2]
+        if hit is None or any(a is not b for a, b in zip(hit.layouts, layouts, strict=True)):
+            layout, maps = merge_layouts(layouts, self.priority)
+            draws = [[(index[w.parents], index[w.nodes]) for w in d.draws]
+                     for d, index in zip(drafts, maps, strict=True)]
+            copied = [index[d.copied] for d, index in zip(drafts, maps, strict=True) if d.copied is not None]
+            hit = self._merged[key] = _Merged(layouts, layout, draws, torch.cat(copied) if copied else None)
+        return hit
 
     def new_state(self) -> list:
         return [part.new_state() for part in self.parts]
@@ -85,15 +102,12 @@ class CompositeDrafter:
 
     def propose(self, state: list, root: torch.Tensor, sequence: torch.Tensor, sampler: DraftSampler) -> DraftTree:
         drafts = [part.propose(own, root, sequence, sampler) for part, own in zip(self.parts, state, strict=True)]
-        layout, maps = self._merge([d.layout for d in drafts])
+        merged = self._merged_for(drafts)
         tokens = torch.cat([root[None]] + [d.tokens[1:] for d in drafts])  # (N,)
-        draws, copied = [], []
-        for draft, index in zip(drafts, maps, strict=True):
-            draws += [Draws(index[w.parents], w.logits, w.candidates, index[w.nodes], w.slot, w.rank, w.q, w.vocab)
-                      for w in draft.draws]
-            if draft.copied is not None:
-                copied.append(index[draft.copied])
-        return DraftTree(tokens, layout, draws, torch.cat(copied) if copied else None)
+        draws = [Draws(parents, w.logits, w.candidates, nodes, w.slot, w.rank, w.q, w.vocab)
+                 for d, mapped in zip(drafts, merged.draws, strict=True)
+                 for w, (parents, nodes) in zip(d.draws, mapped, strict=True)]
+        return DraftTree(tokens, merged.layout, draws, merged.copied)
 
     def update(self, state: list, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
                next_tokens: torch.Tensor) -> None:

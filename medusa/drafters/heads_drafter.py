@@ -49,7 +49,7 @@ def draft_tree(heads, hidden: torch.Tensor, root: torch.Tensor, layout: TreeBuff
             vocab = heads.to_base_ids(torch.arange(logits.shape[-1], device=root.device))  # (Vh,)
         candidates, q = sampler.draw(logits, layout.level_top_k[d])  # (P_d, k_d), (P_d, Vh) or None
         picked = candidates[layout.child_slot[d], layout.child_rank[d]]  # (C_d,)
-        tokens[layout.level_children[d]] = vocab[picked]
+        tokens[layout.level_children[d]] = heads.to_base_ids(picked)
         draws.append(Draws(parents, logits, candidates, layout.level_children[d], layout.child_slot[d],
                            layout.child_rank[d], q, vocab))
     return DraftTree(tokens, layout, draws)
