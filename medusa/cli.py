@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from medusa.tools.report import batch_bench_table, bench_table, drift_text
-from medusa.tools.report import same_prompts_text as _same_prompts_text  # noqa: F401 (tests/test_review_gpu.py)
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}

@@ -29,7 +29,8 @@ def worker(args) -> None:
     """Load once, then answer ``<prompt index>`` lines with ``{"s": seconds, "tokens": [...], "steps": n, ...}``."""
     import torch
 
-    from medusa.bench import encode_prompt, read_prompts
+    # The old paths (not medusa.tools.bench): the checkout measured may predate the subpackages.
+    from medusa.bench import encode_prompt, read_prompts  # noqa: I001
     from medusa.model import MedusaModel
 
     torch.set_num_threads(args.threads)
@@ -86,8 +87,8 @@ def compare_engine(engine: str, checkouts: dict, args) -> dict:
     tau = {side: sum(x["decode_tokens"] for _, x in runs[side]) / sum(x["steps"] for _, x in runs[side])
            for side in runs}
     ratios = [rb / ra for ra, rb in zip(per_round["a"], per_round["b"], strict=True)]
-    return {"a_tokens_per_s": a, "b_tokens_per_s": b, "b_over_a": b / a, "median_round_ratio": statistics.median(ratios),
-            "round_ratios": ratios, "rounds_a": per_round["a"], "rounds_b": per_round["b"], "tau_a": tau["a"],
+    return {"a_tokens_per_s": a, "b_tokens_per_s": b, "b_over_a": b / a,
+            "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "rounds_a": per_round["a"], "rounds_b": per_round["b"], "tau_a": tau["a"],
             "tau_b": tau["b"], "identical_tokens": same}
 
 

@@ -1,8 +1,8 @@
-"""The bench report's comparison with a reference run over the same prompts (``medusa.cli._same_prompts_text``)."""
+"""The bench report's comparison with a reference run over the same prompts (``same_prompts_text``)."""
 
 from __future__ import annotations
 
-from medusa.cli import _same_prompts_text
+from medusa.tools.report import same_prompts_text
 
 
 def _record(i, tokens, decode_steps, hf_s=1.0, medusa_s=1.0):
@@ -15,11 +15,11 @@ def test_same_prompts_tau_is_decode_tokens_over_decode_steps_like_the_bench():
     reference = {"per_prompt": [_record(0, 11, 4), _record(1, 3, 2), _record(2, 9, 3)]}
     ours = {"per_prompt": [{"prompt": 0, "tokens": 11}, {"prompt": 1, "tokens": 3}]}
     # decode tokens 10 + 2 over decode steps 4 + 2: tau 2.000 (a mean of per-prompt taus would give 1.892)
-    assert _same_prompts_text(ours, reference).startswith("tau 2.000,")
+    assert same_prompts_text(ours, reference).startswith("tau 2.000,")
 
 
 def test_same_prompts_tau_survives_a_prompt_decoded_by_the_prefill_alone():
     # a one-token answer (EOS first, or max_new_tokens 1): no decode step, stats.tau is NaN
     reference = {"per_prompt": [_record(0, 11, 4), _record(1, 1, 0), _record(2, 9, 3)]}
     ours = {"per_prompt": [{"prompt": 0, "tokens": 11}, {"prompt": 1, "tokens": 1}]}
-    assert _same_prompts_text(ours, reference).startswith("tau 2.500,")
+    assert same_prompts_text(ours, reference).startswith("tau 2.500,")
