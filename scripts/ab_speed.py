@@ -27,15 +27,17 @@ ENGINES = ("eager", "static", "onednn", "compiled")
 
 def worker(args) -> None:
     """Load once, then answer ``<prompt index>`` lines with ``{"s": seconds, "tokens": [...], "steps": n, ...}``."""
+    import importlib
+
     import torch
 
-    # The old paths (not medusa.tools.bench): the checkout measured may predate the subpackages.
-    from medusa.bench import encode_prompt, read_prompts  # noqa: I001
+    # The old path (not medusa.tools.bench): the checkout measured may predate the subpackages.
+    bench = importlib.import_module("medusa.bench")
     from medusa.model import MedusaModel
 
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(args.base, args.heads, engine=args.engines[0])
-    encoded = [encode_prompt(model.tokenizer, p) for p in read_prompts(args.prompts)[: args.limit + 1]]
+    encoded = [bench.encode_prompt(model.tokenizer, p) for p in bench.read_prompts(args.prompts)[: args.limit + 1]]
     model.generate(encoded[0], max_new_tokens=args.max_new_tokens)  # warm-up (compiles, for `compiled`)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -88,8 +90,8 @@ def compare_engine(engine: str, checkouts: dict, args) -> dict:
            for side in runs}
     ratios = [rb / ra for ra, rb in zip(per_round["a"], per_round["b"], strict=True)]
     return {"a_tokens_per_s": a, "b_tokens_per_s": b, "b_over_a": b / a,
-            "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "rounds_a": per_round["a"], "rounds_b": per_round["b"], "tau_a": tau["a"],
-            "tau_b": tau["b"], "identical_tokens": same}
+            "median_round_ratio": statistics.median(ratios), "round_ratios": ratios, "rounds_a": per_round["a"],
+            "rounds_b": per_round["b"], "tau_a": tau["a"], "tau_b": tau["b"], "identical_tokens": same}
 
 
 def main() -> int:
