@@ -53,6 +53,10 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         pass
 
+    def get_code(self, name: str):
+        """``python -m <old path>`` runs the module it moved to."""
+        return importlib.util.find_spec(MOVED[name]).loader.get_code(MOVED[name])
+
 
 def install() -> None:
     """Let the old paths import (once per process)."""

@@ -221,7 +221,8 @@ def _sampling_args(p) -> None:
     g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
     g.add_argument("--acceptance", default="rejection",
-                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy), or "
+                        "a rule registered with medusa.register_acceptance")
 
 
 def _sampling_kwargs(args) -> dict:

@@ -110,7 +110,8 @@ class MedusaModel(nn.Module):
                typical_epsilon: float = 0.3, typical_delta: float = 0.09, **settings) -> Iterator[Step]:
         """Yield :class:`~medusa.decode.loop.Step` s as tokens are accepted. ``input_ids``: ``(T,)`` or ``(1, T)``.
 
-        Decoding settings as in :meth:`generate`.
+        Decoding settings as in :meth:`generate`; ``tree`` decodes this call with the heads on that tree instead of
+        the model's drafter (a drafter given at construction included).
         """
         ids = _as_1d(input_ids).to(self.device)
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids

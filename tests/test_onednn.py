@@ -365,3 +365,29 @@ def test_another_thread_using_the_model_sees_nothing_change_while_an_engine_deco
     assert decoded and all(d == decode_alone for d in decoded)
     assert layer.__dict__["forward"] is not None and module_tree(model) == tree_before
     assert hf_greedy(model, IDS, 12) == generate_alone  # and after the decode
+
+
+def test_hooks_on_the_base_linear_layers_still_fire_on_the_onednn_engine():
+    model = tiny_model("llama")
+    reference = hf_greedy(model, IDS, 12)
+    layer = kv_cache.decoder_of(model).layers[0].mlp.down_proj
+    engine = engines.make_engine("onednn", model)
+    calls = []
+    handle = layer.register_forward_hook(lambda module, args, out: calls.append(1) or out * 0.0)
+    try:
+        hooked = hf_greedy(model, IDS, 12)
+        out, _ = medusa_generate(model, random_heads(model), IDS, Tree.chain(3), 12, engine=engine)
+        assert out == hooked != reference and calls  # the hook (zeroing the MLP output) runs in the engine too
+    finally:
+        handle.remove()
+
+
+def test_a_change_through_data_is_seen_after_a_forced_refresh():
+    model = tiny_model("llama")
+    engine = engines.make_engine("onednn", model)
+    layer = kv_cache.decoder_of(model).layers[0].self_attn.o_proj
+    layer.weight.data += 0.5  # no version bump (peft's default merge writes weights this way)
+    changed = hf_greedy(model, IDS, 12)
+    engine.refresh(force=True)
+    out, _ = medusa_generate(model, random_heads(model), IDS, Tree.chain(3), 12, engine=engine)
+    assert out == changed

@@ -189,3 +189,112 @@ def test_a_heads_drafter_saves_and_loads_its_heads(tmp_path):
     reference = hf_greedy(model, ids, 24)
     out = [t for s in decode_steps(model, loaded, ids, 24, set()) for t in s.tokens]
     assert out == reference
+
+
+def test_acceptance_reads_each_steps_structure_even_with_one_layout_object():
+    """A drafter may reuse its layout object and still reorder ranks from one step to the next: the rule must read
+    each step's draws (a stale structure would emit a token the base gives probability 0)."""
+    from medusa.decode.acceptance import RejectionSampling
+
+    vocab, first, second = 8, 3, 5
+    layout = layout_from_parents([-1, 0, 0])
+    rule = RejectionSampling(vocab, lambda x: x, torch.Generator().manual_seed(0))
+
+    def draft(ranks):
+        candidates, q = torch.tensor([[first, second]]), torch.zeros(1, vocab)
+        q[0, [first, second]] = 0.5
+        tokens = torch.tensor([0, int(candidates[0, ranks[0]]), int(candidates[0, ranks[1]])])
+        return DraftTree(tokens, layout, [Draws(torch.tensor([0]), q.log(), candidates, torch.tensor([1, 2]),
+                                                torch.tensor([0, 0]), torch.tensor(ranks), q)])
+
+    at_root = torch.full((vocab,), -1e9)
+    at_root[first] = 0.0  # the base emits `first` with probability 1
+    for ranks in ([0, 1], [1, 0]):
+        tree = draft(ranks)
+        result = rule.accept(tree, lambda node: at_root if node == 0 else torch.zeros(vocab))
+        assert int(tree.tokens[result.path_nodes[-1]]) == first, ranks
+
+
+class FixedChain:
+    """Copies a fixed chain; records what it is told after each step."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)
+        self.max_nodes, self.max_depth = len(tokens) + 1, len(tokens)
+        self.layout = layout_from_parents(list(range(-1, len(tokens))))
+        self.copied = torch.arange(1, len(tokens) + 1)
+
+    def new_state(self):
+        return {}
+
+    def start(self, state, hidden, next_tokens):
+        pass
+
+    def propose(self, state, root, sequence, sampler):
+        state["mine"] = DraftTree(torch.cat([root[None], self.tokens]), self.layout, copied=self.copied)
+        return state["mine"]
+
+    def update(self, state, draft, path, hidden, next_tokens):
+        state["told"] = (draft is state["mine"], path.tolist())
+
+
+def test_each_part_of_a_composite_is_told_its_own_accepted_nodes():
+    from medusa.drafters.composite import CompositeDrafter
+
+    a, b = FixedChain([4, 5]), FixedChain([7, 8, 9])
+    composite = CompositeDrafter([a, b])
+    state = composite.new_state()
+    draft = composite.propose(state, torch.tensor(1), torch.tensor([1]), None)
+    assert draft.tokens.tolist() == [1, 4, 5, 7, 8, 9]
+    composite.update(state, draft, torch.tensor([0, 3, 4]), torch.zeros(3, 4), torch.tensor([7, 8, 0]))
+    assert state[0]["told"] == (True, [0])  # a's chain (4, 5) was not accepted
+    assert state[1]["told"] == (True, [0, 1, 2])  # b's own nodes for 7, 8
+    # The same layouts and index tensors every step: one merge, reused.
+    assert composite.propose(state, torch.tensor(2), torch.tensor([2]), None).layout is draft.layout
+
+
+def test_batched_rows_may_bring_trees_of_one_shape_built_per_step():
+    from medusa.decode.batch import batch_decode_steps
+
+    model = tiny_model("llama")
+    prompts = [repetitive_prompt(), repetitive_prompt()[:15]]
+    drafter = BigramDrafter(model.config.vocab_size)  # a fresh layout object every step
+    out = [[], []]
+    for step in batch_decode_steps(model, drafter, prompts, 16, set()):
+        for i, s in step:
+            out[i] += s.tokens
+    assert out == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_a_tree_larger_than_the_drafter_declared_is_refused_naming_it():
+    model = tiny_model("llama")
+    drafter = BigramDrafter(model.config.vocab_size)
+    drafter.max_nodes = 2
+    with pytest.raises(ValueError, match="drafter BigramDrafter proposed a tree of 4 nodes .* max_nodes 2"):
+        list(decode_steps(model, drafter, repetitive_prompt(), 8, set()))
+
+
+def test_a_registered_acceptance_rule_is_chosen_by_name_and_names_are_not_taken_twice():
+    from medusa.decode import acceptance
+    from medusa.decode.logits_process import resolve_decoding
+
+    @acceptance.register_acceptance("test-always-reject")
+    def always_reject(decoding, vocab_size, generator):
+        class Reject(acceptance.TypicalAcceptance):
+            def accept(self, draft, logits_at, predicted=None):
+                return acceptance.Acceptance(0, torch.zeros(1, dtype=torch.long), logits_at(0).argmax())
+
+        return Reject(0.3, 0.09, generator)
+
+    try:
+        model = tiny_model("llama")
+        medusa = MedusaModel(model, random_heads(model), Tree.chain(3), engine="eager")
+        out, stats = medusa.generate(repetitive_prompt(), 12, stop_token_ids=set(), do_sample=True,
+                                     temperature=1e-4, seed=0, acceptance="test-always-reject")
+        assert stats.accepted_per_step == [0] * stats.decode_steps and len(out) == 12
+        with pytest.raises(ValueError, match="already registered"):
+            acceptance.register_acceptance("rejection")(always_reject)
+        with pytest.raises(ValueError, match="expected one of .*test-always-reject"):
+            resolve_decoding(do_sample=True, acceptance="nope")
+    finally:
+        acceptance._RULES.pop("test-always-reject")

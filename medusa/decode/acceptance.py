@@ -28,7 +28,7 @@ from medusa.decode.logits_process import Decoding
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
 
 __all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
-           "register_acceptance", "residual", "sample", "sample_without_replacement"]
+           "register_acceptance", "residual", "sample", "sample_without_replacement", "sampling_rules"]
 
 LogitsAt = Callable[[int], torch.Tensor]
 
@@ -55,14 +55,25 @@ _RULES: dict[str, Callable] = {}
 
 
 def register_acceptance(name: str):
-    """Decorator: make an acceptance rule findable by ``name``; the decorated callable is
-    ``(decoding, vocab_size, generator) -> rule``."""
+    """Decorator: make an acceptance rule findable by ``name`` (``acceptance=name`` when sampling); the decorated
+    callable is ``(decoding, vocab_size, generator) -> rule``. ``"greedy"`` is the rule when not sampling.
+
+    Raises:
+        ValueError: ``name`` is already registered to another factory.
+    """
 
     def register(factory):
+        if _RULES.get(name, factory) is not factory:
+            raise ValueError(f"acceptance rule {name!r} is already registered to {_RULES[name].__qualname__}")
         _RULES[name] = factory
         return factory
 
     return register
+
+
+def sampling_rules() -> tuple[str, ...]:
+    """The registered rules a sampling decode can name (``acceptance=``), in registration order."""
+    return tuple(name for name in _RULES if name != "greedy")
 
 
 def acceptance_rule(decoding: Decoding, vocab_size: int, device) -> AcceptanceRule:
@@ -103,8 +114,7 @@ class _Walk:
     """Per-node lookups for walking a drafted tree one node at a time: the copied children of each node (walk
     order), and each node's groups of drawn children ``(draws index, parent slot, [(rank, child)] in rank order)``.
 
-    Built from a draft's index structure, which a drafter keeps the same for the same layout object; cached per
-    layout by the rules below."""
+    Built from each step's draft (its structure may change from step to step)."""
 
     def __init__(self, draft: DraftTree):
         layout = draft.layout
@@ -122,18 +132,6 @@ class _Walk:
             for slot, node in enumerate(draws.parents.tolist()):
                 if slot in kids:
                     self.groups.setdefault(node, []).append((g, slot, sorted(kids[slot])))
-
-
-class _WalkCache:
-    def __init__(self):
-        self._walks: dict[int, tuple] = {}
-
-    def walk(self, draft: DraftTree) -> _Walk:
-        key = id(draft.layout)
-        hit = self._walks.get(key)
-        if hit is None or hit[0] is not draft.layout:
-            hit = self._walks[key] = (draft.layout, _Walk(draft))  # the layout is kept: its id stays its own
-        return hit[1]
 
 
 class GreedyAcceptance:
@@ -205,13 +203,12 @@ class RejectionSampling:
                  generator: torch.Generator | None):
         self.vocab_size, self.generator = vocab_size, generator
         self.sampler = SampleWithoutReplacement(draft_warp, generator)
-        self._walks = _WalkCache()
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
     def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
-        walk = self._walks.walk(draft)
+        walk = _Walk(draft)
         node, path = 0, [0]
         while True:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
@@ -272,10 +269,10 @@ class TypicalAcceptance:
     distributed as the base's samples.
 
     Candidates are the heads' top-k (as for greedy). Walking from the root, a child x is accepted when the base's
-    processed distribution p at its parent gives ``p(x) > min(epsilon, delta * exp(-H(p)))``; the highest-ranked
-    child that passes is taken (the walk does not search for the longest path, which would need the base's logits at
-    every node). The token after the last accepted node is sampled from p, so a step with nothing accepted is an
-    ordinary sampling step.
+    processed distribution p at its parent gives ``p(x) > min(epsilon, delta * exp(-H(p)))``; the first child that
+    passes is taken, copied children first, then each group of drawn children by rank (the walk does not search for
+    the longest path, which would need the base's logits at every node). The token after the last accepted node is
+    sampled from p, so a step with nothing accepted is an ordinary sampling step.
     """
 
     name = "typical"
@@ -284,13 +281,12 @@ class TypicalAcceptance:
 
     def __init__(self, epsilon: float, delta: float, generator: torch.Generator | None):
         self.epsilon, self.delta, self.generator = epsilon, delta, generator
-        self._walks = _WalkCache()
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
     def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
-        walk = self._walks.walk(draft)
+        walk = _Walk(draft)
         node, path = 0, [0]
         while True:
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa.decode.greedy import greedy_paths, greedy_walk
-from medusa.decode.loop import GenerationStats, Step, _emit, check_context
-from medusa.decode.tree import Tree
+from medusa.decode.loop import GenerationStats, Step, _emit, check_context, check_draft
+from medusa.decode.tree import Tree, TreeBuffers
 from medusa.drafters.base import TopK
 from medusa.drafters.composite import tree_drafter
 from medusa.engines import EagerEngine
@@ -153,6 +153,11 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
                               all_nodes, engine)
 
 
+def same_shape(a: TreeBuffers, b: TreeBuffers) -> bool:
+    """Whether two layouts are the same tree (the same parents, children in the same walk order)."""
+    return a.children == b.children and torch.equal(a.parents, b.parents)
+
+
 def _prefill(engine, drafter, prompts: list[torch.Tensor], states: list):
     """Each prompt's own forward (as when decoded alone: no padding computed), then one batched cache.
 
@@ -181,8 +186,12 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     batch = len(roots)
     drafts = [drafter.propose(states[b], roots[b], sequences[b], GREEDY) for b in range(batch)]
     layout = drafts[0].layout
-    if any(d.layout is not layout for d in drafts[1:]):
-        raise ValueError("batched decoding needs one tree layout per step for all rows; the drafter gave several")
+    for b, draft in enumerate(drafts):
+        check_draft(drafter, draft)
+        if draft.layout is not layout and not same_shape(draft.layout, layout):
+            raise ValueError(f"batched decoding verifies all rows' trees in one forward, so they need one shape per "
+                             f"step: row {b}'s tree differs from row 0's (parents {draft.layout.parents.tolist()} vs "
+                             f"{layout.parents.tolist()})")
     tokens = torch.stack([d.tokens for d in drafts])  # (B, N)
     positions = valid_len[:, None] + layout.depth[None, :]  # (B, N)
     prefix_len = engine.rows_cache_length(cache)

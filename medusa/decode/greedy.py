@@ -37,7 +37,8 @@ class Acceptance:
     accepted: int
     """Draft tokens accepted (0..D); the step emits ``accepted + 1`` tokens."""
     path_nodes: torch.Tensor
-    """(accepted + 1,) long: tree node indices of the root and the accepted nodes, in order."""
+    """(accepted + 1,) long: tree node indices of the root and the accepted nodes, in order. Of twins one stands
+    for all, so a node's predecessor here may be a twin of its parent rather than its parent."""
     next_token: torch.Tensor
     """() long: the base's own prediction after the last accepted node (the bonus token)."""
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-ACCEPTANCE_RULES = ("rejection", "typical")
-
 # Applied by :func:`logits_processors` (the order there is generate's).
 APPLIED = {
     "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
@@ -89,8 +87,10 @@ class Decoding:
 
     def __post_init__(self):
         config = self.generation_config
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"unknown acceptance {self.acceptance!r}: expected one of {list(ACCEPTANCE_RULES)}")
+        from medusa.decode.acceptance import sampling_rules  # here: that module reads Decoding from this one
+
+        if self.acceptance not in sampling_rules():
+            raise ValueError(f"unknown acceptance {self.acceptance!r}: expected one of {list(sampling_rules())}")
         if config.top_k is not None and config.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {config.top_k}")
         if config.top_p is not None and not 0 < config.top_p <= 1:

@@ -136,6 +136,7 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         start = time.perf_counter()
         prefix_len = engine.cache_length(cache)
         draft = drafter.propose(state, root, sequence, rule.sampler)
+        check_draft(drafter, draft)
         drafted = time.perf_counter()
         result, hidden = verify(engine, draft, prefix_len, cache, rule, processors, sequence, all_nodes)
         verified = time.perf_counter()
@@ -147,6 +148,16 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         sequence = torch.cat([sequence, emitted])
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop)
+
+
+def check_draft(drafter, draft: DraftTree) -> None:
+    """Raise ``ValueError`` naming the drafter when its tree is larger or deeper than it declared (``max_nodes``,
+    ``max_depth``: what the cache and the context check were sized for). No host sync: shapes only."""
+    nodes, depth, laid_out = len(draft.tokens), draft.layout.node_paths.shape[1] - 1, len(draft.layout.depth)
+    if nodes > drafter.max_nodes or depth > drafter.max_depth or laid_out != nodes:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed a tree of {nodes} nodes ({laid_out} in its "
+                         f"layout) and depth {depth}, but declares max_nodes {drafter.max_nodes} and max_depth "
+                         f"{drafter.max_depth}")
 
 
 def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,

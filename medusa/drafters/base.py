@@ -73,6 +73,8 @@ class DraftTree:
     """Where the drawn nodes came from, one entry per group of parents drafted together."""
     copied: torch.Tensor | None = None
     """``(L,)`` long node indices of deterministic (copied) nodes; ``None``: none."""
+    parts: list[DraftTree] | None = None
+    """For a merged tree (:class:`medusa.drafters.composite.CompositeDrafter`), each part's own draft."""
 
     def confidence(self) -> torch.Tensor:
         """``(N,)`` float: each node's draft probability, the probability its own distribution gave its token (q
@@ -173,8 +175,11 @@ class Drafter(Protocol):
 
     def update(self, state, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
                next_tokens: torch.Tensor) -> None:
-        """After the verification: the accepted nodes ``path`` ``(A+1,)`` (root first), their hidden states
-        ``(A+1, H)`` and the token after each ``(A+1,)`` (the last is the base's bonus token, the next root)."""
+        """After the verification: the kept nodes of ``draft`` ``path`` ``(A'+1,)`` (root first), the hidden
+        states of every accepted position ``(A+1, H)`` and the token after each ``(A+1,)`` (the last is the base's
+        bonus token, the next root). Of twins (the same tokens from the root down) one is kept, so ``path`` need
+        not be a chain of parents; inside a composite it is the drafter's own nodes along the accepted tokens, as
+        far as its tree holds them (``A' <= A``)."""
         ...
 
 

@@ -47,7 +47,7 @@ def merge_layouts(layouts: list[TreeBuffers], priority: list[int]) -> tuple[Tree
 
 @dataclass
 class _Merged:
-    layouts: list[TreeBuffers]
+    key: list  # the objects it was made from (compared by identity)
     layout: TreeBuffers
     draws: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per part, per draws group: merged (parents, nodes)
     copied: torch.Tensor | None
@@ -77,20 +77,21 @@ class CompositeDrafter:
         self.parts, self.priority = list(parts), priority
         self.max_nodes = 1 + sum(p.max_nodes - 1 for p in parts)
         self.max_depth = max(p.max_depth for p in parts)
-        self._merged: dict[tuple, tuple] = {}
+        self._last: _Merged | None = None
 
     def _merged_for(self, drafts: list[DraftTree]) -> _Merged:
-        """The merged layout and index maps for the parts' layouts, made once per set of layout objects (a part
-        keeps the same draws structure for the same layout object, so their mapped indices are kept too)."""
-        layouts = [d.layout for d in drafts]
-        key = tuple(id(layout) for layout in layouts)
-        hit = self._merged.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit.layouts, layouts, strict=True)):
-            layout, maps = merge_layouts(layouts, self.priority)
+        """The merged layout and the parts' index tensors mapped into it. The last merge is kept and reused while
+        the parts hand back the same layout and index tensor objects (a fixed tree's every step); a part that builds
+        new ones each step gets a new merge each step, and nothing piles up."""
+        key = [d.layout for d in drafts] + [t for d in drafts for w in d.draws for t in (w.parents, w.nodes)]
+        key += [d.copied for d in drafts]
+        hit = self._last
+        if hit is None or len(hit.key) != len(key) or any(a is not b for a, b in zip(hit.key, key, strict=True)):
+            layout, maps = merge_layouts([d.layout for d in drafts], self.priority)
             draws = [[(index[w.parents], index[w.nodes]) for w in d.draws]
                      for d, index in zip(drafts, maps, strict=True)]
             copied = [index[d.copied] for d, index in zip(drafts, maps, strict=True) if d.copied is not None]
-            hit = self._merged[key] = _Merged(layouts, layout, draws, torch.cat(copied) if copied else None)
+            hit = self._last = _Merged(key, layout, draws, torch.cat(copied) if copied else None)
         return hit
 
     def new_state(self) -> list:
@@ -107,12 +108,27 @@ class CompositeDrafter:
         draws = [Draws(parents, w.logits, w.candidates, nodes, w.slot, w.rank, w.q, w.vocab)
                  for d, mapped in zip(drafts, merged.draws, strict=True)
                  for w, (parents, nodes) in zip(d.draws, mapped, strict=True)]
-        return DraftTree(tokens, merged.layout, draws, merged.copied)
+        return DraftTree(tokens, merged.layout, draws, merged.copied, parts=drafts)
 
     def update(self, state: list, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
                next_tokens: torch.Tensor) -> None:
-        for part, own in zip(self.parts, state, strict=True):
-            part.update(own, draft, path, hidden, next_tokens)
+        """Each part is told about its own draft: its nodes along the accepted tokens, in its own indices, as far
+        as its tree holds them (a twin in another part counts), with every accepted position's hidden state."""
+        accepted = draft.tokens[path[1:]].tolist()
+        for part, own, mine in zip(self.parts, state, draft.parts, strict=True):
+            part.update(own, mine, own_path(mine, accepted), hidden, next_tokens)
+
+
+def own_path(draft: DraftTree, tokens: list[int]) -> torch.Tensor:
+    """``(A'+1,)`` long: ``draft``'s nodes from its root down along ``tokens``, as far as its tree holds them."""
+    node_tokens, children = draft.tokens.tolist(), draft.layout.children
+    path = [0]
+    for token in tokens:
+        below = next((c for c in children[path[-1]] if node_tokens[c] == token), None)
+        if below is None:
+            break
+        path.append(below)
+    return torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
 
 
 @register_drafter("none")

@@ -11,8 +11,11 @@ parameters and buffers (the same tensors), with every plain ``nn.Linear`` replac
 holding the original module and a reordered copy of its weight. The onednn engine runs that shadow
 (``static_cache.forward(..., decoder=shadow)``); nothing in the base model is changed, so the base runs as before
 everywhere else, in any thread (Hugging Face ``generate``, training). A copy is made again when its weight was
-replaced or changed in place (a merged adapter), and the shadow is rebuilt when a module of the base was replaced or
-its train/eval mode changed. The results equal ``nn.Linear``'s up to float summation order (about 1e-6 apart).
+replaced or changed in place through an operation that counts (its version counter or storage changes); a change
+through ``weight.data`` (peft's default merge) is seen by a new engine, or after :meth:`OneDNNEngine.refresh`
+``(force=True)``. The shadow is rebuilt when a module of the base was replaced or its train/eval mode changed. A base
+linear module with forward hooks or a wrapper forward of its own runs as itself, so the hooks still fire. The results
+equal ``nn.Linear``'s up to float summation order (about 1e-6 apart).
 
 Cost: the copies take as much memory as the weights they copy; each engine owns its own.
 """
@@ -101,6 +104,8 @@ class PackedLinear(nn.Module):
         module = self.module
         if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
             return module(x)  # the reordered product has no backward
+        if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+            return module(x)  # hooks or a wrapper on the base's module (added at any time) run as they would there
         bias = module.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(), "none",
                                                   [], "")
@@ -196,6 +201,12 @@ class OneDNNEngine(StaticEngine):
         elif model.device.type == "cpu":
             warnings.warn(f"engine 'onednn' runs as 'static': {self.fallback_reason}", RuntimeWarning, stacklevel=3)
         super().__init__(model, max_cache_len, scores_all_nodes)
+
+    def refresh(self, force: bool = False) -> None:
+        """Reorder the packed copies whose weights changed (``force``: all of them, for a change made through
+        ``weight.data``, which keeps the version counter: peft's default ``merge_and_unload``)."""
+        if self.packed is not None:
+            self.packed.refresh(force)
 
     def _scores_all_nodes(self) -> bool:
         """Also with the lm_head prepacked: its product over every node is then cheapest."""
