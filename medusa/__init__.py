@@ -40,8 +40,13 @@ _PUBLIC = {
     "Drafter": "medusa.drafters",
     "tree_drafter": "medusa.drafters",
     "register_acceptance": "medusa.decode.acceptance",
+    "HeadsMismatchError": "medusa.io.checkpoint",
 }
 __all__ = sorted(_PUBLIC)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
 
 
 def __getattr__(name: str):

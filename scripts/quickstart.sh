@@ -37,7 +37,8 @@ shipped heads and tree  $SHIPPED/  (model card: $SHIPPED/README.md)
 bench of shipped heads  $OUT/bench.json, picture $OUT/bench.png
 
 The bench next to the README's figures ($README_BENCH, 20 prompts).
-Compare tau with the last line (the reference on these same 4 prompts; 4 prompts are not the 20's average);
+Compare tau with the line 'reference, same prompts only' (the reference's tau on these same 4 prompts; 4
+prompts are not the 20's average);
 tokens/s and the speedup follow the machine and its load (warned above if busy):
 SUMMARY
 cat "$OUT/bench.txt"

@@ -7,6 +7,11 @@ as JSON); no model, no timing.
 from __future__ import annotations
 
 
+def speedup_text(value) -> str:
+    """A ratio as ``1.234x`` (anything else, a missing value or "not timed", as :func:`fmt` writes it)."""
+    return f"{value:.3f}x" if isinstance(value, float) else fmt(value)
+
+
 def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
     """The bench figures as aligned text; with ``reference``, a second column holds that earlier result's."""
     def rows(r: dict) -> list[tuple[str, str]]:
@@ -15,9 +20,9 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
                 ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
                 ("plain tokens/s (same engine)", fmt(r.get("plain_tokens_per_s"))),
-                ("speedup vs plain (same engine)", fmt(r.get("speedup_vs_plain"))),
+                ("speedup vs plain (same engine)", speedup_text(r.get("speedup_vs_plain"))),
                 ("HF prompt lookup tokens/s", fmt(r.get("hf_prompt_lookup_tokens_per_s", "not timed"))),
-                ("speedup vs HF prompt lookup", fmt(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
+                ("speedup vs HF prompt lookup", speedup_text(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
                 ("step ms: draft/forward/accept/cache", step_text(r.get("step_ms"))),
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
                 ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
