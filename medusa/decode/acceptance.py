@@ -154,7 +154,16 @@ class GreedyAcceptance:
         return greedy_accept_along_path(draft.tokens, lambda node: logits_at(node).argmax(), draft.layout)
 
 
-class RejectionSampling:
+class _SampledToken:
+    """The base's own token in a sampling decode (the prefill token): drawn from its processed distribution."""
+
+    generator: torch.Generator | None
+
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        return sample(torch.softmax(logits.float(), dim=-1), self.generator)
+
+
+class RejectionSampling(_SampledToken):
     """Lossless speculative sampling on a tree: recursive rejection sampling over candidates drawn without
     replacement (SpecInfer, Miao et al. 2024, section 4.2, multi-step speculative sampling; EAGLE's multi-draft
     verification, Li et al. 2024; Sequoia, Chen et al. 2024, section 3.2, sampling without replacement).
@@ -203,9 +212,6 @@ class RejectionSampling:
                  generator: torch.Generator | None):
         self.vocab_size, self.generator = vocab_size, generator
         self.sampler = SampleWithoutReplacement(draft_warp, generator)
-
-    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
-        return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
     def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
         walk = _Walk(draft)
@@ -264,7 +270,7 @@ class RejectionSampling:
         return None, p
 
 
-class TypicalAcceptance:
+class TypicalAcceptance(_SampledToken):
     """Medusa's typical acceptance (Medusa report, Cai et al. 2024, section 2.3.1). LOSSY: the output is not
     distributed as the base's samples.
 
@@ -281,9 +287,6 @@ class TypicalAcceptance:
 
     def __init__(self, epsilon: float, delta: float, generator: torch.Generator | None):
         self.epsilon, self.delta, self.generator = epsilon, delta, generator
-
-    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
-        return sample(torch.softmax(logits.float(), dim=-1), self.generator)
 
     def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
         walk = _Walk(draft)
