@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa.decode.greedy import greedy_paths, greedy_walk
-from medusa.decode.loop import GenerationStats, Step, _emit, check_context, check_draft
+from medusa.decode.loop import GenerationStats, Step, _emit, check_context, check_draft, legacy_scores_all_nodes
 from medusa.decode.tree import Tree, TreeBuffers
 from medusa.drafters.base import TopK
 from medusa.drafters.composite import tree_drafter
@@ -145,10 +145,8 @@ def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_t
     Raises:
         ValueError: as :func:`batch_decode_steps`, a tree that does not fit the heads, or a bad ``verify_logits``.
     """
-    if verify_logits not in (None, "all", "path"):
-        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
+    all_nodes = legacy_scores_all_nodes(verify_logits)
     check_prompts(prompts)
-    all_nodes = None if verify_logits is None else verify_logits == "all"
     return batch_decode_steps(model, tree_drafter(heads, tree), prompts, max_new_tokens, stop_token_ids, stats,
                               all_nodes, engine)
 

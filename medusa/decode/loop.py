@@ -160,6 +160,17 @@ def check_draft(drafter, draft: DraftTree) -> None:
                          f"{drafter.max_depth}")
 
 
+def legacy_scores_all_nodes(verify_logits: str | None) -> bool | None:
+    """``scores_all_nodes`` from an earlier release's ``verify_logits`` (``"all"``, ``"path"`` or ``None``).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if verify_logits not in (None, "all", "path"):
+        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
+    return None if verify_logits is None else verify_logits == "all"
+
+
 def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_tokens: int,
                  stop_token_ids: set[int] | None = None, stats: GenerationStats | None = None,
                  verify_logits: str | None = None, decoding: Decoding | None = None, engine=None) -> Iterator[Step]:
@@ -173,11 +184,8 @@ def medusa_steps(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_toke
         ValueError: the tree does not fit the heads, the prompt does not fit the context, or a bad
             ``verify_logits``.
     """
-    if verify_logits not in (None, "all", "path"):
-        raise ValueError(f"verify_logits must be 'all' or 'path', got {verify_logits!r}")
-    all_nodes = None if verify_logits is None else verify_logits == "all"
     return decode_steps(model, tree_drafter(heads, tree), input_ids, max_new_tokens, stop_token_ids, stats,
-                        decoding, engine, all_nodes)
+                        decoding, engine, legacy_scores_all_nodes(verify_logits))
 
 
 def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

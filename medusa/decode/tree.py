@@ -251,12 +251,9 @@ def tree_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
 
 
 def _walk_rank(children) -> torch.Tensor:
-    """``(N,)`` breadth-first visiting order of the nodes, children in the order given (see ``walk_rank``)."""
+    """``(N,)`` each node's place in the breadth-first walk of :func:`_walk_order` (see ``walk_rank``)."""
+    order = _walk_order(children)
     rank = torch.zeros(len(children), dtype=torch.long)
-    order, i = [0], 0
-    while i < len(order):
-        order.extend(children[order[i]])
-        i += 1
     rank[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     return rank
 
@@ -301,6 +298,7 @@ def layout_from_parents(parents: list[int], children_order: list[list[int]] | No
 
 
 def _walk_order(children) -> list[int]:
+    """The nodes breadth first from the root, each node's children in the order given."""
     order, i = [0], 0
     while i < len(order):
         order.extend(children[order[i]])

@@ -114,7 +114,7 @@ class CompositeDrafter:
                next_tokens: torch.Tensor) -> None:
         """Each part is told about its own draft: its nodes along the accepted tokens, in its own indices, as far
         as its tree holds them (a twin in another part counts), with every accepted position's hidden state."""
-        accepted = draft.tokens[path[1:]].tolist()
+        accepted = next_tokens[:-1].tolist()  # the accepted drafts' tokens (the last is the bonus token)
         for part, own, mine in zip(self.parts, state, draft.parts, strict=True):
             part.update(own, mine, own_path(mine, accepted), hidden, next_tokens)
 

@@ -248,15 +248,17 @@ def move_slots(cache, src: torch.Tensor, start: int, rows: torch.Tensor | None =
         rows: ``(M,)`` long batch row of each kept slot, which goes to that row's slot ``dst`` ``(M,)``.
         end: the cache is then cut to ``end`` slots (a ``DynamicCache``); ``None``: left as long (a preallocated one).
     """
+    on: dict = {}  # device -> the index tensors there (moved once, not per layer)
     for layer in _filled_layers(cache):
         device = layer.keys.device
-        s = src.to(device)
+        if device not in on:
+            on[device] = tuple(None if t is None else t.to(device) for t in (src, rows, dst))
+        s, r, d = on[device]
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            if rows is None:
+            if r is None:
                 t[:, :, start : start + len(src)] = t.index_select(2, s)
             else:
-                r, d = rows.to(device), dst.to(device)
                 t[r, :, d, :] = t[r, :, s, :]  # (M, H_kv, d)
             if end is not None:
                 setattr(layer, name, t[:, :, :end])
