@@ -60,9 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
     p.add_argument("--base", required=True, help="base model folder (with tokenizer and chat template)")
     p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
-    p.add_argument("--out-dir", required=True, help="writes distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--out-dir", required=True,
+                   help="writes distilled_validation.jsonl (what build-tree fits trees on), then "
+                        "distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
+                   help="distill only this split")
     p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
+                   help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
     p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--validation-fraction", type=float, default=None,
+                   help="as in training (default: TrainConfig's)")
     p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
@@ -283,27 +291,40 @@ def cmd_distill(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from train.config import TrainConfig
-    from train.data import load_conversations, split_held_out
-    from train.distill import distill_splits
+    from train.data import load_conversations, split_conversations
+    from train.distill import (
+        DISTILLED_HELD_OUT_NAME,
+        DISTILLED_TRAIN_NAME,
+        DISTILLED_VALIDATION_NAME,
+        distill_splits,
+    )
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
     def value(given, field):
         return defaults[field] if given is None else given
 
+    if args.skip_conversations < 0:
+        raise ValueError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
     logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
     conversations, _ = load_conversations(args.data, limit=args.max_conversations)
-    train_convs, held_convs = split_held_out(conversations, value(args.held_out_fraction, "held_out_fraction"),
-                                             value(args.seed, "seed"))
+    conversations = conversations[args.skip_conversations :]
+    train_convs, val_convs, held_convs = split_conversations(
+        conversations, value(args.held_out_fraction, "held_out_fraction"),
+        value(args.validation_fraction, "validation_fraction"), value(args.seed, "seed"))
+    out = Path(args.out_dir)
+    splits = {"validation": (val_convs, out / DISTILLED_VALIDATION_NAME),
+              "held-out": (held_convs, out / DISTILLED_HELD_OUT_NAME),
+              "train": (train_convs, out / DISTILLED_TRAIN_NAME)}
+    chosen = list(splits.values()) if args.split == "all" else [splits[args.split]]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
-    train_path, held_path = distill_splits(
-        model.eval(), tokenizer, train_convs, held_convs, args.out_dir,
-        max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
-        max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
-        batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s)
-    for path, split in ((held_path, held_convs), (train_path, train_convs)):
+    distill_splits(model.eval(), tokenizer, chosen,
+                   max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
+                   max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
+                   batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s)
+    for split, path in chosen:
         done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
         print(f"{path}: {done} answers ({len(split)} conversations in the split)")
     return 0

@@ -127,6 +127,10 @@ class TrainConfig:
     """Log the training loss every this many optimizer steps."""
     held_out_fraction: float = 0.02
     """Fraction of conversations (by a hash of their id) held out for evaluation."""
+    validation_fraction: float = 0.02
+    """Fraction of the other conversations (by a second hash of their id) set aside as the validation split, never
+    trained on: what trees and calibrations are fitted on (``--self-distill`` writes their answers to
+    ``distilled_validation.jsonl``, which ``medusa build-tree --data`` reads)."""
     seed: int = 0
     """Seed for the held-out split, data order and head initialisation."""
     tracker: str = "none"
@@ -203,6 +207,8 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.distill_time_limit_s is not None and self.distill_time_limit_s <= 0:
             raise ValueError(f"distill_time_limit_s must be > 0 or null, got {self.distill_time_limit_s}")
 

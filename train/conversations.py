@@ -16,10 +16,16 @@ from train.data import (
     ReadReport,
     load_conversations,
     normalize_record,
-    split_held_out,
+    split_conversations,
     tokenize_conversations,
 )
-from train.distill import DISTILLED_HELD_OUT_NAME, DISTILLED_TRAIN_NAME, distill, jsonl_ids
+from train.distill import (
+    DISTILLED_HELD_OUT_NAME,
+    DISTILLED_TRAIN_NAME,
+    DISTILLED_VALIDATION_NAME,
+    distill,
+    jsonl_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +33,23 @@ logger = logging.getLogger(__name__)
 def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, tokenizer):
     """``(train, held_out)`` conversations; self-distilled first when ``config.self_distill`` asks for it.
 
-    The split is made on the source conversations, so distilled held-out answers come from held-out prompts only.
-    Records that already carry base token ids are used as they are.
+    The split is made on the source conversations (:func:`train.data.split_conversations`), so distilled held-out
+    answers come from held-out prompts only. The validation split is never trained on; with ``self_distill`` its
+    answers are written to ``distilled_validation.jsonl`` for ``medusa build-tree``. Records that already carry
+    base token ids are used as they are.
     """
     convs, _ = load_conversations(config.data, config.max_conversations)
-    train_convs, held_convs = split_held_out(convs, config.held_out_fraction, config.seed)
+    train_convs, val_convs, held_convs = split_conversations(convs, config.held_out_fraction,
+                                                             config.validation_fraction, config.seed)
     if config.self_distill and any(c.response_ids is None for c in convs):
         out = Path(config.output_dir)
-        splits = ((train_convs, DISTILLED_TRAIN_NAME), (held_convs, DISTILLED_HELD_OUT_NAME))
-        train_convs, held_convs = (
+        splits = ((train_convs, DISTILLED_TRAIN_NAME), (val_convs, DISTILLED_VALIDATION_NAME),
+                  (held_convs, DISTILLED_HELD_OUT_NAME))
+        train_convs, val_convs, held_convs = (
             self_distill_split(config, accelerator, model, tokenizer, split, out / name) for split, name in splits
         )
-    logger.info("%d train and %d held-out conversations", len(train_convs), len(held_convs))
+    logger.info("%d train, %d validation (not trained on) and %d held-out conversations", len(train_convs),
+                len(val_convs), len(held_convs))
     return train_convs, held_convs
 
 

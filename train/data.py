@@ -256,6 +256,36 @@ def split_held_out(
     return train, held
 
 
+VALIDATION_SALT = "validation"
+"""Salt of the second hash that picks the validation split out of the training conversations."""
+
+
+def is_validation(conv_id: str, fraction: float, seed: int) -> bool:
+    """Whether a training conversation (one :func:`is_held_out` keeps for training) belongs to the validation split:
+    a second hash of the id, salted with :data:`VALIDATION_SALT`, so the held-out split is the same with or without
+    a validation split."""
+    return is_held_out(f"{VALIDATION_SALT}:{conv_id}", fraction, seed)
+
+
+def split_conversations(convs: list[Conversation], held_out_fraction: float, validation_fraction: float,
+                        seed: int) -> tuple[list[Conversation], list[Conversation], list[Conversation]]:
+    """Split into ``(train, validation, held_out)`` deterministically, by hashes of the conversation ids.
+
+    - held-out (:func:`is_held_out`): for evaluation and benchmarks only (the frozen prompt sets under
+      ``benchmarks/prompts/`` are first prompts of held-out conversations);
+    - validation (:func:`is_validation`, taken from the rest): what trees and calibrations are fitted on
+      (``medusa build-tree --data .../distilled_validation.jsonl``), never trained on;
+    - train: the rest.
+
+    The three are disjoint by construction and independent of file order and machine.
+    """
+    train, held = split_held_out(convs, held_out_fraction, seed)
+    kept, validation = [], []
+    for conv in train:
+        (validation if is_validation(conv.id, validation_fraction, seed) else kept).append(conv)
+    return kept, validation, held
+
+
 def first_prompt(conv: Conversation) -> list[dict]:
     """The messages before the first assistant turn (system and first user turn): a generation prompt."""
     out = []

@@ -9,7 +9,8 @@ line per conversation with the messages and the exact token ids (Medusa report, 
 The output file is appended batch by batch and read back on restart, so an interrupted run resumes where it stopped.
 Prompts are batched by length within windows of file order (little padding, yet a time-limited run keeps prompts of
 every length, not only the shortest ones), and each batch logs answers/s and generated tokens/s.
-``medusa distill`` (:func:`distill_splits`) writes a dataset's held-out split first, then its training split.
+``medusa distill`` (:func:`distill_splits`) writes a dataset's validation split first (what trees are fitted on), then
+its held-out split, then its training split.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 DISTILLED_TRAIN_NAME = "distilled_train.jsonl"
 DISTILLED_HELD_OUT_NAME = "distilled_held_out.jsonl"
+DISTILLED_VALIDATION_NAME = "distilled_validation.jsonl"
 WINDOW_BATCHES = 8
 """Prompts are sorted by length within windows of this many batches, taken in file order."""
 
@@ -125,23 +127,21 @@ def window_sorted(items: list, key, window: int) -> list:
     return [item for w in range(0, len(items), window) for item in sorted(items[w : w + window], key=key)]
 
 
-def distill_splits(model, tokenizer, train_convs: list[Conversation], held_convs: list[Conversation],
-                   out_dir: str | Path, max_new_tokens: int, max_prompt_tokens: int, batch_size: int,
-                   time_limit_s: float | None = None) -> tuple[Path, Path]:
-    """Distill the held-out split into ``out_dir/distilled_held_out.jsonl`` first, then the training split into
-    ``out_dir/distilled_train.jsonl`` (both resumable, see :func:`distill`).
+def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str | Path]], max_new_tokens: int,
+                   max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None) -> list[Path]:
+    """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`); ``medusa
+    distill`` passes validation, held-out, training.
 
-    ``time_limit_s`` (seconds) bounds both together: the training split gets what the held-out split left, and is
-    skipped when nothing is left. Returns ``(train_path, held_out_path)``.
+    ``time_limit_s`` (seconds) bounds them together: each split gets what the ones before left, and the rest are
+    skipped when nothing is left. Returns the paths.
     """
-    out_dir = Path(out_dir)
-    train_path, held_path = out_dir / DISTILLED_TRAIN_NAME, out_dir / DISTILLED_HELD_OUT_NAME
     start = time.monotonic()
-    distill(model, tokenizer, held_convs, held_path, max_new_tokens, max_prompt_tokens, batch_size, time_limit_s)
-    left = None if time_limit_s is None else time_limit_s - (time.monotonic() - start)
-    if left is None or left > 0:
-        distill(model, tokenizer, train_convs, train_path, max_new_tokens, max_prompt_tokens, batch_size, left)
-    else:
-        logger.info("time limit reached after the held-out split: the training split waits for the next run")
-    return train_path, held_path
-
+    paths = []
+    for convs, path in splits:
+        paths.append(Path(path))
+        left = None if time_limit_s is None else time_limit_s - (time.monotonic() - start)
+        if left is not None and left <= 0:
+            logger.info("time limit reached: %s waits for the next run", Path(path).name)
+            continue
+        distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left)
+    return paths
