@@ -141,16 +141,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON result here")
     p.set_defaults(func=cmd_eval_heads)
 
-    p = add_command("build-tree", "measure head accuracy and verify cost, write the best tree")
+    p = add_command("profile", "measure (once, cached) and print this machine's profile: forward cost by engine and "
+                    "step size, plain decoding and HF generate per token, and what --engine auto picks")
+    p.add_argument("--base", required=True, help="base model folder")
+    p.add_argument("--heads", help="also measure these heads' drafting cost per depth, and show auto's pick for "
+                                   "their tree's step")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the dtype profiled")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
+    p.add_argument("--engines", nargs="+", default=None, metavar="NAME",
+                   help="engines to have in the profile (default: auto's candidates; add compiled to measure it "
+                        "too: it compiles every step size)")
+    p.add_argument("--step-size", type=int, nargs="+", default=None, metavar="N",
+                   help="step sizes auto's pick is shown for (default: 1, the heads' tree's nodes, 16)")
+    p.add_argument("--refresh", action="store_true", help="measure again even when a matching profile is stored")
+    p.add_argument("--plot", metavar="PNG", help="draw the cost curves to this file (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON instead of the table")
+    p.set_defaults(func=cmd_profile)
+
+    p = add_command("build-tree", "measure head accuracy, read the verify cost from the machine profile, write the "
+                    "best tree")
     _model_args(p)
-    p.add_argument("--data", required=True, help="held-out self-distilled JSON lines (prompt_ids/response_ids)")
+    p.add_argument("--data", required=True,
+                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
+                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
     p.add_argument("--top-k", type=int, default=10, help="ranks per head measured (and usable in the tree)")
     p.add_argument("--max-nodes", type=int, default=64, help="largest heads' node budget tried (root excluded)")
     p.add_argument("--lookup-lengths", type=int, nargs="+", default=[0, 2, 4, 6, 8, 10, 12, 16], metavar="N",
                    help="prompt-lookup chain lengths tried with every budget (0: heads only); each pair is scored "
                         "by replaying greedy decoding on --data")
-    p.add_argument("--cost-prefix", type=int, default=256, help="cached tokens when timing the verify cost")
     p.add_argument("--name", help="tree name (default: output file stem)")
     p.add_argument("--out", required=True, help="tree file to write (JSON); <out>.report.json and .report.png too")
     p.add_argument("--no-plot", action="store_true", help="do not draw <out>.report.png")
@@ -207,14 +227,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
                    help="longest context n-gram prompt lookup matches (default: the tree file's, else 3; "
                         "build-tree: 3)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and compute dtype")
+    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
+                   help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
+                        "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
+                        "from float32's at numerical ties), else float32")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    from medusa.engines import DEFAULT_ENGINE, ENGINES
+    from medusa.engines import AUTO, ENGINES
 
     p.add_argument("--engine", default=None,
-                   help="KV cache and step: " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
-                   + f"; default: {DEFAULT_ENGINE}")
+                   help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
+                   "measured once, about 30 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
+                   + f"; default: {AUTO}")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
                         "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
@@ -245,19 +269,30 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from medusa.engines import DEFAULT_ENGINE, check_dtype
+    from medusa.engines import check_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, DTYPES[args.dtype])
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype])
     check_dtype(dtype, device)
     _check_lookup_flags(args)
-    engine = getattr(args, "engine", None) or DEFAULT_ENGINE
-    options = {"max_cache_len": args.max_cache_len} if engine != "eager" else {}
+    # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
+    # for is made: `auto` reads the profile for this tree's step size and this dtype.
     model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
-                                        adapter=args.adapter, engine=engine, **options)
+                                        adapter=args.adapter, engine="eager")
     if args.lookup is not None or args.lookup_ngram is not None:
         length = model.tree.lookup_length if args.lookup is None else args.lookup
         model.tree = model.tree.with_lookup(length, args.lookup_ngram)
+    if args.dtype == "auto":
+        from medusa.profile import choose_dtype
+
+        chosen, model.dtype_reason = choose_dtype(model.base, model.tree.num_nodes)
+        print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
+        if chosen != dtype:
+            model.base.to(chosen)
+            model.heads.to(chosen)
+    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len)
+    if model.engine.choice is not None:
+        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
     return model
 
 
@@ -560,6 +595,55 @@ def cmd_eval_heads(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    import torch
+
+    from medusa.base import load_base
+    from medusa.profile import CANDIDATES, ensure_engine, heads_level_s, load_profile
+    from medusa.tools.report import profile_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.step_size is not None and min(args.step_size) < 1:
+        raise ValueError(f"--step-size values must be >= 1, got {args.step_size}")
+    from medusa.engines import ENGINES, check_dtype
+
+    engines = args.engines or list(CANDIDATES)
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise ValueError(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    check_dtype(dtype, device)
+    base, _ = load_base(args.base, dtype, device)
+
+    def progress(text):
+        print(text, file=sys.stderr, flush=True)
+
+    profile = load_profile(base, refresh=args.refresh, candidates=[e for e in CANDIDATES if e in engines],
+                           progress=progress)
+    for name in engines:
+        ensure_engine(profile, base, name, progress)
+    sizes = list(args.step_size or [1, 16])
+    if args.heads:
+        from medusa.model import MedusaModel
+
+        model = MedusaModel.from_pretrained(args.base, args.heads, dtype=dtype, device=device, engine="eager")
+        heads_level_s(profile, model.heads)
+        if args.step_size is None:
+            sizes = sorted({1, model.tree.num_nodes, 16})
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+    else:
+        print(profile_table(profile.to_dict(), str(profile.path),
+                            {n: profile.choose_engine(n).reason for n in sizes}))
+    if args.plot:
+        from medusa.tools.plots import plot_profile
+
+        _plot_or_warn(lambda: plot_profile(profile.to_dict(), args.plot))
+    return 0
+
+
 def cmd_build_tree(args) -> int:
     from medusa.decode.tree import save_tree
     from medusa.tools.bench import read_distilled_sequences
@@ -571,7 +655,7 @@ def cmd_build_tree(args) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tree, report, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
-                                    args.lookup_ngram or 3, args.cost_prefix, args.name or Path(args.out).stem)
+                                    args.lookup_ngram or 3, args.name or Path(args.out).stem)
     save_tree(tree, args.out, note=note)
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -16,7 +16,7 @@ from medusa.decode.loop import GenerationStats, Step, decode_steps
 from medusa.decode.tree import Tree, load_tree
 from medusa.drafters.composite import tree_drafter
 from medusa.drafters.heads import HydraHeads, MedusaHeads
-from medusa.engines import DEFAULT_ENGINE, make_engine
+from medusa.engines import make_engine
 from medusa.io.adapter import check_adapter_folder, merge_adapter
 from medusa.io.checkpoint import check_heads_folder, load_heads
 
@@ -39,7 +39,7 @@ class MedusaModel(nn.Module):
     """
 
     def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None,
-                 engine: str = DEFAULT_ENGINE, drafter=None, **engine_options):
+                 engine: str | None = None, drafter=None, **engine_options):
         super().__init__()
         self.base = base
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
@@ -47,22 +47,25 @@ class MedusaModel(nn.Module):
         self.tree = tree or Tree.chain(heads.config.num_heads)
         self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
         self.drafter = drafter if drafter is not None else tree_drafter(self.heads, self.tree)
+        self.dtype_reason: str | None = None
+        """Why this dtype, when ``--dtype auto`` chose it (:func:`medusa.profile.choose_dtype`)."""
         self.use_engine(engine, **engine_options)
 
-    def use_engine(self, name: str, **options) -> None:
+    def use_engine(self, name: str | None = None, **options) -> None:
         """Decode through the engine ``name`` (:func:`medusa.engines.make_engine`; ``options`` go to it, e.g.
-        ``scores_all_nodes=``). The engine declares whether one lm_head product over all tree nodes or one row at a
+        ``scores_all_nodes=``; ``None``: the default, ``"auto"``: chosen from this machine's profile for steps of
+        this model's tree). The engine declares whether one lm_head product over all tree nodes or one row at a
         time along the accepted path is cheaper (:attr:`medusa.engines.Engine.scores_all_nodes`); both accept the
         same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
-        self.engine = make_engine(name, self.base, **options)
+        self.engine = make_engine(name, self.base, step_size=self.tree.num_nodes, **options)
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         attn_implementation: str | None = None, adapter: str | Path | None = None,
-                        engine: str = DEFAULT_ENGINE, **engine_options) -> MedusaModel:
+                        engine: str | None = None, **engine_options) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.io.checkpoint`).
 
         ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are

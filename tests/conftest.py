@@ -1,9 +1,29 @@
-"""Fixtures shared by the training tests: a saved tiny Llama and a small chat file (one of each per test module)."""
+"""Fixtures shared by the tests: a saved tiny Llama and a small chat file (one of each per test module); and for
+every test a machine-profile cache of its own session and a fixed default engine.
+
+The shipped default engine is ``auto`` (chosen from this machine's measured profile, :mod:`medusa.profile`). A choice
+made from timings may differ between runs, so the suite's default is pinned to ``onednn`` (what it was before
+``auto``) and the tests of ``auto`` ask for it by name (tests/test_profile.py); the profiles those measure go to a
+temporary folder, never the user's cache.
+"""
 
 from __future__ import annotations
 
 import pytest
 from tiny import save_tiny
+
+import medusa.engines.base as engine_base
+
+SHIPPED_DEFAULT_ENGINE = engine_base.DEFAULT_ENGINE
+SUITE_DEFAULT_ENGINE = "onednn"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _suite_settings(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEDUSA_CACHE_DIR", str(tmp_path_factory.mktemp("medusa-cache")))
+        patch.setattr(engine_base, "DEFAULT_ENGINE", SUITE_DEFAULT_ENGINE)
+        yield
 
 
 @pytest.fixture(scope="module")

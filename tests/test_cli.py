@@ -167,7 +167,7 @@ def test_build_tree_writes_a_valid_tree(setup, tmp_path):
     data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = tmp_path / "tree.json"
     assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
-                 "--top-k", "4", "--max-nodes", "8", "--cost-prefix", "16", "--lookup-lengths", "0",
+                 "--top-k", "4", "--max-nodes", "8", "--lookup-lengths", "0",
                  "--out", str(out)]) == 0
     tree = load_tree(out)
     assert 1 <= len(tree.paths) <= 8 and tree.depth <= 3 and tree.top_k <= 4 and tree.lookup_length == 0
@@ -187,7 +187,7 @@ def test_build_tree_adds_a_lookup_chain_where_the_base_copies_its_context(setup,
     data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = tmp_path / "tree.json"
     assert main(["build-tree", "--base", str(base), "--heads", str(root / "heads"), "--data", str(data),
-                 "--top-k", "4", "--max-nodes", "4", "--cost-prefix", "16", "--lookup-lengths", "0", "4",
+                 "--top-k", "4", "--max-nodes", "4", "--lookup-lengths", "0", "4",
                  "--out", str(out), "--no-plot"]) == 0
     tree = load_tree(out)
     assert tree.lookup_length == 4 and tree.num_nodes == len(tree.paths) + 5

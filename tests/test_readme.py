@@ -24,7 +24,7 @@ TINY_FLAGS = {
              "--warmup-steps 1 --learning-rate 0.01 --held-out-fraction 0.25 --distill-max-new-tokens 12 "
              "--mixed-precision no",
     "distill": "--max-new-tokens 8 --held-out-fraction 0.25 --batch-size 8",
-    "build-tree": "--limit 4 --top-k 4 --max-nodes 6 --cost-prefix 16",
+    "build-tree": "--limit 4 --top-k 4 --max-nodes 6",
     "generate": "--max-new-tokens 8",
     "held-out-prompts": "--held-out-fraction 0.25 --n 2",
     "bench": "--max-new-tokens 8",

@@ -20,7 +20,7 @@ from medusa.decode.logits_process import Decoding, resolve_decoding
 from medusa.decode.tree import Tree
 from medusa.drafters import DraftTree
 from medusa.drafters.composite import tree_drafter
-from medusa.engines import DEFAULT_ENGINE, kv_cache, make_engine
+from medusa.engines import kv_cache, make_engine
 
 STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
@@ -119,7 +119,7 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
     decoding = decoding if decoding is not None else resolve_decoding()
     processors = decoding.processors(len(input_ids), max_new_tokens, stop, device)
     rule = acceptance_rule(decoding, model.config.get_text_config(decoder=True).vocab_size, device)
-    engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
+    engine = engine if engine is not None else make_engine(None, model, step_size=drafter.max_nodes)
     all_nodes = engine.scores_all_nodes if scores_all_nodes is None else scores_all_nodes
     cache = engine.new_cache(len(input_ids) + max_new_tokens + drafter.max_nodes)
     start = time.perf_counter()

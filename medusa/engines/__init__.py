@@ -9,6 +9,7 @@ Registered: ``eager`` (:mod:`.eager`), ``static`` (:mod:`.static`), ``onednn`` (
 # isort: off
 from medusa.engines import kv_cache, static_cache
 from medusa.engines.base import (
+    AUTO,
     DEFAULT_ENGINE,
     ENGINES,
     Engine,
@@ -23,6 +24,6 @@ from medusa.engines.onednn import OneDNNEngine
 from medusa.engines.compiled import CAPACITY_BUCKET, CompiledEngine, compile_unavailable
 # isort: on
 
-__all__ = ["CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine", "OneDNNEngine",
-           "StaticEngine", "attention_kernels", "check_dtype", "compile_unavailable", "kv_cache", "make_engine",
-           "register_engine", "static_cache"]
+__all__ = ["AUTO", "CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine",
+           "OneDNNEngine", "StaticEngine", "attention_kernels", "check_dtype", "compile_unavailable", "kv_cache",
+           "make_engine", "register_engine", "static_cache"]

@@ -40,8 +40,11 @@ from medusa.engines import kv_cache
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE = "onednn"
-"""The engine used when none is named (the measured comparison is in docs/engines.md)."""
+AUTO = "auto"
+"""The engine name that means: choose from this machine's measured profile (:func:`medusa.profile.auto_engine`)."""
+DEFAULT_ENGINE = AUTO
+"""The engine used when none is named (read when an engine is made, so a caller may set it first). Speed choices
+fixed on one CPU were wrong on the next (docs/engines.md), so the default is measured, not a constant."""
 
 _SDPA_ENABLED = {  # kernel -> whether torch allows it now (torch keeps these flags process-wide)
     SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
@@ -102,6 +105,8 @@ class Engine(abc.ABC):
         self.sync_timing = False
         """Wait for the device at the end of each forward so :attr:`last_forward_s` is its true cost (CUDA)."""
         self._transposed = kv_cache.TransposedLMHead()  # this engine's (H, V) lm_head copy, made at first use
+        self.choice = None
+        """How ``--engine auto`` came to this engine (:class:`medusa.profile.EngineChoice`), when it did."""
 
     def _scores_all_nodes(self) -> bool:
         """The default of :attr:`scores_all_nodes`: on an accelerator, yes; on a CPU, one lm_head row at a time
@@ -166,7 +171,8 @@ class Engine(abc.ABC):
 
     def settings(self) -> dict:
         """What the bench records about this engine."""
-        return {"engine": self.name, "scores_all_nodes": self.scores_all_nodes}
+        auto = {} if self.choice is None else {"auto": self.choice.to_dict()}
+        return {"engine": self.name, "scores_all_nodes": self.scores_all_nodes} | auto
 
     # -- batched decoding (medusa.decode.batch): a DynamicCache with per-row holes, see medusa.engines.kv_cache --
     def _batch_decoder(self) -> torch.nn.Module | None:
@@ -237,21 +243,36 @@ def register_engine(name: str):
     return register
 
 
-def make_engine(name: str, model, max_cache_len: int | None = None, **options) -> Engine:
+def make_engine(name: str | None, model, max_cache_len: int | None = None, step_size: int | None = None,
+                **options) -> Engine:
     """The engine registered as ``name`` (:data:`ENGINES`) bound to ``model``; ``options`` go to its constructor
     (every engine takes ``scores_all_nodes``: ``True``/``False`` overrides its own choice).
+
+    ``name`` ``None`` is :data:`DEFAULT_ENGINE`; ``"auto"`` (:data:`AUTO`) is the engine this machine's profile says
+    is cheapest for steps of ``step_size`` new tokens (the tree's nodes; ``None``: 1) among those whose plain
+    decoding keeps up with Hugging Face ``generate`` (:func:`medusa.profile.auto_engine`: measured once, about
+    30 s, then read from the user cache); the engine's :attr:`Engine.choice` says why.
 
     Raises:
         ValueError: an unknown engine name (naming the registered ones).
     """
     import medusa.engines  # noqa: F401 - the built-in engines register themselves on import
 
+    name = DEFAULT_ENGINE if name is None else name
+    choice = None
+    if name == AUTO:
+        from medusa.profile import auto_engine
+
+        choice = auto_engine(model, step_size or 1)
+        name = choice.engine
     cls = ENGINES.get(name)
     if cls is None:
-        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join([AUTO, *ENGINES])}")
     if max_cache_len is not None:
         options["max_cache_len"] = max_cache_len
-    return cls(model, **options)
+    engine = cls(model, **options)
+    engine.choice = choice
+    return engine
 
 
 def check_dtype(dtype: torch.dtype, device) -> None:

@@ -213,11 +213,36 @@ class BenchResult:
             "decode_steps": self.decode_steps,
             "accepted_histogram": self.accepted_hist,
             "per_prompt": self.per_prompt,
+            "per_prompt_speedup": per_prompt_speedup(self.per_prompt),
         } | ({} if not self.hf_lookup_s else {
             "hf_prompt_lookup_tokens_per_s": self.hf_lookup_tokens / self.hf_lookup_s,
             "speedup_vs_hf_prompt_lookup": medusa_tps / (self.hf_lookup_tokens / self.hf_lookup_s),
             "hf_prompt_lookup_identical": self.hf_lookup_identical_prompts / max(self.prompts, 1),
         })
+
+
+def spread(values: list[float]) -> dict | None:
+    """``{"min", "median", "max"}`` of ``values`` (``None`` when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {"min": ordered[0], "median": median, "max": ordered[-1]}
+
+
+def per_prompt_speedup(per_prompt: list[dict]) -> dict:
+    """The truth per prompt: min / median / max of each prompt's speedup over HF ``generate`` and over plain
+    decoding (tokens/s over tokens/s), and how many prompts were slower than each.
+
+    Returns:
+        ``{"vs_hf": spread, "vs_plain": spread, "slower_than_hf": n, "slower_than_plain": n, "prompts": n}``
+        (a spread is ``None`` where that method was not timed).
+    """
+    vs_hf = [p["speedup_vs_hf"] for p in per_prompt if p.get("speedup_vs_hf") is not None]
+    vs_plain = [p["speedup_vs_plain"] for p in per_prompt if p.get("speedup_vs_plain") is not None]
+    return {"vs_hf": spread(vs_hf), "vs_plain": spread(vs_plain), "slower_than_hf": sum(s < 1 for s in vs_hf),
+            "slower_than_plain": sum(s < 1 for s in vs_plain), "prompts": len(per_prompt)}
 
 
 def kept_by_depth(accepted_hist: list[int]) -> list[float]:
@@ -302,6 +327,9 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
                   "hf_tokens_per_s": len(reference) / runs["hf_s"],
                   "medusa_tokens_per_s": len(tokens) / runs["medusa_s"],
                   "plain_tokens_per_s": len(plain) / runs["plain_s"]}
+        record["speedup_vs_hf"] = record["medusa_tokens_per_s"] / record["hf_tokens_per_s"]
+        record["speedup_vs_plain"] = record["medusa_tokens_per_s"] / record["plain_tokens_per_s"]
+        record.update({k: prompts[i][k] for k in ("id", "category") if k in prompts[i]})
         if hf_prompt_lookup:
             result.hf_lookup_tokens += len(runs["hf_lookup"][0])
             result.hf_lookup_s += runs["hf_lookup_s"]
@@ -354,11 +382,15 @@ def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_toke
 
 
 def predict(model: MedusaModel, result: dict) -> dict:
-    """:func:`chain_prediction` for a bench result, with the step cost measured here (a verify forward over the
-    tree's nodes after 256 cached tokens, relative to one token): the seed's analysis next to the measured figures."""
+    """:func:`chain_prediction` for a bench result, with the step cost read from this machine's profile (a verify
+    forward over the tree's nodes after :data:`medusa.profile.PREFIX_LEN` cached tokens, relative to one token,
+    through the bench's engine): the seed's analysis next to the measured figures."""
+    from medusa.profile import ensure_engine, load_profile
+
+    profile = ensure_engine(load_profile(model.base), model.base, model.engine.name)
     nodes = model.tree.num_nodes
-    curve = verify_cost_curve(model.base, sizes=(1, nodes), repeats=3, engine=model.engine)
-    return {**chain_prediction(result["accepted_histogram"], curve[nodes]), "step_cost": curve[nodes]}
+    cost = profile.forward_s(model.engine.name, nodes) / profile.forward_s(model.engine.name, 1)
+    return {**chain_prediction(result["accepted_histogram"], cost), "step_cost": cost}
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -367,11 +399,6 @@ def load_average() -> tuple[float, float, float] | None:
         return os.getloadavg()
     except (AttributeError, OSError):
         return None
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # Load (runnable processes) tolerated on top of the cores the threads need: the 1-minute average lags, and a job that
@@ -391,12 +418,14 @@ def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
         threads: torch CPU threads in use.
         loadavg: callable returning ``(1min, 5min, 15min)`` or ``None``; :func:`load_average` when ``None``
             (tests pass a fake one).
-        cores: usable cores; :func:`usable_cores` when ``None``.
+        cores: usable cores; :func:`medusa.profile.usable_cores` when ``None``.
 
     Returns:
         ``{"load_1min", "load_5min", "load_15min", "cores", "threads", "warning"}``; loads are ``None`` and
         ``warning`` is ``None`` when the platform has no load average.
     """
+    from medusa.profile import usable_cores
+
     loads = (loadavg or load_average)()
     cores = cores or usable_cores()
     out = {"load_1min": None, "load_5min": None, "load_15min": None, "cores": cores, "threads": threads,
@@ -445,9 +474,12 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
             result.accepted_hist[a] += 1
         for method in logprob:
             logprob[method].append((sum_logprob(base, ids.to(base.device), runs[method]), len(runs[method])))
+        record = {"prompt": i, "tokens": len(runs["medusa"]), "tau": stats.tau, "hf_s": runs["hf_s"],
+                  "medusa_s": runs["medusa_s"], "speedup_vs_hf": (len(runs["medusa"]) / runs["medusa_s"])
+                  / (len(runs["hf"]) / runs["hf_s"]) if runs["hf"] and runs["medusa"] else None}
+        result.per_prompt.append(record)
         if progress is not None:
-            progress(i, {"prompt": i, "tokens": len(runs["medusa"]), "tau": stats.tau, "hf_s": runs["hf_s"],
-                         "medusa_s": runs["medusa_s"]})
+            progress(i, record)
     out = result.to_dict(model.heads.config.num_heads)
     out["identical"] = "not applicable (sampling)"
     for method, per_prompt in logprob.items():
@@ -461,8 +493,13 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
 
 
 def environment(model: MedusaModel, max_new_tokens: int) -> dict:
-    """Settings and versions recorded next to the figures."""
+    """Settings and versions recorded next to the figures: the machine (CPU model and flags), the profile key and
+    file this machine's choices are read from, and the engine (with ``auto``'s choice and reason, when it chose)."""
     import transformers
+
+    from medusa.profile import cpu_info, profile_key, profile_path
+
+    key = profile_key(model.base)
 
     return {
         "max_new_tokens": max_new_tokens,
@@ -474,76 +511,15 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "num_heads": model.heads.config.num_heads,
         "head_vocab_size": model.heads.head_vocab_size,
         "dtype": str(model.base.dtype),
+        "dtype_reason": model.dtype_reason,
         "device": str(model.device),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.machine(),
+        "cpu": cpu_info(),
+        "profile": {"path": str(profile_path(key)), "key": key},
     }
-
-
-def verify_cost_curve(model, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5,
-                      engine=None) -> dict:
-    """Measured cost of one base forward over n new tokens after ``prefix_len`` cached ones, relative to n=1.
-
-    The lm_head is applied as decoding applies it on that engine (:attr:`medusa.engines.Engine.scores_all_nodes`): to
-    all n tokens, or to one (the walk along the accepted path scores about tau rows, one at a time).
-
-    The tree size that pays depends on this curve (small trees on a CPU, large ones on a GPU at batch 1). Each size
-    is timed ``repeats`` times (median), interleaved across sizes to spread machine noise. ``engine``: the decode
-    engine measured (:mod:`medusa.engines`; ``None``: the default one), so the curve is the one decoding will see.
-    """
-    from medusa.engines import DEFAULT_ENGINE, kv_cache, make_engine
-
-    engine = engine if engine is not None else make_engine(DEFAULT_ENGINE, model)
-    device = model.device
-    prompt = torch.randint(0, model.config.vocab_size, (prefix_len,), device=device)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    with torch.inference_mode():
-        cache = engine.new_cache(prefix_len + max(sizes))
-        engine.forward(prompt, torch.arange(prefix_len, device=device), kv_cache.causal_mask(prefix_len, device),
-                       cache, logits_for=slice(-1, None))
-        for _ in range(repeats + 1):
-            for n in sizes:
-                ids = torch.randint(0, model.config.vocab_size, (n,), device=device)
-                positions = prefix_len + torch.arange(n, device=device)
-                _sync(device)
-                start = time.perf_counter()
-                rows = None if engine.scores_all_nodes else slice(-1, None)
-                engine.forward(ids, positions, kv_cache.causal_mask(n, device), cache, logits_for=rows)
-                _sync(device)
-                times[n].append(time.perf_counter() - start)
-                engine.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
-    medians = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
-    return {n: medians[n] / medians[sizes[0]] for n in sizes} | {"one_token_s": medians[sizes[0]]}
-
-
-def level_cost(model: MedusaModel, one_token_s: float, repeats: int = 20, rows: int = 4) -> float:
-    """Time of drafting one tree level (a head call over ``rows`` nodes + top-k) relative to a one-token forward
-    of ``one_token_s`` seconds, averaged over the heads."""
-    heads = model.heads
-    hidden = torch.randn(heads.config.hidden_size, device=model.device, dtype=model.base.dtype)
-    paths = [torch.zeros(rows, k + 1, dtype=torch.long, device=model.device) for k in range(heads.config.num_heads)]
-    with torch.inference_mode():
-        for k, p in enumerate(paths):
-            heads.draft_logits(k, hidden, p).topk(10, dim=-1)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            for k, p in enumerate(paths):
-                heads.draft_logits(k, hidden, p).topk(10, dim=-1)
-    return (time.perf_counter() - start) / (repeats * len(paths)) / one_token_s
-
-
-def machine_name() -> str:
-    """The GPU's name, or the CPU's architecture and torch's thread count: where a cost curve was measured."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 BATCH_METHODS = ("plain", "medusa", "hf")

@@ -22,6 +22,7 @@ from medusa.decode.tree import Tree, expected_acceptance, grow_tree
 from medusa.drafters.heads import HydraHeads, MedusaHeads, head_target_offset
 from medusa.drafters.prompt_lookup import lookup_draft
 from medusa.engines import kv_cache
+from medusa.profile import interpolate
 
 
 @torch.inference_mode()
@@ -175,16 +176,10 @@ def replayed_tau(tree: Tree, replays: list[Replay]) -> float:
     return emitted / steps
 
 
-def interpolate_cost(cost_curve: dict[int, float], n: int) -> float:
-    """Relative cost of a forward over ``n`` tokens, linearly interpolated in the measured curve."""
-    sizes = sorted(k for k in cost_curve if isinstance(k, int))
-    if n <= sizes[0]:
-        return cost_curve[sizes[0]]
-    for lo, hi in zip(sizes, sizes[1:], strict=False):
-        if n <= hi:
-            return cost_curve[lo] + (cost_curve[hi] - cost_curve[lo]) * (n - lo) / (hi - lo)
-    lo, hi = sizes[-2], sizes[-1]
-    return cost_curve[hi] + (cost_curve[hi] - cost_curve[lo]) * (n - hi) / (hi - lo)
+def interpolate_cost(cost_curve: dict, n: int) -> float:
+    """Relative cost of a forward over ``n`` tokens, linearly interpolated in a relative cost curve (its integer
+    keys; :func:`medusa.profile.interpolate`)."""
+    return interpolate({k: v for k, v in cost_curve.items() if isinstance(k, int)}, n)
 
 
 def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes: int = 64,
@@ -194,8 +189,8 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
 
     Args:
         accuracy: ``(K, top_k)`` per-head per-rank accuracy (:func:`rank_accuracy`).
-        cost_curve: relative verify cost by number of new tokens (1 -> 1.0), e.g. from
-            :func:`medusa.tools.bench.verify_cost_curve`.
+        cost_curve: relative verify cost by number of new tokens (1 -> 1.0), e.g.
+            :meth:`medusa.profile.MachineProfile.cost_curve`.
         max_nodes: largest heads' node budget tried (root and lookup chain excluded).
         level_cost: cost of drafting one tree level (one head call), relative to one single-token base forward;
             a tree of depth D pays it D times per step.
@@ -231,34 +226,41 @@ def choose_tree(accuracy: torch.Tensor, cost_curve: dict[int, float], max_nodes:
 
 
 def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_nodes: int, lookup_lengths,
-               lookup_max_ngram: int, cost_prefix: int, name: str) -> tuple[Tree, dict, str]:
-    """``medusa build-tree``: replay greedy decoding on ``sequences`` (token ids, response start) to measure the
-    heads' per-rank accuracy and the lookup chain's correct prefixes, measure this machine's verify cost curve on
-    ``model``'s engine, and choose the tree with the best predicted speedup (:func:`choose_tree`).
+               lookup_max_ngram: int, name: str, profile=None) -> tuple[Tree, dict, str]:
+    """``medusa build-tree``: replay greedy decoding on ``sequences`` (token ids, response start; a validation
+    split, never the benchmark's held-out prompts) to measure the heads' per-rank accuracy and the lookup chain's
+    correct prefixes, read the verify cost on ``model``'s engine and the heads' drafting cost from this machine's
+    profile (:mod:`medusa.profile`; ``None``: loaded, measured if none is stored), and choose the tree with the best
+    predicted speedup (:func:`choose_tree`).
 
     Returns:
         ``(tree, report, note)``: the report (accuracy, cost curve, level cost, the table of candidates, the chosen
-        row under ``"chosen"``, dtype and engine) and the note the tree file carries.
+        row under ``"chosen"``, dtype, engine and profile) and the note the tree file carries.
     """
-    from medusa.tools.bench import level_cost, machine_name, verify_cost_curve
+    from medusa.profile import ensure_engine, heads_level_s, load_profile
 
     lookup_lengths = tuple(sorted(set(lookup_lengths)))
     replays = replay_data(model.heads, sequence_states(model.base, sequences), top_k, max(lookup_lengths),
                           lookup_max_ngram)
     accuracy = rank_accuracy_from_replays(replays, top_k)
-    curve = verify_cost_curve(model.base, prefix_len=cost_prefix, engine=model.engine)
-    cost = level_cost(model, curve["one_token_s"])
+    engine = model.engine.name
+    profile = ensure_engine(profile if profile is not None else load_profile(model.base), model.base, engine)
+    curve = profile.cost_curve(engine)
+    per_depth = heads_level_s(profile, model.heads)
+    cost = sum(per_depth) / len(per_depth) / curve["one_token_s"]
     tree, table = choose_tree(accuracy, curve, max_nodes, cost, name=name, replays=replays,
                               lookup_lengths=lookup_lengths, lookup_max_ngram=lookup_max_ngram)
     best = next(r for r in table if r["nodes"] == len(tree.paths) and r["lookup"] == tree.lookup_length)
     lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
     note = (f"{len(tree.paths)} heads' nodes{lookup}, from measured per-rank head accuracy and greedy decoding "
-            f"replayed on {len(sequences)} held-out sequences, and the verify cost curve measured on "
-            f"{machine_name()}; "
+            f"replayed on {len(sequences)} validation sequences, and the verify cost of the {engine} engine from the "
+            f"machine profile of {profile.key['cpu']} ({profile.key['torch_threads']} threads, "
+            f"{profile.key['dtype']}); "
             f"replayed tau {best['replayed_tau']:.2f}, predicted speedup {best['predicted_speedup']:.2f}x over plain "
             "decoding")
     report = {"accuracy": accuracy.tolist(), "cost_curve": {str(k): v for k, v in curve.items()},
               "level_cost": cost, "table": table, "chosen_nodes": len(tree.paths),
               "chosen_lookup": tree.lookup_length, "lookup_max_ngram": lookup_max_ngram,
-              "dtype": str(model.base.dtype), "engine": model.engine.settings(), "chosen": best}
+              "dtype": str(model.base.dtype), "engine": model.engine.settings(), "chosen": best,
+              "profile": {"path": str(profile.path), "key": profile.key}}
     return tree, report, note
