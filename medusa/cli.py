@@ -495,6 +495,10 @@ def cmd_bench(args) -> int:
     def progress(i, record):
         line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
         line += f"hf {record['hf_s']:.2f}s  medusa {record['medusa_s']:.2f}s"
+        if record.get("speedup_vs_hf") is not None:
+            line += f"  {record['speedup_vs_hf']:.2f}x hf"
+        if record.get("speedup_vs_plain") is not None:
+            line += f"  {record['speedup_vs_plain']:.2f}x plain"
         print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
 
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,

@@ -51,7 +51,7 @@ BATCH_SIZES = (4,)
 """Batch sizes timed besides 1 (batched decoding, :mod:`medusa.decode.batch`)."""
 BATCH_STEP_SIZES = (1, 16)
 """New tokens per row in the batched timings."""
-BATCH_PREFIX_LEN = 128
+BATCH_PREFIX_LEN = 64
 """Cached tokens per row before the batched timings (each row is prefilled on its own, so they are kept short)."""
 PLAIN_TOKENS = 16
 """Tokens decoded per timing of plain decoding and of ``generate``."""

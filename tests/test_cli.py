@@ -48,6 +48,30 @@ def test_bench_writes_required_fields_and_matches_hf(setup, tmp_path):
     assert {"load_1min", "cores", "threads", "warning"} <= set(result["load"])
 
 
+def test_bench_with_engine_auto_tells_the_truth_per_prompt(setup, tmp_path, capsys):
+    root, base, _ = setup
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": c, "prompt": t}) + "\n" for i, (c, t) in
+                               enumerate([("writing", "hello world"), ("math", "one two three four"),
+                                          ("coding", "how are you today?")])))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--engine", "auto", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    auto = result["engine"]["auto"]
+    assert auto["engine"] == result["engine"]["engine"] and auto["step_size"] == result["tree_nodes"]
+    assert auto["profile"] == result["profile"]["path"] and result["profile"]["key"]["cpu"] == result["cpu"]["model"]
+    assert "--engine auto: " in capsys.readouterr().err
+    per_prompt = result["per_prompt"]
+    assert [(r["id"], r["category"]) for r in per_prompt] == [("p0", "writing"), ("p1", "math"), ("p2", "coding")]
+    truth = result["per_prompt_speedup"]
+    vs_plain = sorted(r["medusa_tokens_per_s"] / r["plain_tokens_per_s"] for r in per_prompt)
+    assert truth["vs_plain"]["min"] == pytest.approx(vs_plain[0]) and truth["vs_plain"]["max"] == pytest.approx(
+        vs_plain[-1]) and truth["vs_plain"]["median"] == pytest.approx(vs_plain[1])
+    assert truth["slower_than_plain"] == sum(v < 1 for v in vs_plain) and truth["prompts"] == 3
+    assert truth["vs_hf"]["min"] <= truth["vs_hf"]["median"] <= truth["vs_hf"]["max"]
+
+
 def test_bench_with_a_lookup_chain_and_the_hf_prompt_lookup_baseline(setup, tmp_path, capsys):
     root, base, prompts = setup
     out = tmp_path / "bench.json"

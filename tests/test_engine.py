@@ -112,7 +112,8 @@ def test_prompt_plus_budget_beyond_max_cache_len_is_a_clear_error():
 
 def test_unknown_engine_and_bad_dtype_are_clear_errors():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="unknown engine 'turbo': choose one of eager, static, onednn, compiled"):
+    with pytest.raises(ValueError,
+                       match="unknown engine 'turbo': choose one of auto, eager, static, onednn, compiled"):
         engines.make_engine("turbo", model)
     with pytest.raises(ValueError, match="not a floating-point dtype"):
         engines.check_dtype(torch.int8, "cpu")
@@ -199,7 +200,7 @@ def test_cli_refuses_an_unknown_engine_and_a_dtype_the_device_cannot_run(cli_set
     root, base, prompts = cli_setup
     args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hi", "--max-new-tokens", "4"]
     assert main([*args, "--engine", "turbo"]) == 2
-    assert "unknown engine 'turbo': choose one of eager, static, onednn, compiled" in capsys.readouterr().err
+    assert "unknown engine 'turbo': choose one of auto, eager, static, onednn, compiled" in capsys.readouterr().err
 
     def no_kernels(*a, **k):
         raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
@@ -268,7 +269,7 @@ def test_every_engine_declares_its_capabilities_and_warms_up():
         assert engine.fixed_shapes is (name == "compiled" and engine.settings()["compiled"])
         if name != "compiled":  # compiling is the slow test above
             assert engine.warm_up([1, 4], 32) == {}
-    assert engines.DEFAULT_ENGINE in engines.ENGINES
+    assert engines.AUTO not in engines.ENGINES  # "auto" names a choice among the engines, not an engine
 
 
 class ToyEngine(engines.Engine):
@@ -313,7 +314,7 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
 
     outs, _ = batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
     assert outs == [reference, hf_greedy(model, ids_of(7, seed=3), 16)]
-    with pytest.raises(ValueError, match="choose one of eager, static, onednn, compiled, toy"):
+    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, toy"):
         engines.make_engine("turbo", model)
 
 

@@ -39,7 +39,8 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_bench(result: dict, path: str | Path) -> Path:
-    """Three panels from a ``medusa bench`` result: tokens per step, per-head acceptance, tokens/s per prompt.
+    """Three panels from a ``medusa bench`` result: tokens per step, per-head acceptance, and each prompt's speedup
+    over HF ``generate`` and over plain decoding (sorted, with the 1.0x line: the prompts below it were slower).
 
     Args:
         result: the bench JSON (:func:`medusa.tools.bench.run_bench`); ``per_prompt`` is optional (older results lack
@@ -73,21 +74,21 @@ def plot_bench(result: dict, path: str | Path) -> Path:
                  ylabel="verify forwards that kept a draft at depth d (%)", title="Drafts kept by depth",
                  xticks=ticks, ylim=(0, 100))
 
-    rows = result.get("per_prompt") or [{"prompt": "all", "hf_tokens_per_s": result["baseline_tokens_per_s"],
-                                         "medusa_tokens_per_s": result["medusa_tokens_per_s"]}]
-    x = range(len(rows))
-    width = 0.4
-    hf = ax_speed.bar([i - width / 2 for i in x], [r["hf_tokens_per_s"] for r in rows], width, label="HF generate")
-    medusa = ax_speed.bar([i + width / 2 for i in x], [r["medusa_tokens_per_s"] for r in rows], width,
-                          label="Medusa")
-    if len(rows) <= 8:
-        ax_speed.bar_label(hf, fmt="%.1f")
-        ax_speed.bar_label(medusa, fmt="%.1f")
-    top = max(max(r["hf_tokens_per_s"], r["medusa_tokens_per_s"]) for r in rows)
-    ax_speed.set(xlabel="prompt", ylabel="tokens/s (wall clock)", xticks=list(x), ylim=(0, 1.3 * top),
-                 title=f"Speed: Medusa {result['speedup']:.2f}x HF overall",
-                 xticklabels=[str(r["prompt"]) for r in rows])
-    ax_speed.legend(loc="upper left", ncols=2)
+    rows = [r for r in result.get("per_prompt") or [] if "hf_tokens_per_s" in r] or [
+        {"prompt": "all", "hf_tokens_per_s": result["baseline_tokens_per_s"],
+         "medusa_tokens_per_s": result["medusa_tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s")}]
+    vs_hf = sorted(r["medusa_tokens_per_s"] / r["hf_tokens_per_s"] for r in rows)
+    vs_plain = sorted(r["medusa_tokens_per_s"] / r["plain_tokens_per_s"] for r in rows if r.get("plain_tokens_per_s"))
+    ranks = [100 * (i + 0.5) / len(vs_hf) for i in range(len(vs_hf))]
+    ax_speed.plot(ranks, vs_hf, marker="o", color="tab:blue", label=f"vs HF generate (min {vs_hf[0]:.2f}x)")
+    if vs_plain:
+        ax_speed.plot([100 * (i + 0.5) / len(vs_plain) for i in range(len(vs_plain))], vs_plain, marker="s",
+                      color="tab:orange", label=f"vs plain decoding (min {vs_plain[0]:.2f}x, "
+                      f"{sum(v < 1 for v in vs_plain)} below 1)")
+    ax_speed.axhline(1.0, color="black", linewidth=1)
+    ax_speed.set(xlabel="prompts, sorted by speedup (%)", ylabel="Medusa speedup (tokens/s ratio)", xlim=(0, 100),
+                 title=f"Per-prompt speedup ({len(rows)} prompts; {result['speedup']:.2f}x HF overall)")
+    ax_speed.legend(loc="upper left")
     fig.suptitle(_bench_caption(result), fontsize=10)
     return _save(fig, path)
 
@@ -193,4 +194,38 @@ def plot_training(history: list[dict], path: str | Path) -> Path:
     ax_top1.set(xlabel="optimizer step", ylabel="top-1 accuracy (%)", title="Held-out top-1 per head")
     ax_top1.set_ylim(bottom=0)
     ax_loss.legend()
+    return _save(fig, path)
+
+
+def plot_profile(profile: dict, path: str | Path) -> Path:
+    """A machine profile's cost curves (:meth:`medusa.profile.MachineProfile.to_dict`): forward milliseconds by new
+    tokens per engine, HF ``generate``'s and each engine's plain decoding per token as horizontal marks.
+
+    Returns:
+        ``path``.
+    """
+    plt = pyplot()
+    fig, (ax_abs, ax_rel) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, (name, entry) in enumerate(profile["engines"].items()):
+        if "error" in entry:
+            continue
+        curve = sorted((int(k), 1e3 * v) for k, v in entry["forward_s"].items())
+        color = HEAD_COLORS[i % len(HEAD_COLORS)]
+        ax_abs.plot([n for n, _ in curve], [ms for _, ms in curve], marker="o", color=color, label=name)
+        ax_abs.axhline(1e3 * entry["plain_token_s"], color=color, linestyle=":", linewidth=1)
+        ax_rel.plot([n for n, _ in curve], [ms / curve[0][1] for _, ms in curve], marker="o", color=color, label=name)
+    hf = profile.get("hf_generate_token_s")
+    if hf:
+        ax_abs.axhline(1e3 * hf, color="black", linestyle="--", label=f"HF generate per token ({1e3 * hf:.1f} ms)")
+    ax_abs.set(xlabel="new tokens in one forward", ylabel="ms", xscale="log", xticks=[1, 2, 4, 8, 16, 32, 64],
+               title="Forward cost (dotted: plain decoding per token)")
+    ax_abs.set_xticklabels(["1", "2", "4", "8", "16", "32", "64"])
+    ax_abs.legend()
+    ax_rel.set(xlabel="new tokens in one forward", ylabel="cost / one-token forward", xscale="log",
+               xticks=[1, 2, 4, 8, 16, 32, 64], title="Relative verify cost (what build-tree sizes trees by)")
+    ax_rel.set_xticklabels(["1", "2", "4", "8", "16", "32", "64"])
+    ax_rel.legend()
+    key = profile["key"]
+    fig.suptitle(f"{key['cpu'] if key['device'] == 'cpu' else key['device']}, {key['torch_threads']} threads, "
+                 f"{key['dtype']}, {key['model'].get('architecture')}", fontsize=10)
     return _save(fig, path)

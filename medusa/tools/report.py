@@ -23,9 +23,14 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("speedup vs plain (same engine)", speedup_text(r.get("speedup_vs_plain"))),
                 ("HF prompt lookup tokens/s", fmt(r.get("hf_prompt_lookup_tokens_per_s", "not timed"))),
                 ("speedup vs HF prompt lookup", speedup_text(r.get("speedup_vs_hf_prompt_lookup", "not timed"))),
+                ("per prompt vs HF: min/median/max", spread_text((r.get("per_prompt_speedup") or {}).get("vs_hf"))),
+                ("per prompt vs plain: min/median/max",
+                 spread_text((r.get("per_prompt_speedup") or {}).get("vs_plain"))),
+                ("prompts slower than plain / HF", slower_text(r.get("per_prompt_speedup"))),
                 ("step ms: draft/forward/accept/cache", step_text(r.get("step_ms"))),
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
                 ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
+                ("machine", machine_text(r)),
                 ("identical prompts", fmt(r["identical"])),
                 ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
@@ -84,6 +89,29 @@ def same_prompts_text(result: dict, reference: dict) -> str | None:
     return f"tau {tokens / steps:.3f}, speedup {speedup:.3f}x ({len(picked)} of its {len(theirs)} prompts)"
 
 
+def spread_text(spread: dict | None) -> str:
+    """A per-prompt spread (:func:`medusa.tools.bench.spread`) as ``0.91x / 1.40x / 2.10x``."""
+    if not spread:
+        return "not recorded"
+    return " / ".join(f"{spread[k]:.2f}x" for k in ("min", "median", "max"))
+
+
+def slower_text(per_prompt: dict | None) -> str:
+    """How many prompts Medusa decoded slower than plain decoding and than HF ``generate``, of how many."""
+    if not per_prompt:
+        return "not recorded"
+    plain = per_prompt["slower_than_plain"] if per_prompt.get("vs_plain") else "?"
+    return f"{plain} / {per_prompt['slower_than_hf']} of {per_prompt['prompts']}"
+
+
+def machine_text(result: dict) -> str:
+    """The CPU (model and the flags that matter) or the device a result was measured on."""
+    cpu = result.get("cpu")
+    if result.get("device", "cpu").startswith("cuda") or not cpu:
+        return str(result.get("device", "not recorded"))
+    return f"{cpu['model']} ({' '.join(cpu['flags']) or 'no AVX2/AVX-512/AMX'})"
+
+
 def prediction_text(prediction: dict | None) -> str:
     """A bench's chain prediction (:func:`medusa.tools.bench.chain_prediction`) as text."""
     if not prediction:
@@ -108,7 +136,7 @@ def engine_text(engine: dict | None) -> str:
     name = engine.get("engine")
     if (name == "compiled" and not engine.get("compiled")) or (name == "onednn" and not engine.get("packed")):
         return f"{name} -> static ({engine.get('fallback_reason')})"
-    return name
+    return f"{name} (chosen by auto)" if engine.get("auto") else name
 
 
 def load_text(load: dict | None) -> str:
@@ -127,3 +155,40 @@ def drift_text(result: dict) -> str:
     """A drift result (:func:`medusa.tools.drift.drift`) in one line."""
     return (f"top-1 agreement {result['top1_agreement']:.4f}, NLL adapted {result['adapted_nll']:.4f} vs original "
             f"{result['original_nll']:.4f} nats/token ({result['tokens']} tokens)")
+
+
+def profile_table(profile: dict, path: str | None = None, choices: dict[int, str] | None = None) -> str:
+    """A machine profile (:meth:`medusa.profile.MachineProfile.to_dict`) as text: the key, Hugging Face ``generate``
+    per token, per engine its plain decoding per token and its forward's milliseconds by step size (batched sizes
+    after), then ``auto``'s pick for each step size in ``choices`` (``{step size: reason}``)."""
+    key = profile["key"]
+    measured = profile.get("measured") or {}
+    lines = [f"profile: {path or '(not stored)'} (measured {measured.get('at', '?')} in "
+             f"{measured.get('seconds', '?')} s, {measured.get('prefix_len', '?')} cached tokens before each timed "
+             "forward)",
+             f"machine: {key['cpu']} ({' '.join(key['cpu_flags']) or 'no AVX2/AVX-512/AMX flags'}), {key['cores']} "
+             f"cores, {key['torch_threads']} torch threads, torch {key['torch']}, transformers {key['transformers']}",
+             f"model: {key['model'].get('architecture')} {key['model'].get('hidden_size')}x"
+             f"{key['model'].get('num_hidden_layers')}, vocab {key['model'].get('vocab_size')}, {key['dtype']} on "
+             f"{key['device']}"]
+    hf = profile.get("hf_generate_token_s")
+    lines.append(f"HF generate: {'?' if hf is None else f'{1e3 * hf:.1f}'} ms per new token")
+    sizes = sorted({int(n) for e in profile["engines"].values() for n in e.get("forward_s", {})})
+    head = f"{'engine':8}  {'plain ms/token':>14}  " + "  ".join(f"{'n=' + str(n):>7}" for n in sizes)
+    lines += ["", "forward ms over n new tokens (batch 1):", head]
+    for name, entry in profile["engines"].items():
+        if "error" in entry:
+            lines.append(f"{name:8}  could not run here: {entry['error']}")
+            continue
+        curve = {int(k): v for k, v in entry["forward_s"].items()}
+        cells = "  ".join(f"{1e3 * curve[n]:7.1f}" if n in curve else f"{'':7}" for n in sizes)
+        lines.append(f"{name:8}  {1e3 * entry['plain_token_s']:14.1f}  {cells}")
+        for batch, by_n in (entry.get("batch_forward_s") or {}).items():
+            text = ", ".join(f"n={k} {1e3 * v:.1f} ms" for k, v in by_n.items())
+            lines.append(f"{'':8}  batch {batch}: {text}")
+    for name, by_key in (profile.get("drafters") or {}).items():
+        per_depth = " / ".join(f"{1e3 * s:.2f}" for s in by_key["per_depth_s"])
+        lines.append(f"drafter {name}: {per_depth} ms per tree level (depth 1, 2, ...)")
+    for size, reason in (choices or {}).items():
+        lines.append(f"auto for {size}-token steps: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""The machine profile (medusa.profile): measured, stored and read back, re-measured when its key or its file is not
+this machine's, and ``--engine auto`` / ``--dtype auto`` chosen from it."""
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import SHIPPED_DEFAULT_ENGINE
+from tiny import save_tiny, tiny_model
+
+import medusa.profile as prof
+from medusa.cli import main
+from medusa.engines import AUTO, make_engine
+
+
+def fake_profile(key: dict, hf_ms: float, engines: dict[str, tuple[float, dict[int, float]]]) -> prof.MachineProfile:
+    """A profile with ``engines[name] = (plain ms/token, {n: forward ms})``."""
+    return prof.MachineProfile(
+        key=key, hf_generate_token_s=hf_ms / 1e3,
+        engines={name: {"plain_token_s": plain / 1e3, "forward_s": {n: ms / 1e3 for n, ms in curve.items()},
+                        "scores_all_nodes": name == "onednn"} for name, (plain, curve) in engines.items()})
+
+
+# Shapes of the two machines in docs/benchmark.md, 15-node tree: on the AMD EPYC oneDNN makes every step cheaper; on
+# the Intel Xeon its plain decoding is 25% slower than HF generate (14.48 vs 19.41 tok/s) while static keeps up.
+AMD_LIKE = {"onednn": (57.6, {1: 52.0, 16: 88.0}), "static": (62.5, {1: 58.0, 16: 112.0}),
+            "eager": (66.0, {1: 61.0, 16: 118.0})}
+INTEL_LIKE = {"onednn": (69.1, {1: 64.0, 16: 100.0}), "static": (49.2, {1: 45.0, 16: 108.0}),
+              "eager": (53.0, {1: 49.0, 16: 112.0})}
+
+
+def test_auto_picks_the_faster_engine_on_an_amd_like_and_an_intel_like_profile():
+    amd = fake_profile({}, 65.2, AMD_LIKE).choose_engine(15)
+    intel = fake_profile({}, 51.5, INTEL_LIKE).choose_engine(15)
+    assert amd.engine == "onednn" and intel.engine == "static"
+    assert "excluded: onednn 69.1 ms/token" in intel.reason and "HF generate 51.5 ms/token" in intel.reason
+    # Plain decoding is its own step size: the cheapest one-token forward that keeps up.
+    assert fake_profile({}, 51.5, INTEL_LIKE).choose_engine(1).engine == "static"
+    # When no engine keeps up with HF generate, the fastest plain decoding, and the reason says so.
+    slow = fake_profile({}, 30.0, INTEL_LIKE).choose_engine(15)
+    assert slow.engine == "static" and "no engine's plain decoding keeps up" in slow.reason
+    with pytest.raises(ValueError, match="no candidate engine ran"):
+        prof.MachineProfile({}, {"onednn": {"error": "no oneDNN"}}, 0.05).choose_engine(1)
+
+
+def test_interpolation_between_and_beyond_the_measured_sizes():
+    p = fake_profile({}, 50.0, {"static": (50.0, {1: 10.0, 4: 16.0, 8: 24.0})})
+    assert p.forward_s("static", 2) == pytest.approx(0.012)
+    assert p.forward_s("static", 12) == pytest.approx(0.032)  # along the last two sizes
+    assert p.cost_curve("static")[8] == pytest.approx(2.4)
+
+
+def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    profile = prof.load_profile(model, folder=tmp_path)
+    assert profile.path.is_file() and profile.path.parent == tmp_path / "profiles"
+    assert set(profile.usable()) == set(prof.CANDIDATES) and profile.hf_generate_token_s > 0
+    entry = profile.engines["static"]
+    assert sorted(entry["forward_s"]) == list(prof.STEP_SIZES) and entry["plain_token_s"] > 0
+    assert sorted(entry["batch_forward_s"]) == list(prof.BATCH_SIZES)
+    assert profile.key == prof.profile_key(model) and profile.key["model"]["hidden_size"] == 64
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("a matching stored profile was measured again")
+
+    monkeypatch.setattr(prof, "measure_profile", must_not_measure)
+    again = prof.load_profile(model, folder=tmp_path)
+    assert json.loads(json.dumps(again.to_dict())) == json.loads(profile.path.read_text())
+    assert again.forward_s("static", 4) == profile.forward_s("static", 4)  # int sizes survive the JSON round trip
+    assert again.engines["onednn"]["batch_forward_s"][4][16] > 0
+    # A drafter's cost is measured once and stored with the profile.
+    calls = []
+    assert again.drafter_cost("toy", lambda: calls.append(1) or [0.001, 0.002]) == [0.001, 0.002]
+    assert again.drafter_cost("toy", lambda: calls.append(1) or [9.0]) == [0.001, 0.002] and calls == [1]
+    assert json.loads(profile.path.read_text())["drafters"]["toy"]["per_depth_s"] == [0.001, 0.002]
+
+
+@pytest.fixture
+def fast_measure(monkeypatch):
+    """``measure_profile`` replaced by a quick fake that records its calls (what it measures is tested above)."""
+    calls = []
+
+    def measure(model, candidates=prof.CANDIDATES, progress=None):
+        calls.append(model)
+        return fake_profile(prof.profile_key(model), 50.0, AMD_LIKE)
+
+    monkeypatch.setattr(prof, "measure_profile", measure)
+    return calls
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("cpu", "Intel(R) Xeon(R) Platinum 8488C", "cpu: 'Intel(R) Xeon(R) Platinum 8488C' -> "),
+    ("torch", "2.9.1", "torch: '2.9.1' -> "),
+    ("dtype", "bfloat16", "dtype: 'bfloat16' -> 'float32'"),
+    ("model", {"architecture": "LlamaForCausalLM", "hidden_size": 4096}, "model.hidden_size: 4096 -> 64"),
+])
+def test_a_profile_whose_key_does_not_match_is_measured_again_naming_the_mismatch(tmp_path, fast_measure, caplog,
+                                                                                   field, value, named):
+    model = tiny_model("llama")
+    key = prof.profile_key(model)
+    path = prof.profile_path(key, tmp_path)
+    fake_profile(key | {field: value}, 50.0, INTEL_LIKE).save(path)
+    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
+        profile = prof.load_profile(model, folder=tmp_path)
+    assert len(fast_measure) == 1 and "measured for another setup" in caplog.text and named in caplog.text
+    assert json.loads(path.read_text())["key"] == key  # the new measurement replaced it
+    assert profile.choose_engine(15).engine == "onednn"
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": {}, "engines": []}', '[1, 2]',
+                                     '{"key": {}, "engines": {"static": {"forward_s": {"1": -1.0}, '
+                                     '"plain_token_s": 0.1}}, "hf_generate_token_s": 0.1}', "\udcff"])
+def test_a_corrupt_profile_is_measured_again_with_a_warning(tmp_path, fast_measure, caplog, content):
+    model = tiny_model("llama")
+    path = prof.profile_path(prof.profile_key(model), tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
+        prof.load_profile(model, folder=tmp_path)
+    assert len(fast_measure) == 1 and "is unreadable" in caplog.text and "not trusting it" in caplog.text
+    assert prof.MachineProfile.from_dict(json.loads(path.read_text())).engines  # now a valid profile
+
+
+def test_auto_falls_back_to_static_with_the_reason_when_measuring_fails(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("perf counters unavailable")
+
+    monkeypatch.setattr(prof, "measure_profile", broken)
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", "/nonexistent/never-written")
+    model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
+        engine = make_engine(AUTO, model, step_size=15)
+    assert engine.name == prof.FALLBACK_ENGINE == "static"
+    assert "measuring this machine failed (RuntimeError: perf counters unavailable)" in engine.choice.reason
+    assert "perf counters unavailable" in caplog.text
+    assert engine.settings()["auto"]["engine"] == "static"
+
+
+def test_auto_is_the_shipped_default_and_decodes_through_the_chosen_engine(tmp_path, monkeypatch):
+    from medusa.base import hf_greedy_batch
+    from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig
+    from medusa.model import MedusaModel
+
+    assert SHIPPED_DEFAULT_ENGINE == AUTO  # the suite pins its own default (conftest); the package's is auto
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    heads = MedusaHeads(MedusaHeadsConfig(num_heads=2, hidden_size=64, vocab_size=base.config.vocab_size),
+                        base.get_output_embeddings().weight)
+    model = MedusaModel(base, heads, engine=AUTO)
+    choice = model.engine.choice
+    assert choice.engine == model.engine.name in prof.CANDIDATES and choice.step_size == model.tree.num_nodes
+    assert choice.profile.startswith(str(tmp_path))
+    ids = torch.tensor([5, 9, 2, 7])
+    tokens, _ = model.generate(ids, max_new_tokens=12)
+    assert tokens == hf_greedy_batch(base, [ids], 12, set(), 0)[0]
+
+
+def test_profile_command_prints_the_table_and_auto_choice(tmp_path, fast_measure, capsys, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path / "cache"))
+    base = save_tiny(tmp_path / "base", "llama")
+    assert main(["profile", "--base", str(base), "--step-size", "1", "15"]) == 0
+    out = capsys.readouterr().out
+    assert "HF generate: 50.0 ms per new token" in out and "onednn" in out and "n=16" in out
+    assert "auto for 15-token steps: onednn" in out and "machine: " in out
+    assert main(["profile", "--base", str(base), "--json"]) == 0  # read back, not measured again
+    assert len(fast_measure) == 1 and json.loads(capsys.readouterr().out)["hf_generate_token_s"] == 0.05
+    assert main(["profile", "--base", str(base), "--refresh", "--json"]) == 0
+    assert len(fast_measure) == 2
+    assert main(["profile", "--base", str(base), "--engines", "turbo"]) == 2
+    assert "unknown engine(s) turbo" in capsys.readouterr().err
+
+
+def test_dtype_auto_keeps_float32_without_bf16_hardware_and_takes_bf16_where_it_pays(monkeypatch, tmp_path):
+    model = tiny_model("llama")
+    monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx2"]})
+    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path)
+    assert dtype == torch.float32 and "no bfloat16 matrix instructions" in reason
+    monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx512f", "amx_bf16"]})
+    by_dtype = {"float32": {"static": (50.0, {1: 45.0, 16: 100.0})},
+                "bfloat16": {"static": (30.0, {1: 28.0, 16: 40.0})}}
+
+    def measure(model, candidates=prof.CANDIDATES, progress=None):
+        key = prof.profile_key(model)
+        return fake_profile(key, 50.0, by_dtype[key["dtype"]])
+
+    monkeypatch.setattr(prof, "measure_profile", measure)
+    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path)
+    assert dtype == torch.bfloat16 and "bfloat16 pays here" in reason
+    assert model.dtype == torch.float32  # the model asked about is left as it was
+    by_dtype["bfloat16"]["static"] = (55.0, {1: 50.0, 16: 98.0})
+    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path / "other")
+    assert dtype == torch.float32 and "does not pay" in reason
