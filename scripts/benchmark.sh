@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The README's benchmark: shipped heads and tree vs Hugging Face greedy generate, fp32, 20 held-out ShareGPT
-# prompts, 128 new tokens; the picture goes next to the JSON (.png). Run scripts/quickstart.sh (or install.sh
-# --reference + prepare-model) first.
+# The README's benchmark: the shipped heads and tree against Hugging Face greedy generate, fp32, 128 new tokens, on
+# both frozen held-out prompt sets (benchmarks/prompts: 20 ShareGPT prompts, 80 MT-bench-style prompts in 8
+# categories), --engine auto (chosen from this machine's profile, `medusa profile`). Each set gets a JSON, a picture
+# (.png, with the per-prompt speedups) and a table (.txt). Extra flags go to both benches (e.g. --engine static,
+# --limit 16). About 6 + 23 minutes on 2 idle cores. Run scripts/quickstart.sh (or install.sh --reference +
+# prepare-model) first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 BASE=${BASE:-models/smollm2-135m-instruct}
 HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
-OUT=${OUT:-outputs/bench/smollm2-135m-cpu.json}
-[ -f data/held_out_prompts.jsonl ] || medusa held-out-prompts --n 20 --out data/held_out_prompts.jsonl
-medusa bench --base "$BASE" --heads "$HEADS" --prompts data/held_out_prompts.jsonl --limit 20 \
-    --max-new-tokens 128 --out "$OUT" --plot "$@"
+OUT_DIR=${OUT_DIR:-outputs/bench}
+NAME=${NAME:-smollm2-135m-hydra-cpu}
+mkdir -p "$OUT_DIR"
+for SET in sharegpt-held-out mt-bench-style; do
+    medusa bench --base "$BASE" --heads "$HEADS" --prompts "benchmarks/prompts/$SET.jsonl" \
+        --max-new-tokens 128 --out "$OUT_DIR/bench-$NAME-$SET.json" --plot "$@" | tee "$OUT_DIR/bench-$NAME-$SET.txt"
+done

@@ -36,3 +36,13 @@ def chats(tmp_path_factory):
     from test_train import write_chats
 
     return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one process-wide state that refuses a second mixed-precision mode; reset it around a test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()

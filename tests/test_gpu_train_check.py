@@ -47,7 +47,8 @@ def test_tiny_run_trains_heads_from_a_store_without_datasets_and_the_heads_load_
     assert result["versions"]["torch"] and "medusa:" in proc.stdout
 
 
-def test_a_run_whose_loss_does_not_fall_exits_with_the_reason_and_heads_round_trip_under_autocast(tmp_path):
+def test_a_run_whose_loss_does_not_fall_exits_with_the_reason_and_heads_round_trip_under_autocast(
+        tmp_path, fresh_accelerator_state):
     # bf16 autocast is what the trainer runs on CUDA: Accelerate wraps the trained heads' forward in it.
     out = tmp_path / "result.json"
     with pytest.raises(SystemExit, match="medusa: loss did not go down"):

@@ -191,3 +191,19 @@ def test_dtype_auto_keeps_float32_without_bf16_hardware_and_takes_bf16_where_it_
     by_dtype["bfloat16"]["static"] = (55.0, {1: 50.0, 16: 98.0})
     dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path / "other")
     assert dtype == torch.float32 and "does not pay" in reason
+
+
+def test_gpu_profile_check_script_runs_on_the_cpu(tmp_path):
+    """scripts/gpu_check.sh's profile phase, kept working without a GPU (--tiny on the CPU)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_profile_check
+
+    out = tmp_path / "profile.json"
+    assert gpu_profile_check.main(["--tiny", "--device", "cpu", "--new-tokens", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not result["failures"] and result["decode"]["identical"] and result["decode"]["plain_identical"]
+    assert result["bench_choice"]["engine"] in prof.CANDIDATES and result["bench_choice"]["reason"]
+    assert Path(result["profile_path"]).is_file() and set(result["choices"]) == {"1", "16", "64"}

@@ -242,16 +242,6 @@ def test_two_processes_train_like_one_batch(base_dir, tmp_path):
     assert max_relative_difference({k: heads[k] for k in two}, two) < 1e-5
 
 
-@pytest.fixture
-def fresh_accelerator_state():
-    """Accelerate keeps one process-wide state that refuses a second mixed-precision mode; reset it around a test."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
-    yield
-    AcceleratorState._reset_state()
-
-
 @pytest.mark.parametrize("mode", ["no", "bf16", "auto", "fp16"])
 def test_every_mixed_precision_mode_trains_or_is_refused_at_start_on_cpu(base_dir, chats, tmp_path, monkeypatch,
                                                                          mode, fresh_accelerator_state):
