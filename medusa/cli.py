@@ -272,7 +272,11 @@ def _load(args):
     from medusa.engines import check_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype])
+    dtype, reason, measure_dtype = getattr(torch, DTYPES.get(args.dtype, "float32")), None, args.dtype == "auto"
+    if measure_dtype and torch.device(device).type == "cuda":  # decided before loading: a 7B base loads in bf16
+        from medusa.profile import cuda_dtype
+
+        (dtype, reason), measure_dtype = cuda_dtype(device), False
     check_dtype(dtype, device)
     _check_lookup_flags(args)
     # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
@@ -282,14 +286,16 @@ def _load(args):
     if args.lookup is not None or args.lookup_ngram is not None:
         length = model.tree.lookup_length if args.lookup is None else args.lookup
         model.tree = model.tree.with_lookup(length, args.lookup_ngram)
-    if args.dtype == "auto":
+    model.dtype_reason = reason
+    if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
         from medusa.profile import choose_dtype
 
-        chosen, model.dtype_reason = choose_dtype(model.base, model.tree.num_nodes)
-        print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
+        chosen, model.dtype_reason = choose_dtype(model.base, model.drafter.max_nodes)
         if chosen != dtype:
             model.base.to(chosen)
             model.heads.to(chosen)
+    if model.dtype_reason:
+        print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
     model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
@@ -624,18 +630,22 @@ def cmd_profile(args) -> int:
     def progress(text):
         print(text, file=sys.stderr, flush=True)
 
-    profile = load_profile(base, refresh=args.refresh, candidates=[e for e in CANDIDATES if e in engines],
-                           progress=progress)
+    profile = load_profile(base, refresh=args.refresh, progress=progress)  # auto's candidates, always
     for name in engines:
         ensure_engine(profile, base, name, progress)
     sizes = list(args.step_size or [1, 16])
     if args.heads:
-        from medusa.model import MedusaModel
+        from medusa.decode.tree import load_tree
+        from medusa.drafters import tree_drafter
+        from medusa.io.checkpoint import load_heads
+        from medusa.model import TREE_FILE_NAME
 
-        model = MedusaModel.from_pretrained(args.base, args.heads, dtype=dtype, device=device, engine="eager")
-        heads_level_s(profile, model.heads)
-        if args.step_size is None:
-            sizes = sorted({1, model.tree.num_nodes, 16})
+        heads = load_heads(args.heads, base.get_output_embeddings().weight,
+                           embed_weight=base.get_input_embeddings().weight).to(device=base.device, dtype=dtype)
+        heads_level_s(profile, heads)
+        if args.step_size is None and (Path(args.heads) / TREE_FILE_NAME).is_file():
+            tree = load_tree(Path(args.heads) / TREE_FILE_NAME)
+            sizes = sorted({1, tree_drafter(heads, tree).max_nodes, 16})
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
     else:

@@ -44,9 +44,9 @@ class MedusaModel(nn.Module):
         self.base = base
         self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         self.tokenizer = tokenizer
-        self.tree = tree or Tree.chain(heads.config.num_heads)
-        self.tree.check_fits(heads.config.num_heads, heads.head_vocab_size)
-        self.drafter = drafter if drafter is not None else tree_drafter(self.heads, self.tree)
+        self.tree = tree or Tree.chain(heads.config.num_heads)  # also makes self.drafter: the heads on this tree
+        if drafter is not None:
+            self.drafter = drafter
         self.dtype_reason: str | None = None
         """Why this dtype, when ``--dtype auto`` chose it (:func:`medusa.profile.choose_dtype`)."""
         self.use_engine(engine, **engine_options)
@@ -59,7 +59,7 @@ class MedusaModel(nn.Module):
         same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
-        self.engine = make_engine(name, self.base, step_size=self.tree.num_nodes, **options)
+        self.engine = make_engine(name, self.base, step_size=self.drafter.max_nodes, **options)
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
@@ -97,6 +97,19 @@ class MedusaModel(nn.Module):
         loaded = load_heads(heads, model.get_output_embeddings().weight,
                             embed_weight=model.get_input_embeddings().weight)
         return cls(model, loaded, tree, tokenizer, engine, **engine_options)
+
+    @property
+    def tree(self) -> Tree:
+        """The tree the heads draft on. Setting it (``model.tree = tree.with_lookup(0)``) checks it fits the heads
+        and makes the model's drafter the heads on that tree (:func:`medusa.drafters.tree_drafter`), replacing a
+        drafter given at construction; the engine stays (``use_engine`` to choose again for the new step size)."""
+        return self._tree
+
+    @tree.setter
+    def tree(self, tree: Tree) -> None:
+        tree.check_fits(self.heads.config.num_heads, self.heads.head_vocab_size)
+        self._tree = tree
+        self.drafter = tree_drafter(self.heads, tree)
 
     @property
     def device(self) -> torch.device:

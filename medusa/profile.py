@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -93,10 +94,12 @@ def model_identity(model) -> dict:
     """What a forward's cost depends on in a base model: its architecture and shape (not its weights' values)."""
     config = model.config.get_text_config(decoder=True)
     fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-              "vocab_size", "head_dim", "sliding_window", "tie_word_embeddings")
+              "vocab_size", "head_dim", "sliding_window", "tie_word_embeddings", "num_local_experts", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size")
     shape = {f: getattr(config, f) for f in fields if isinstance(getattr(config, f, None), int | bool)}
     architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    return {"architecture": architecture, **shape}
+    attention = getattr(model.config, "_attn_implementation", None)
+    return {"architecture": architecture, **shape, "attention": attention}
 
 
 def device_name(device) -> str:
@@ -271,11 +274,22 @@ class MachineProfile:
                 entry["forward_s"] = curve = {int(k): float(v) for k, v in entry["forward_s"].items()}
                 entry["batch_forward_s"] = {int(b): {int(k): float(v) for k, v in c.items()}
                                             for b, c in entry.get("batch_forward_s", {}).items()}
-                if not curve or min(curve.values()) <= 0 or not float(entry["plain_token_s"]) > 0:
-                    raise ValueError(f"engine {name}: timings must be positive")
-            hf = data["hf_generate_token_s"]
-            return cls(key=data["key"], engines=engines, hf_generate_token_s=None if hf is None else float(hf),
-                       drafters=dict(data.get("drafters", {})), measured=dict(data.get("measured", {})))
+                if sorted(curve) != list(STEP_SIZES):
+                    raise ValueError(f"engine {name}: forward timings for sizes {sorted(curve)}, not {STEP_SIZES}")
+                timings = [*curve.values(), float(entry["plain_token_s"])]
+                timings += [v for c in entry["batch_forward_s"].values() for v in c.values()]
+                if not all(_positive(t) for t in timings):
+                    raise ValueError(f"engine {name}: every timing must be a positive finite number of seconds")
+            hf = float(data["hf_generate_token_s"])
+            if not _positive(hf):
+                raise ValueError(f"hf_generate_token_s must be a positive finite number of seconds, got {hf}")
+            drafters = dict(data.get("drafters", {}))
+            for name, entry in drafters.items():
+                per_depth = [float(s) for s in entry["per_depth_s"]]
+                if not per_depth or not all(_positive(s) for s in per_depth):
+                    raise ValueError(f"drafter {name}: per_depth_s must be positive finite seconds")
+            return cls(key=data["key"], engines=engines, hf_generate_token_s=hf, drafters=drafters,
+                       measured=dict(data.get("measured", {})))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"missing or malformed field: {e!r}") from e
 
@@ -289,6 +303,10 @@ class MachineProfile:
             tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
         self.path = path
         return path
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:
@@ -332,7 +350,10 @@ def load_profile(model, refresh: bool = False, folder: str | Path | None = None,
     if not refresh:
         profile, _ = read_profile(path, key)
         if profile is not None:
-            missing = [c for c in candidates if c not in profile.engines]
+            # An engine not in it yet, or one that failed last time (a failure may have been passing), is measured
+            # now; one that cannot run for this model (onednn on a GPU) is never measured as something else.
+            missing = [c for c in candidates if _runs_here(c, model)
+                       and (c not in profile.engines or "error" in profile.engines[c])]
             if not missing:
                 return profile
             _measure_engines(profile, model, missing, progress)
@@ -456,8 +477,10 @@ def time_hf_generate(model, tokens: int = PLAIN_TOKENS, runs: int = 2, prefix_le
     def run(n: int) -> float:
         _sync(model.device)
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)
         _sync(model.device)
+        if out.shape[1] != prefix_len + n:  # it stopped early: the per-token time would be wrong
+            raise ValueError(f"HF generate returned {out.shape[1] - prefix_len} new tokens where {n} were asked")
         return time.perf_counter() - start
 
     with _quiet_generate(model):
@@ -492,7 +515,11 @@ def _measure_engines(profile: MachineProfile, model, names, progress) -> None:
             entry = {"forward_s": time_forwards(engine, model), "scores_all_nodes": engine.scores_all_nodes}
             if engine.supports_batch:
                 say(f"profile: {name} engine, batched forwards at batch sizes {', '.join(map(str, BATCH_SIZES))}")
-                entry["batch_forward_s"] = {b: time_batch_forwards(engine, model, b) for b in BATCH_SIZES}
+                try:
+                    entry["batch_forward_s"] = {b: time_batch_forwards(engine, model, b) for b in BATCH_SIZES}
+                except Exception as e:  # noqa: BLE001 - batched decoding failing leaves one sequence usable
+                    logger.warning("profile: batched forwards through %s could not be timed: %s", name, e)
+                    entry["batch_error"] = f"{type(e).__name__}: {e}"
             say(f"profile: {name} engine, plain decoding")
             entry["plain_token_s"] = time_plain_decoding(engine, model)
         except Exception as e:  # noqa: BLE001 - an engine that cannot run here is recorded, not fatal
@@ -515,6 +542,9 @@ def measure_profile(model, candidates=CANDIDATES, progress=None) -> MachineProfi
     say("profile: Hugging Face generate, per new token")
     profile.hf_generate_token_s = time_hf_generate(model)
     _measure_engines(profile, model, [c for c in candidates if _runs_here(c, model)], progress)
+    for name in candidates:
+        if not _runs_here(name, model):
+            profile.engines[name] = {"error": f"not measured: {_why_not_here(name, model)}"}
     if not profile.usable():
         raise ValueError("no engine could run: " + "; ".join(f"{n}: {e['error']}" for n, e in profile.engines.items()))
     profile.measured = {"at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -525,20 +555,34 @@ def measure_profile(model, candidates=CANDIDATES, progress=None) -> MachineProfi
 def _runs_here(engine: str, model) -> bool:
     """Whether ``engine`` is worth measuring for ``model``: ``onednn`` only where it can pack (a CPU, a dtype oneDNN
     runs); elsewhere it would run as ``static`` and measure that twice."""
+    return _why_not_here(engine, model) is None
+
+
+def _why_not_here(engine: str, model) -> str | None:
     if engine != "onednn":
-        return True
+        return None
     from medusa.engines.onednn import onednn_unavailable
 
-    return onednn_unavailable(model) is None
+    reason = onednn_unavailable(model)
+    return None if reason is None else f"it would run as static here ({reason})"
 
 
 # -- the choices ----------------------------------------------------------------------------------------------------
+def stderr_progress(text: str) -> None:
+    """The progress line of a profile being measured (about 30 s, once per machine), on stderr: a silent wait that
+    long would look like a hang."""
+    import sys
+
+    print(f"[medusa] {text} (measuring this machine once, stored in {cache_dir() / 'profiles'})", file=sys.stderr,
+          flush=True)
+
+
 def auto_engine(model, step_size: int = 1, folder: str | Path | None = None, progress=None) -> EngineChoice:
     """``--engine auto``: the engine :meth:`MachineProfile.choose_engine` picks from this machine's profile for a
     step of ``step_size`` new tokens (the tree's nodes); the profile is measured first when none is stored. Where
     measuring fails, :data:`FALLBACK_ENGINE` with the reason (a warning too), never an exception."""
     try:
-        profile = load_profile(model, folder=folder, progress=progress)
+        profile = load_profile(model, folder=folder, progress=progress or stderr_progress)
         choice = profile.choose_engine(step_size)
     except Exception as e:  # noqa: BLE001 - any failure to measure falls back, and says why
         reason = f"{FALLBACK_ENGINE}: measuring this machine failed ({type(e).__name__}: {e})"
@@ -607,15 +651,29 @@ def choose_dtype(model, step_size: int, folder: str | Path | None = None, progre
     """
     device = model.device
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "bfloat16: the GPU supports it"
-        return torch.float32, "float32: the GPU has no bfloat16"
+        return cuda_dtype(device)
     if not bf16_supported(device):
         return torch.float32, "float32: this CPU has no bfloat16 matrix instructions (AMX or AVX-512 BF16)"
+    try:
+        return _measured_cpu_dtype(model, step_size, folder, progress or stderr_progress)
+    except Exception as e:  # noqa: BLE001 - like --engine auto: a failure to measure keeps the exact default
+        reason = f"float32: measuring bfloat16 against float32 failed ({type(e).__name__}: {e})"
+        logger.warning("--dtype auto: %s", reason)
+        return torch.float32, reason
+
+
+def cuda_dtype(device) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a GPU, decided before any weights load: bf16 where it is supported."""
+    if torch.cuda.is_bf16_supported():
+        return torch.bfloat16, f"bfloat16: {device_name(device)} supports it"
+    return torch.float32, f"float32: {device_name(device)} has no bfloat16"
+
+
+def _measured_cpu_dtype(model, step_size: int, folder, progress) -> tuple[torch.dtype, str]:
     import copy
 
     fp32 = load_profile(model, folder=folder, progress=progress)
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)  # measured once; later calls read its stored profile
     bf16 = load_profile(bf16_model, folder=folder, progress=progress)
     del bf16_model
     a, b = fp32.choose_engine(step_size), bf16.choose_engine(step_size)

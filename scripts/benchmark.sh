@@ -13,7 +13,14 @@ HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
 OUT_DIR=${OUT_DIR:-outputs/bench}
 NAME=${NAME:-smollm2-135m-hydra-cpu}
 mkdir -p "$OUT_DIR"
+settle() {  # wait (3 min at most) until the 1-minute load average, which lags, has let go of the last job
+    for _ in $(seq 36); do
+        awk '{exit !($1 < 0.5)}' /proc/loadavg 2>/dev/null && return
+        sleep 5
+    done
+}
 for SET in sharegpt-held-out mt-bench-style; do
+    settle
     medusa bench --base "$BASE" --heads "$HEADS" --prompts "benchmarks/prompts/$SET.jsonl" \
         --max-new-tokens 128 --out "$OUT_DIR/bench-$NAME-$SET.json" --plot "$@" | tee "$OUT_DIR/bench-$NAME-$SET.txt"
 done

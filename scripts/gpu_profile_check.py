@@ -6,8 +6,9 @@ machine profile (:mod:`medusa.profile`: forward cost by engine and step size, pl
 token) into ``--cache-dir``, prints it, and then does what the bench does with it: ``MedusaModel(..., engine="auto")``
 with random Medusa heads picks the engine for its tree's step, and one prompt is decoded greedily through it, with
 plain decoding and HF ``generate`` timed next to it. Checks: the choice is one of auto's candidates and its reason is
-recorded; Medusa's tokens equal HF greedy's (random heads only make tau small, never the tokens wrong); a second
-load reads the stored profile instead of measuring again. Exits 1 naming each failed check.
+recorded; Medusa's and plain decoding's tokens equal HF greedy's, or first differ at a numerical tie of the dtype
+(the bench's rule, :func:`medusa.tools.bench.divergence`; random heads only make tau small, never the tokens wrong);
+a second load reads the stored profile instead of measuring again. Exits 1 naming each failed check.
 
     python scripts/gpu_profile_check.py --out outputs/gpu/gpu-profile.json            # CUDA, 7B shape
     python scripts/gpu_profile_check.py --tiny --device cpu --out /tmp/profile.json    # CPU, seconds
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ import medusa.profile as prof  # noqa: E402
 from medusa.base import hf_greedy_batch  # noqa: E402
 from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig  # noqa: E402
 from medusa.model import MedusaModel  # noqa: E402
+from medusa.tools.bench import divergence  # noqa: E402
 from medusa.tools.report import profile_table  # noqa: E402
 
 
@@ -76,27 +79,33 @@ def main(argv=None) -> int:
                                                                for n in step_sizes}))
     failures = []
     stored, read_s = timed(lambda: prof.load_profile(base, folder=folder))
-    if stored.measured != profile.measured:
+    if stored.measured != profile.measured or stored.to_dict()["engines"].keys() != profile.engines.keys():
         failures.append("the stored profile was measured again instead of read back")
+    if "onednn" in stored.usable() and device.type != "cpu":
+        failures.append("onednn is in a GPU profile: it runs as static there")
 
     vocab, hidden = base.config.vocab_size, base.config.hidden_size
     heads = MedusaHeads(MedusaHeadsConfig(num_heads=3, hidden_size=hidden, vocab_size=vocab),
                         base.get_output_embeddings().weight)
-    # The engine's choice reads the profile from --cache-dir as `medusa bench --engine auto` reads the user cache.
-    choice = prof.auto_engine(base, 1 + 3, folder=folder)
-    model = MedusaModel(base, heads, engine=choice.engine)
-    if choice.engine not in prof.CANDIDATES:
-        failures.append(f"auto chose {choice.engine!r}, not one of {prof.CANDIDATES}")
+    # The bench's own path: MedusaModel(engine="auto") reads the profile from the cache folder (--cache-dir here).
+    os.environ["MEDUSA_CACHE_DIR"] = str(folder)
+    model = MedusaModel(base, heads, engine="auto")
+    choice = model.engine.choice
+    if choice is None or choice.engine not in prof.CANDIDATES or choice.profile != str(profile.path):
+        failures.append(f"auto's choice {choice} is not one of {prof.CANDIDATES} read from {profile.path}")
     ids = torch.randint(3, vocab, (64,), generator=torch.Generator().manual_seed(1)).to(device)
     model.generate(ids, max_new_tokens=4)  # warm-up
     hf_greedy_batch(base, [ids], 4, set(), 0)
     (tokens, stats), medusa_s = timed(lambda: model.generate(ids, max_new_tokens=args.new_tokens))
     (plain, _), plain_s = timed(lambda: model.generate(ids, max_new_tokens=args.new_tokens, tree=_plain_tree()))
     reference, hf_s = timed(lambda: hf_greedy_batch(base, [ids], args.new_tokens, set(), 0)[0])
-    if tokens != reference:
-        failures.append("Medusa's greedy tokens differ from HF generate's through the chosen engine")
-    if plain != reference:
-        failures.append("plain decoding's greedy tokens differ from HF generate's through the chosen engine")
+    found = {}
+    for name, got in (("Medusa", tokens), ("plain decoding", plain)):
+        if got != reference:
+            found[name] = divergence(base, ids, got, reference, 0)
+            if not found[name]["tie"]:
+                failures.append(f"{name}'s greedy tokens leave HF generate's at token {found[name]['position']}, "
+                                f"not a tie (top-2 gap {found[name]['base_top2_gap']:.3g})")
     result = {
         "shape": "tiny" if args.tiny else "llama2-7b", "dtype": str(dtype), "device": prof.device_name(device),
         "profile": profile.to_dict(), "profile_path": str(profile.path), "measure_s": measure_s, "read_back_s": read_s,
@@ -104,7 +113,8 @@ def main(argv=None) -> int:
         "bench_choice": choice.to_dict(),
         "decode": {"new_tokens": len(tokens), "tau": stats.tau, "medusa_tokens_per_s": len(tokens) / medusa_s,
                    "plain_tokens_per_s": len(plain) / plain_s, "hf_tokens_per_s": len(reference) / hf_s,
-                   "identical": tokens == reference, "plain_identical": plain == reference},
+                   "identical": tokens == reference, "plain_identical": plain == reference,
+                   "divergences": found},
         "failures": failures,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

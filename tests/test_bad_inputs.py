@@ -221,3 +221,25 @@ def test_catalogue_names_only_tests_that_exist():
     for module, name in cited:
         source = (root / "tests" / f"{module}.py").read_text()
         assert f"def {name}(" in source, f"docs/bad-inputs.md cites {module}::{name}, which does not exist"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["distill", "--base", "nowhere", "--data", "nowhere.jsonl", "--out-dir", "out", "--skip-conversations", "-1"],
+     "--skip-conversations must be >= 0, got -1"),
+    (["profile", "--base", "nowhere", "--step-size", "0"], "--step-size values must be >= 1, got [0]"),
+    (["profile", "--base", "nowhere", "--engines", "static", "turbo"], "unknown engine(s) turbo: choose from"),
+])
+def test_profile_and_split_flags_are_refused_by_name_before_anything_loads(argv, message, capsys):
+    from medusa.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["validation_fraction", "held_out_fraction"])
+def test_split_fractions_outside_zero_one_are_refused(field):
+    from train.config import TrainConfig
+
+    for value in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=f"{field} must be in \\[0, 1\\), got {value}"):
+            TrainConfig(base="b", data="d", output_dir="o", **{field: value})

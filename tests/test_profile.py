@@ -15,10 +15,14 @@ from medusa.engines import AUTO, make_engine
 
 
 def fake_profile(key: dict, hf_ms: float, engines: dict[str, tuple[float, dict[int, float]]]) -> prof.MachineProfile:
-    """A profile with ``engines[name] = (plain ms/token, {n: forward ms})``."""
+    """A profile with ``engines[name] = (plain ms/token, {n: forward ms})``, the curve filled in at every measured
+    size (as a stored profile must be)."""
+    def filled(curve):
+        return {n: prof.interpolate(curve, n) / 1e3 for n in prof.STEP_SIZES}
+
     return prof.MachineProfile(
         key=key, hf_generate_token_s=hf_ms / 1e3,
-        engines={name: {"plain_token_s": plain / 1e3, "forward_s": {n: ms / 1e3 for n, ms in curve.items()},
+        engines={name: {"plain_token_s": plain / 1e3, "forward_s": filled(curve),
                         "scores_all_nodes": name == "onednn"} for name, (plain, curve) in engines.items()})
 
 
@@ -45,17 +49,18 @@ def test_auto_picks_the_faster_engine_on_an_amd_like_and_an_intel_like_profile()
 
 
 def test_interpolation_between_and_beyond_the_measured_sizes():
-    p = fake_profile({}, 50.0, {"static": (50.0, {1: 10.0, 4: 16.0, 8: 24.0})})
-    assert p.forward_s("static", 2) == pytest.approx(0.012)
-    assert p.forward_s("static", 12) == pytest.approx(0.032)  # along the last two sizes
-    assert p.cost_curve("static")[8] == pytest.approx(2.4)
+    curve = {1: 10.0, 4: 16.0, 8: 24.0}
+    assert prof.interpolate(curve, 2) == pytest.approx(12.0)
+    assert prof.interpolate(curve, 12) == pytest.approx(32.0)  # along the last two sizes
+    p = fake_profile({}, 50.0, {"static": (50.0, curve)})
+    assert p.forward_s("static", 3) == pytest.approx(0.014) and p.cost_curve("static")[8] == pytest.approx(2.4)
 
 
 def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
     model = tiny_model("llama")
     profile = prof.load_profile(model, folder=tmp_path)
     assert profile.path.is_file() and profile.path.parent == tmp_path / "profiles"
-    assert set(profile.usable()) == set(prof.CANDIDATES) and profile.hf_generate_token_s > 0
+    assert {"eager", "static"} <= set(profile.usable()) and profile.hf_generate_token_s > 0
     entry = profile.engines["static"]
     assert sorted(entry["forward_s"]) == list(prof.STEP_SIZES) and entry["plain_token_s"] > 0
     assert sorted(entry["batch_forward_s"]) == list(prof.BATCH_SIZES)
@@ -108,9 +113,19 @@ def test_a_profile_whose_key_does_not_match_is_measured_again_naming_the_mismatc
     assert profile.choose_engine(15).engine == "onednn"
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"key": {}, "engines": []}', '[1, 2]',
-                                     '{"key": {}, "engines": {"static": {"forward_s": {"1": -1.0}, '
-                                     '"plain_token_s": 0.1}}, "hf_generate_token_s": 0.1}', "\udcff"])
+def _stored(engines: str = "", hf: str = "0.05", drafters: str = "{}") -> str:
+    good = json.dumps({str(n): 0.01 * n for n in prof.STEP_SIZES})
+    engines = engines or f'{{"static": {{"forward_s": {good}, "plain_token_s": 0.05}}}}'
+    return f'{{"key": {{}}, "engines": {engines}, "hf_generate_token_s": {hf}, "drafters": {drafters}}}'
+
+
+@pytest.mark.parametrize("content", [
+    "{not json", '{"key": {}, "engines": []}', '[1, 2]', "\udcff",
+    _stored('{"static": {"forward_s": {"1": -1.0}, "plain_token_s": 0.1}}'),  # a negative timing, sizes missing
+    _stored('{"static": {"forward_s": {"1": 0.01, "16": 0.02}, "plain_token_s": 0.1}}'),  # sizes missing
+    _stored(hf="null"), _stored(hf="0"), _stored(hf='"fast"'),  # no HF baseline: the plain-decoding guard is off
+    _stored(drafters='{"heads": {"per_depth_s": []}}'), _stored(drafters='{"heads": 3}'),
+])
 def test_a_corrupt_profile_is_measured_again_with_a_warning(tmp_path, fast_measure, caplog, content):
     model = tiny_model("llama")
     path = prof.profile_path(prof.profile_key(model), tmp_path)
@@ -207,3 +222,89 @@ def test_gpu_profile_check_script_runs_on_the_cpu(tmp_path):
     assert not result["failures"] and result["decode"]["identical"] and result["decode"]["plain_identical"]
     assert result["bench_choice"]["engine"] in prof.CANDIDATES and result["bench_choice"]["reason"]
     assert Path(result["profile_path"]).is_file() and set(result["choices"]) == {"1", "16", "64"}
+
+
+def test_only_missing_or_failed_engines_are_measured_into_a_stored_profile(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    key = prof.profile_key(model)
+    stored = fake_profile(key, 50.0, {"static": AMD_LIKE["static"], "eager": AMD_LIKE["eager"]})
+    stored.engines["eager"] = {"error": "RuntimeError: out of memory"}
+    stored.save(prof.profile_path(key, tmp_path))
+    measured = []
+
+    def measure(profile, model, names, progress):
+        measured.extend(names)
+        for name in names:
+            profile.engines[name] = fake_profile(key, 50.0, {name: AMD_LIKE[name]}).engines[name]
+
+    monkeypatch.setattr(prof, "_measure_engines", measure)
+    profile = prof.load_profile(model, folder=tmp_path)
+    assert sorted(measured) == ["eager", "onednn"]  # static was there; eager had failed; onednn was missing
+    assert set(profile.usable()) == set(prof.CANDIDATES)
+    measured.clear()
+    prof.load_profile(model, folder=tmp_path)
+    assert measured == []  # complete now: read, not measured
+
+
+def test_an_engine_that_cannot_run_for_the_model_is_recorded_not_measured_as_another(monkeypatch, tmp_path):
+    monkeypatch.setattr(prof, "_why_not_here", lambda engine, model: "no oneDNN here" if engine == "onednn" else None)
+    measured = []
+
+    def measure(profile, model, names, progress):
+        measured.extend(names)
+        profile.engines.update({n: fake_profile({}, 50.0, {n: AMD_LIKE[n]}).engines[n] for n in names})
+
+    monkeypatch.setattr(prof, "_measure_engines", measure)
+    monkeypatch.setattr(prof, "time_hf_generate", lambda model: 0.05)
+    model = tiny_model("llama")
+    profile = prof.load_profile(model, folder=tmp_path)
+    assert measured == ["eager", "static"] and "no oneDNN here" in profile.engines["onednn"]["error"]
+    measured.clear()
+    assert prof.load_profile(model, folder=tmp_path).choose_engine(15).engine == "static" and measured == []
+
+
+def test_make_engine_with_no_name_runs_the_default_auto(monkeypatch, fast_measure, tmp_path):
+    import medusa.engines.base as engine_base
+
+    monkeypatch.setattr(engine_base, "DEFAULT_ENGINE", SHIPPED_DEFAULT_ENGINE)
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    engine = make_engine(None, tiny_model("llama"), step_size=15)
+    assert engine.name == "onednn" and engine.choice.engine == "onednn" and len(fast_measure) == 1
+
+
+def test_auto_falls_back_when_the_chosen_engine_cannot_be_made(monkeypatch, fast_measure, tmp_path, caplog):
+    from medusa.engines import ENGINES
+
+    class Broken(ENGINES["onednn"]):
+        def __init__(self, model, **options):
+            raise RuntimeError("no packed weights today")
+
+    monkeypatch.setitem(ENGINES, "onednn", Broken)
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="medusa.engines.base"):
+        engine = make_engine(AUTO, tiny_model("llama"), step_size=15)
+    assert engine.name == "static" and "the chosen onednn engine could not be made" in engine.choice.reason
+    assert "no packed weights today" in caplog.text
+
+
+def test_dtype_auto_through_the_cli_converts_the_model_and_the_bench_records_why(tmp_path, monkeypatch, capsys):
+    from tiny import save_cli_files
+
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx512f", "avx512_bf16"]})
+
+    def measure(model, candidates=prof.CANDIDATES, progress=None):
+        key = prof.profile_key(model)
+        scale = 0.5 if key["dtype"] == "bfloat16" else 1.0  # bf16 twice as fast; static the fastest engine
+        return fake_profile(key, 50.0, {name: (scale * plain, {n: scale * ms for n, ms in curve.items()})
+                                        for name, (plain, curve) in INTEL_LIKE.items()})
+
+    monkeypatch.setattr(prof, "measure_profile", measure)
+    base, prompts = save_cli_files(tmp_path, [{"prompt": "hello world"}])
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(tmp_path / "heads"), "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--dtype", "auto", "--engine", "auto", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "torch.bfloat16" and "bfloat16 pays here" in result["dtype_reason"]
+    assert result["engine"]["engine"] == "static" and result["profile"]["key"]["dtype"] == "bfloat16"
+    assert "--dtype auto: bfloat16 pays here" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from medusa.tools.bench import read_prompts
 from train.config import TrainConfig
-from train.data import Conversation, is_held_out, is_validation, split_conversations
+from train.data import Conversation, conversation_group, is_held_out, is_validation, split_conversations
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
 SHAREGPT = PROMPTS / "sharegpt-held-out.jsonl"
@@ -37,6 +37,25 @@ def test_sharegpt_set_is_in_the_held_out_split_never_train_or_validation():
     assert not set(ids) & ({c.id for c in train} | {c.id for c in val})
     assert val and all(is_validation(c.id, validation, seed) for c in val)  # the validation split exists
     assert not {c.id for c in val} & {c.id for c in held} and not {c.id for c in val} & {c.id for c in train}
+
+
+def test_no_chunk_of_a_frozen_prompts_conversation_is_trained_on_or_fitted_on():
+    """ShareGPT cuts a conversation into chunks ``<id>_<n>``: every other chunk of a frozen prompt's conversation is
+    kept out of the training and validation splits, and a conversation is never on two sides."""
+    ids = [r["id"] for r in read_prompts(SHAREGPT)]
+    groups = {conversation_group(i) for i in ids}
+    assert len(groups) < len(ids) or all("_" in i for i in ids)  # chunk ids, several from one conversation
+    siblings = [f"{g}_{n}" for g in groups for n in range(40)]
+    rng = random.Random(1)
+    others = [f"c{rng.randrange(10**9)}_{n}" for _ in range(800) for n in range(3)]
+    convs = [Conversation(i, []) for i in dict.fromkeys(siblings + others + ids)]
+    fraction, validation, seed = (DEFAULTS[k] for k in ("held_out_fraction", "validation_fraction", "seed"))
+    train, val, held = split_conversations(convs, fraction, validation, seed)
+    assert not groups & {conversation_group(c.id) for c in train + val}
+    by_side = [{conversation_group(c.id) for c in side} for side in (train, val, held)]
+    assert not (by_side[0] & by_side[1] or by_side[0] & by_side[2] or by_side[1] & by_side[2])
+    assert conversation_group("Ot1oxuK_7") == "Ot1oxuK" and conversation_group("c12") == "c12"
+    assert conversation_group("a_b") == "a_b" and conversation_group("_3") == "_3"
 
 
 def test_mt_bench_style_set_has_ten_prompts_per_category_interleaved():

@@ -22,7 +22,7 @@ NEEDS_REFERENCE = ("medusa prepare-model", "medusa train --config configs/smollm
 TINY_FLAGS = {
     "train": "--num-heads 3 --head-vocab-size 64 --max-seq-len 64 --batch-size 4 --max-steps 4 --eval-every 2 "
              "--warmup-steps 1 --learning-rate 0.01 --held-out-fraction 0.25 --distill-max-new-tokens 12 "
-             "--mixed-precision no",
+             "--mixed-precision no --validation-fraction 0.25",
     "distill": "--max-new-tokens 8 --held-out-fraction 0.25 --batch-size 8",
     "build-tree": "--limit 4 --top-k 4 --max-nodes 6",
     "generate": "--max-new-tokens 8",
@@ -53,8 +53,8 @@ def test_usage_lists_the_whole_path():
     assert [c for c in commands if c.startswith(NEEDS_REFERENCE)] == [c for c in commands if "prepare-model" in c
                                                                        or "configs/smollm2" in c]
     verbs = [shlex.split(c, comments=True)[1] for c in commands if not c.startswith(NEEDS_REFERENCE)]
-    assert verbs == ["distill", "train", "build-tree", "generate", "generate", "generate", "held-out-prompts", "bench",
-                     "eval-heads", "plot"]
+    assert verbs == ["distill", "train", "profile", "build-tree", "generate", "generate", "generate",
+                     "held-out-prompts", "bench", "eval-heads", "plot"]
 
 
 @pytest.mark.slow

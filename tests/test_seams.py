@@ -298,3 +298,19 @@ def test_a_registered_acceptance_rule_is_chosen_by_name_and_names_are_not_taken_
             resolve_decoding(do_sample=True, acceptance="nope")
     finally:
         acceptance._RULES.pop("test-always-reject")
+
+
+def test_setting_the_model_tree_makes_the_drafter_draft_on_it():
+    """``model.tree = ...`` (what the CLI's --lookup does) decodes on the new tree, not the one the model was made
+    with."""
+    base = tiny_model("llama")
+    tree = Tree.from_paths([[0], [0, 0]], lookup_length=4)
+    model = MedusaModel(base, random_heads(base, 2), tree, engine="static")
+    assert model.drafter.max_nodes == 1 + 2 + 4
+    model.tree = tree.with_lookup(0)
+    assert model.drafter.max_nodes == 1 + 2 and model.tree.lookup_length == 0
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
+    tokens, stats = model.generate(ids, max_new_tokens=10)
+    assert tokens == hf_greedy(base, ids, 10) and max(stats.accepted_per_step) <= 2
+    with pytest.raises(ValueError):
+        model.tree = Tree.from_paths([[0], [0, 0], [0, 0, 0]])  # three levels for two heads

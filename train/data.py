@@ -267,23 +267,39 @@ def is_validation(conv_id: str, fraction: float, seed: int) -> bool:
     return is_held_out(f"{VALIDATION_SALT}:{conv_id}", fraction, seed)
 
 
+def conversation_group(conv_id: str) -> str:
+    """The conversation a record is part of. ShareGPT cuts long conversations into chunks ``<id>_<n>`` (``Ot1oxuK_7``
+    is chunk 7 of ``Ot1oxuK``); a record's chunks are one conversation, so they must fall on one side of a split.
+    Ids without a ``_<digits>`` suffix are their own group."""
+    head, sep, tail = conv_id.rpartition("_")
+    return head if sep and head and tail.isdigit() else conv_id
+
+
 def split_conversations(convs: list[Conversation], held_out_fraction: float, validation_fraction: float,
                         seed: int) -> tuple[list[Conversation], list[Conversation], list[Conversation]]:
-    """Split into ``(train, validation, held_out)`` deterministically, by hashes of the conversation ids.
+    """Split into ``(train, validation, held_out)`` deterministically, by hashes of the conversation ids, with no
+    conversation (:func:`conversation_group`: the chunks of one ShareGPT conversation) on two sides.
 
     - held-out (:func:`is_held_out`): for evaluation and benchmarks only (the frozen prompt sets under
       ``benchmarks/prompts/`` are first prompts of held-out conversations);
-    - validation (:func:`is_validation`, taken from the rest): what trees and calibrations are fitted on
-      (``medusa build-tree --data .../distilled_validation.jsonl``), never trained on;
-    - train: the rest.
+    - validation (:func:`is_validation`, among the rest, leaving out chunks of a conversation with a held-out chunk):
+      what trees and calibrations are fitted on (``medusa build-tree --data .../distilled_validation.jsonl``), never
+      trained on;
+    - train: the rest, leaving out chunks of a conversation with a held-out or a validation chunk.
 
-    The three are disjoint by construction and independent of file order and machine.
+    The three are disjoint by construction (also by conversation), and independent of file order and machine.
     """
-    train, held = split_held_out(convs, held_out_fraction, seed)
-    kept, validation = [], []
-    for conv in train:
-        (validation if is_validation(conv.id, validation_fraction, seed) else kept).append(conv)
-    return kept, validation, held
+    rest, held = split_held_out(convs, held_out_fraction, seed)
+    held_groups = {conversation_group(c.id) for c in held}
+    rest = [c for c in rest if conversation_group(c.id) not in held_groups]
+    validation = [c for c in rest if is_validation(c.id, validation_fraction, seed)]
+    validation_groups = {conversation_group(c.id) for c in validation}
+    train = [c for c in rest if conversation_group(c.id) not in validation_groups]
+    left_out = len(convs) - len(held) - len(validation) - len(train)
+    if left_out:
+        logger.info("split: %d chunks of conversations with a held-out or validation chunk left out of training",
+                    left_out)
+    return train, validation, held
 
 
 def first_prompt(conv: Conversation) -> list[dict]:

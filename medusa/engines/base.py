@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 """The engine name that means: choose from this machine's measured profile (:func:`medusa.profile.auto_engine`)."""
 DEFAULT_ENGINE = AUTO
-"""The engine used when none is named (read when an engine is made, so a caller may set it first). Speed choices
-fixed on one CPU were wrong on the next (docs/engines.md), so the default is measured, not a constant."""
+"""The engine used when none is named (``make_engine(None, ...)`` reads it from this module when called). Speed
+choices fixed on one CPU were wrong on the next (docs/engines.md), so the default is measured, not a constant; name
+an engine to choose one."""
 
 _SDPA_ENABLED = {  # kernel -> whether torch allows it now (torch keeps these flags process-wide)
     SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
@@ -259,18 +260,23 @@ def make_engine(name: str | None, model, max_cache_len: int | None = None, step_
     import medusa.engines  # noqa: F401 - the built-in engines register themselves on import
 
     name = DEFAULT_ENGINE if name is None else name
-    choice = None
-    if name == AUTO:
-        from medusa.profile import auto_engine
-
-        choice = auto_engine(model, step_size or 1)
-        name = choice.engine
-    cls = ENGINES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join([AUTO, *ENGINES])}")
     if max_cache_len is not None:
         options["max_cache_len"] = max_cache_len
-    engine = cls(model, **options)
+    if name != AUTO:
+        cls = ENGINES.get(name)
+        if cls is None:
+            raise ValueError(f"unknown engine {name!r}: choose one of {', '.join([AUTO, *ENGINES])}")
+        return cls(model, **options)
+    from medusa.profile import FALLBACK_ENGINE, EngineChoice, auto_engine
+
+    choice = auto_engine(model, step_size or 1)
+    try:
+        engine = ENGINES[choice.engine](model, **options)
+    except Exception as e:  # noqa: BLE001 - auto never fails where the fallback engine runs; it says why
+        reason = f"{FALLBACK_ENGINE}: the chosen {choice.engine} engine could not be made ({type(e).__name__}: {e})"
+        logger.warning("--engine auto: %s", reason)
+        choice = EngineChoice(FALLBACK_ENGINE, reason, choice.step_size, choice.profile)
+        engine = ENGINES[FALLBACK_ENGINE](model, **options)
     engine.choice = choice
     return engine
 

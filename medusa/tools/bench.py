@@ -385,11 +385,15 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost read from this machine's profile (a verify
     forward over the tree's nodes after :data:`medusa.profile.PREFIX_LEN` cached tokens, relative to one token,
     through the bench's engine): the seed's analysis next to the measured figures."""
-    from medusa.profile import ensure_engine, load_profile
+    from medusa.profile import load_profile, stderr_progress, time_forwards
 
-    profile = ensure_engine(load_profile(model.base), model.base, model.engine.name)
-    nodes = model.tree.num_nodes
-    cost = profile.forward_s(model.engine.name, nodes) / profile.forward_s(model.engine.name, 1)
+    name, nodes = model.engine.name, model.tree.num_nodes
+    profile = load_profile(model.base, progress=stderr_progress)
+    if "forward_s" in profile.engines.get(name, {}):
+        cost = profile.forward_s(name, nodes) / profile.forward_s(name, 1)
+    else:  # not in the profile (compiled: each size compiles): the two sizes this bench ran, on its own engine
+        times = time_forwards(model.engine, model.base, sizes=(1, nodes))
+        cost = times[nodes] / times[1]
     return {**chain_prediction(result["accepted_histogram"], cost), "step_cost": cost}
 
 
