@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Bumped when what a profile holds or how it is measured changes: an older file is measured again."""
 PREFIX_LEN = 256
 """Cached tokens before the timed forwards (a typical prompt plus some answer)."""
@@ -57,7 +56,8 @@ BATCH_PREFIX_LEN = 64
 PLAIN_TOKENS = 16
 """Tokens decoded per timing of plain decoding and of ``generate``."""
 REPEATS = 3
-"""Timings per size (the median is kept; one untimed round first)."""
+"""Timings per size, after one untimed round; the fastest is kept (interference from the rest of the machine only
+ever adds time, so the minimum of a few rounds is the steadier estimate of a forward's own cost)."""
 CANDIDATES = ("eager", "static", "onednn")
 """The engines ``auto`` chooses among. ``compiled`` is not one: it compiles each step size for about a minute on
 two cores, so it stays opt-in (``--engine compiled``)."""
@@ -380,17 +380,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
+def _best(values: list[float]) -> float:
+    return min(values)
 
 
 @torch.inference_mode()
 def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefix_len: int = PREFIX_LEN
                   ) -> dict[int, float]:
-    """Median seconds of one forward over n new tokens after ``prefix_len`` cached ones, through ``engine``, for each
-    n in ``sizes`` (interleaved across sizes, one untimed round first). The lm_head is applied as decoding applies it
-    on that engine (:attr:`medusa.engines.Engine.scores_all_nodes`): to all n rows, or to one (the walk along the
-    accepted path asks for about tau rows, one at a time)."""
+    """Seconds of one forward over n new tokens after ``prefix_len`` cached ones, through ``engine``, for each n in
+    ``sizes``: the fastest of ``repeats`` rounds interleaved across sizes, after one untimed round. The lm_head is
+    applied as decoding applies it on that engine (:attr:`medusa.engines.Engine.scores_all_nodes`): to all n rows, or
+    to one (the walk along the accepted path asks for about tau rows, one at a time)."""
     from medusa.engines import kv_cache
 
     device, vocab = model.device, model.config.get_text_config(decoder=True).vocab_size
@@ -414,7 +414,7 @@ def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefi
             if round_:
                 times[n].append(time.perf_counter() - start)
             engine.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
-    return {n: _median(t) for n, t in times.items()}
+    return {n: _best(t) for n, t in times.items()}
 
 
 @torch.inference_mode()
@@ -443,7 +443,7 @@ def time_batch_forwards(engine, model, batch: int, sizes=BATCH_STEP_SIZES, repea
             if round_:
                 times[n].append(time.perf_counter() - start)
             engine.keep_row_paths(cache, prefix_len, valid_len, empty)
-    return {n: _median(t) for n, t in times.items()}
+    return {n: _best(t) for n, t in times.items()}
 
 
 @torch.inference_mode()

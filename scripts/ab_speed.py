@@ -102,7 +102,7 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES))
     parser.add_argument("--base", default="models/smollm2-135m-instruct")
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-hydra")
-    parser.add_argument("--prompts", default="data/held_out_prompts.jsonl")
+    parser.add_argument("--prompts", default="benchmarks/prompts/sharegpt-held-out.jsonl")
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)

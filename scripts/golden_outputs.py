@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--real", action="store_true", help="also the prepared SmolLM2-135M-Instruct")
     parser.add_argument("--base", default="models/smollm2-135m-instruct")
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-hydra")
-    parser.add_argument("--prompts", default="data/held_out_prompts.jsonl")
+    parser.add_argument("--prompts", default="benchmarks/prompts/sharegpt-held-out.jsonl")
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-batch", action="store_true", help="leave out batched decoding")

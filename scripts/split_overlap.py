@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--base", required=True, help="base model folder (for its tokenizer)")
     p.add_argument("--validation", required=True, help="distilled validation answers (JSON lines)")
     p.add_argument("--limit", type=int, default=64, help="validation answers the tree was fitted on (build-tree's)")
+    p.add_argument("--scan", type=int, default=20000, help="conversations scanned for held-out chunks")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -53,14 +54,22 @@ def main(argv=None) -> int:
     trained = shipped_training_ids(tokenizer)
     lines = Path(args.validation).read_text(encoding="utf-8").splitlines()[: args.limit]
     validation = [json.loads(line)["id"] for line in lines]
-    group = {name: {conversation_group(i) for i in ids}
-             for name, ids in (("frozen", frozen), ("trained", trained), ("validation", validation))}
+    convs, _ = load_conversations("sharegpt", limit=args.scan)
+    _, held = split_held_out(convs, 0.02, 0)
+    held = [c.id for c in held]
+    group = {name: {conversation_group(i) for i in ids} for name, ids in
+             (("frozen", frozen), ("trained", trained), ("validation", validation), ("held", held))}
     result = {
         "frozen_prompts": len(frozen), "frozen_conversations": len(group["frozen"]),
         "trained_answers": len(trained), "validation_answers": len(validation),
         "frozen_conversations_also_trained_on": sorted(group["frozen"] & group["trained"]),
         "frozen_conversations_in_validation": sorted(group["frozen"] & group["validation"]),
         "validation_conversations_also_trained_on": sorted(group["validation"] & group["trained"]),
+        "frozen_prompts_of_those_conversations": sorted(i for i in frozen if conversation_group(i) in
+                                                        group["frozen"] & group["trained"]),
+        "scanned_conversations": len(convs),
+        "validation_conversations_with_a_held_out_chunk": sorted(group["validation"] & group["held"]),
+        "trained_conversations_with_a_held_out_chunk": sorted(group["trained"] & group["held"]),
         "frozen_ids_trained_on_exactly": sorted(set(frozen) & set(trained)),
         "validation_ids_trained_on_exactly": sorted(set(validation) & set(trained)),
     }
