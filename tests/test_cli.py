@@ -104,6 +104,7 @@ def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     root, base, prompts = setup
     monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    monkeypatch.setattr("medusa.tools.bench.running_elsewhere", lambda: 63)  # busy now, not only a minute ago
     out = tmp_path / "bench.json"
     assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
                  "--limit", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "--plot",
@@ -134,6 +135,7 @@ def test_bench_plot_needs_out(setup, capsys):
 def test_generate_stats_warns_on_a_busy_machine(setup, monkeypatch, capsys):
     root, base, _ = setup
     monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    monkeypatch.setattr("medusa.tools.bench.running_elsewhere", lambda: 63)  # busy now, not only a minute ago
     args = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hello world",
             "--max-new-tokens", "4"]
     assert main(args) == 0

@@ -81,15 +81,33 @@ def test_no_history_draws_nothing(tmp_path):
 
 
 def test_load_warning_with_a_fake_load_average():
-    busy = machine_load(2, loadavg=lambda: (1.5, 1.2, 1.0), cores=2)
+    unknown = lambda: None  # noqa: E731 - no /proc/stat: the load average alone decides
+    busy = machine_load(2, loadavg=lambda: (1.5, 1.2, 1.0), cores=2, running=unknown)
     assert busy["load_1min"] == 1.5 and busy["threads"] == 2
     assert "load average 1.5 on 2 cores" in busy["warning"] and "pass --threads 1" in busy["warning"]
-    assert "--threads" not in machine_load(1, loadavg=lambda: (1.5, 1.2, 1.0), cores=2)["warning"]
-    assert "--threads 2" in machine_load(4, loadavg=lambda: (1.2, 1.0, 1.0), cores=4)["warning"]
+    assert "--threads" not in machine_load(1, loadavg=lambda: (1.5, 1.2, 1.0), cores=2, running=unknown)["warning"]
+    assert "--threads 2" in machine_load(4, loadavg=lambda: (1.2, 1.0, 1.0), cores=4, running=unknown)["warning"]
     assert machine_load(2, loadavg=lambda: (0.2, 0.3, 0.1), cores=4)["warning"] is None
     assert machine_load(1, loadavg=lambda: None, cores=2) == {"load_1min": None, "load_5min": None,
-                                                              "load_15min": None, "cores": 2, "threads": 1,
-                                                              "warning": None}
+                                                              "load_15min": None, "running_elsewhere": None,
+                                                              "cores": 2, "threads": 1, "warning": None}
+    # The average lags: a job that just ended still shows in it. Nothing running elsewhere now: no warning.
+    ended = machine_load(2, loadavg=lambda: (1.6, 1.2, 1.0), cores=2, running=lambda: 0)
+    assert ended["warning"] is None and ended["running_elsewhere"] == 0
+    competing = machine_load(2, loadavg=lambda: (1.6, 1.2, 1.0), cores=2, running=lambda: 1)
+    assert "(1 task running elsewhere now)" in competing["warning"]
+
+
+def test_running_elsewhere_reads_proc_stat():
+    from pathlib import Path
+
+    from medusa.tools.bench import running_elsewhere
+
+    now = running_elsewhere(samples=2, interval_s=0.0)
+    if Path("/proc/stat").is_file():
+        assert isinstance(now, int) and now >= 0
+    else:
+        assert now is None
 
 
 def test_plot_command_dispatches_on_the_json(tmp_path, capsys):

@@ -410,41 +410,68 @@ def load_average() -> tuple[float, float, float] | None:
 LOAD_SLACK = 0.45
 
 
-def machine_load(threads: int, loadavg=None, cores: int | None = None) -> dict:
+def running_elsewhere(samples: int = 5, interval_s: float = 0.05) -> int | None:
+    """Tasks running on the CPUs right now besides this one (``procs_running`` of ``/proc/stat``, the fewest over
+    ``samples`` readings, this reader taken off), or ``None`` where there is no ``/proc/stat``."""
+    counts = []
+    for i in range(samples):
+        try:
+            text = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+        line = next((x for x in text.splitlines() if x.startswith("procs_running")), None)
+        if line is None:
+            return None
+        counts.append(int(line.split()[1]) - 1)
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return max(min(counts), 0)
+
+
+def machine_load(threads: int, loadavg=None, cores: int | None = None, running=None) -> dict:
     """The machine's load next to the threads in use, and a warning when they do not fit.
 
     The 1-minute load average counts runnable processes; what is left of the cores for this process is roughly
     ``cores - load``. When that is below ``threads``, torch's threads wait on each other and on the other work, and
     timings (and a speedup measured from them) say little: one busy process next to them can cut the throughput of
-    as many threads as cores by an order of magnitude, where one thread fewer loses far less.
+    as many threads as cores by an order of magnitude, where one thread fewer loses far less. The average lags by
+    about a minute, so a job that has just ended (the step before, in a script) still shows in it: the warning is
+    given only when tasks are also running elsewhere right now (:func:`running_elsewhere`), where that can be read.
 
     Args:
         threads: torch CPU threads in use.
         loadavg: callable returning ``(1min, 5min, 15min)`` or ``None``; :func:`load_average` when ``None``
             (tests pass a fake one).
         cores: usable cores; :func:`medusa.profile.usable_cores` when ``None``.
+        running: callable returning the tasks running elsewhere now, or ``None`` when unknown;
+            :func:`running_elsewhere` when ``None``.
 
     Returns:
-        ``{"load_1min", "load_5min", "load_15min", "cores", "threads", "warning"}``; loads are ``None`` and
-        ``warning`` is ``None`` when the platform has no load average.
+        ``{"load_1min", "load_5min", "load_15min", "running_elsewhere", "cores", "threads", "warning"}``; loads
+        are ``None`` and ``warning`` is ``None`` when the platform has no load average.
     """
     from medusa.profile import usable_cores
 
     loads = (loadavg or load_average)()
     cores = cores or usable_cores()
-    out = {"load_1min": None, "load_5min": None, "load_15min": None, "cores": cores, "threads": threads,
-           "warning": None}
+    out = {"load_1min": None, "load_5min": None, "load_15min": None, "running_elsewhere": None, "cores": cores,
+           "threads": threads, "warning": None}
     if loads is None:
         return out
     out.update(load_1min=round(loads[0], 2), load_5min=round(loads[1], 2), load_15min=round(loads[2], 2))
     free = cores - loads[0]
     if threads > free + LOAD_SLACK:
+        now = (running or running_elsewhere)()
+        out["running_elsewhere"] = now
+        if now is not None and threads <= cores - now:
+            return out  # the average still holds a job that has ended: nothing competes now
         fewer = max(int(free), 1)
         advice = f" or pass --threads {fewer}" if fewer < threads else ""
         plural = "s" if threads != 1 else ""
+        busy_now = "" if now is None else f" ({now} task{'s' if now != 1 else ''} running elsewhere now)"
         out["warning"] = (f"load average {loads[0]:.1f} on {cores} cores leaves about {max(free, 0):.1f} free for "
-                          f"{threads} torch thread{plural}: timings are unreliable. Wait until the machine is "
-                          f"idle{advice}.")
+                          f"{threads} torch thread{plural}{busy_now}: timings are unreliable. Wait until the machine "
+                          f"is idle{advice}.")
     return out
 
 

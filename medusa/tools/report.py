@@ -6,6 +6,8 @@ as JSON); no model, no timing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def speedup_text(value) -> str:
     """A ratio as ``1.234x`` (anything else, a missing value or "not timed", as :func:`fmt` writes it)."""
@@ -31,7 +33,7 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
                 ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
                 ("machine", machine_text(r)),
-                ("machine profile", (r.get("profile") or {}).get("path", "not recorded")),
+                ("machine profile", Path((r.get("profile") or {}).get("path", "not recorded")).name),
                 ("identical prompts", fmt(r["identical"])),
                 ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
