@@ -483,24 +483,11 @@ def time_hf_generate(model, tokens: int = PLAIN_TOKENS, runs: int = 2, prefix_le
             raise ValueError(f"HF generate returned {out.shape[1] - prefix_len} new tokens where {n} were asked")
         return time.perf_counter() - start
 
-    with _quiet_generate(model):
-        one, many = [], []
-        for _ in range(runs):  # the first pair warms up; the best of each is kept
-            one.append(run(1))
-            many.append(run(1 + tokens))
+    one, many = [], []
+    for _ in range(runs):  # the first pair warms up; the best of each is kept
+        one.append(run(1))
+        many.append(run(1 + tokens))
     return max(min(many) - min(one), 1e-9) / tokens
-
-
-@contextlib.contextmanager
-def _quiet_generate(model):
-    """Silence transformers' notices about generation flags for the timing calls (the base's own generation config
-    is left as it is)."""
-    level = logging.getLogger("transformers.generation.utils").level
-    logging.getLogger("transformers.generation.utils").setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.getLogger("transformers.generation.utils").setLevel(level)
 
 
 def _measure_engines(profile: MachineProfile, model, names, progress) -> None:
