@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N",
                    help="also time Hugging Face generate with its prompt lookup decoding (prompt_lookup_num_tokens "
                         "N), greedy only; 0: off")
+    p.add_argument("--fixed-tree", metavar="FILE",
+                   help="also time the heads on this fixed tree file (e.g. build-tree's, fitted on the validation "
+                        "split), greedy only: the per-step tree against it in one process")
     p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
                    help="batched bench instead: tokens/s of plain, Medusa and HF generate (left padding) decoding "
                         "at each batch size B (e.g. 1 4 16), greedy")
@@ -176,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="do not draw <out>.report.png")
     p.set_defaults(func=cmd_build_tree)
 
+    p = add_command("calibrate", "measure how often the heads' drafts are accepted, by confidence (and the lookup "
+                    "chain's, by matched n-gram): heads/calibration.json, which turns on the per-step tree")
+    p.add_argument("--base", required=True, help="base model folder the heads were trained on")
+    p.add_argument("--heads", required=True, help="Medusa heads folder (calibration.json is written into it)")
+    p.add_argument("--data", required=True,
+                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
+                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
+    p.add_argument("--limit", type=int, default=None, help="use the first N sequences (default: all)")
+    p.add_argument("--top-k", type=int, default=8, help="ranks per head measured (the most a per-step tree uses)")
+    p.add_argument("--lookup-length", type=int, default=16, help="prompt-lookup chain positions measured")
+    p.add_argument("--lookup-ngram", type=int, default=3, help="longest context n-gram prompt lookup matches")
+    p.add_argument("--out", help="file to write (default: HEADS/calibration.json)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.set_defaults(func=cmd_calibrate)
+
     p = add_command("plot", "draw a bench JSON, a build-tree report or a training run folder to PNG")
     p.add_argument("inputs", nargs="+", metavar="PATH",
                    help="bench JSON, <tree>.report.json, or a training output_dir (its eval_history.jsonl)")
@@ -220,7 +239,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="base model folder (or hub id)")
     p.add_argument("--heads", required=True, help="Medusa heads folder")
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
-    p.add_argument("--tree", help="tree file (default: tree.json in the heads folder, else the top-1 chain)")
+    p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
+                                  "folder holds calibration.json, else its tree.json, else the top-1 chain)")
+    p.add_argument("--per-step-tree", choices=["auto", "on", "off"], default="auto",
+                   help="grow each step's tree from the heads' calibrated confidence and this machine's measured "
+                        "cost; auto: when the heads folder holds calibration.json and no --tree is given")
+    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
+                   help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="prompt lookup: a chain of N tokens copied from the context, verified with the heads' tree "
                         "(overrides the tree file's; 0: none)")
@@ -262,10 +287,14 @@ def _sampling_kwargs(args) -> dict:
             "seed": args.seed, "acceptance": args.acceptance}
 
 
-def _load(args):
+def _load(args, per_step_allowed: bool = True):
+    """The model the decoding flags describe. Which tree each step verifies: ``--tree`` forces that fixed tree;
+    otherwise heads whose folder holds ``calibration.json`` get the per-step tree (``--per-step-tree``); otherwise
+    the folder's ``tree.json``, or the top-1 chain, with a note on how to calibrate. ``per_step_allowed`` False
+    (build-tree, which fits a fixed tree) never takes the per-step tree."""
     import torch
 
-    from medusa.model import MedusaModel
+    from medusa.model import CALIBRATION_NOTE, MedusaModel
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -279,27 +308,72 @@ def _load(args):
         (dtype, reason), measure_dtype = cuda_dtype(device), False
     check_dtype(dtype, device)
     _check_lookup_flags(args)
+    per_step = _per_step_choice(args) if per_step_allowed else False
     # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
     # for is made: `auto` reads the profile for this tree's step size and this dtype.
     model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
-                                        adapter=args.adapter, engine="eager")
-    if args.lookup is not None or args.lookup_ngram is not None:
+                                        adapter=args.adapter, engine="eager", per_step=False)
+    if not per_step and (args.lookup is not None or args.lookup_ngram is not None):
         length = model.tree.lookup_length if args.lookup is None else args.lookup
         model.tree = model.tree.with_lookup(length, args.lookup_ngram)
     model.dtype_reason = reason
+    max_nodes = getattr(args, "max_tree_nodes", None)
+    typical = min(16, max_nodes or 16) if per_step else None
     if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
         from medusa.profile import choose_dtype
 
-        chosen, model.dtype_reason = choose_dtype(model.base, model.drafter.max_nodes)
+        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes)
         if chosen != dtype:
             model.base.to(chosen)
             model.heads.to(chosen)
     if model.dtype_reason:
         print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
-    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len)
+    model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
+    if per_step:
+        options = {"lookup_length": args.lookup} if args.lookup is not None else {}
+        if max_nodes is not None:
+            options["max_nodes"] = max_nodes
+        model.use_per_step_tree(args.heads, **options)
+        calibration = model.drafter.calibration
+        if args.lookup_ngram is not None and args.lookup_ngram != calibration.lookup_max_ngram:
+            raise ValueError(f"--lookup-ngram {args.lookup_ngram}: the heads' calibration measured the lookup chain "
+                             f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
+                             f"--lookup-ngram {args.lookup_ngram}, or drop the flag)")
+        print(f"per-step tree: up to {model.drafter.max_nodes} nodes, from {Path(args.heads) / 'calibration.json'} "
+              f"and this machine's profile", file=sys.stderr)
+    elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
+        print(f"note: {CALIBRATION_NOTE}", file=sys.stderr)
     return model
+
+
+def _per_step_choice(args) -> bool:
+    """Whether decoding takes the per-step tree (see :func:`_load`); contradicting flags are refused by name,
+    before any model loads."""
+    from medusa.drafters.calibration import CALIBRATION_FILE_NAME
+
+    calibrated = (Path(args.heads) / CALIBRATION_FILE_NAME).is_file()
+    mode, max_nodes = getattr(args, "per_step_tree", "auto"), getattr(args, "max_tree_nodes", None)
+    if args.tree is not None and mode == "on":
+        raise ValueError("--tree forces one fixed tree every step and --per-step-tree on asks for a tree grown each "
+                         "step: pass one of them")
+    if args.tree is not None and max_nodes is not None:
+        raise ValueError("--max-tree-nodes sizes the per-step tree, but --tree forces a fixed tree: drop one")
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"--max-tree-nodes must be >= 1, got {max_nodes}")
+    if mode == "on" and not calibrated:
+        raise ValueError(f"--per-step-tree on needs {Path(args.heads) / CALIBRATION_FILE_NAME}, which is missing: "
+                         f"`medusa calibrate --base BASE --heads {args.heads} --data VALIDATION.jsonl` measures it")
+    per_step = mode == "on" or (mode == "auto" and calibrated and args.tree is None)
+    if max_nodes is not None and not per_step:
+        raise ValueError(f"--max-tree-nodes sizes the per-step tree, which is off here (--per-step-tree {mode}"
+                         f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
+    if per_step:  # a damaged file is refused now, before the base loads
+        from medusa.drafters.calibration import load_calibration
+
+        load_calibration(Path(args.heads) / CALIBRATION_FILE_NAME)
+    return per_step
 
 
 def _check_lookup_flags(args) -> None:
@@ -438,8 +512,8 @@ def cmd_generate(args) -> int:
         print()
     if args.stats:
         print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
-              f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {model.tree.name} "
-              f"({model.tree.num_nodes - 1} nodes + root)", file=sys.stderr)
+              f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {_tree_text(model, stats)}",
+              file=sys.stderr)
     return 0
 
 
@@ -474,8 +548,18 @@ def _generate_batched(args) -> int:
             taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
             print(f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
                   f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
-                  f"{model.tree.name} ({model.tree.num_nodes} nodes)", file=sys.stderr)
+                  f"{_tree_text(model, stats.rows[0])}", file=sys.stderr)
     return 0
+
+
+def _tree_text(model, stats) -> str:
+    """The tree a decode used, for ``--stats``: the fixed tree's name and size, or the per-step tree's sizes."""
+    if not model.per_step:
+        return f"{model.tree.name} ({model.tree.num_nodes - 1} nodes + root)"
+    sizes = stats.tree_nodes or [1]
+    plain = sum(n == 1 for n in sizes) / len(sizes)
+    return (f"per-step, {sum(sizes) / len(sizes):.1f} nodes on average (root included), {min(sizes)}-{max(sizes)}, "
+            f"{100 * plain:.0f}% plain steps")
 
 
 def cmd_bench(args) -> int:
@@ -492,7 +576,14 @@ def cmd_bench(args) -> int:
         pyplot()  # fail now, not after the run, when matplotlib is missing
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
+    fixed_tree = None
+    if args.fixed_tree:
+        from medusa.decode.tree import load_tree
+
+        fixed_tree = load_tree(args.fixed_tree)  # refused before the model loads when damaged
     model = _load(args)
+    if fixed_tree is not None:
+        fixed_tree.check_fits(model.heads.config.num_heads, model.heads.head_vocab_size)
     load = machine_load(torch.get_num_threads())
     _warn(load["warning"])
     if args.batch_size:
@@ -505,11 +596,16 @@ def cmd_bench(args) -> int:
             line += f"  {record['speedup_vs_hf']:.2f}x hf"
         if record.get("speedup_vs_plain") is not None:
             line += f"  {record['speedup_vs_plain']:.2f}x plain"
+        if record.get("speedup_vs_fixed") is not None:
+            line += f"  {record['speedup_vs_fixed']:.2f}x fixed"
+        if model.per_step:
+            line += f"  nodes {record['mean_tree_nodes']:.1f}"
         print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
 
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
                        use_chat_template=not args.no_chat_template, progress=progress,
-                       sampling=_sampling_kwargs(args), hf_prompt_lookup=args.hf_prompt_lookup)
+                       sampling=_sampling_kwargs(args), hf_prompt_lookup=args.hf_prompt_lookup,
+                       fixed_tree=fixed_tree)
     result["prompts_file"] = str(args.prompts)
     result["load"] = load
     if args.drift_data:
@@ -593,7 +689,7 @@ def cmd_eval_heads(args) -> int:
     from medusa.tools.bench import read_distilled_sequences
     from medusa.tools.calibrate import rank_accuracy
 
-    model = _load(args)
+    model = _load(args, per_step_allowed=False)
     sequences = read_distilled_sequences(args.data, args.limit)
     accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
     top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
@@ -658,13 +754,41 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from medusa.base import load_base
+    from medusa.io.checkpoint import check_heads_folder, load_heads
+    from medusa.tools.bench import read_distilled_sequences
+    from medusa.tools.calibrate import calibrate_heads
+
+    if args.top_k < 1 or args.lookup_length < 0 or args.lookup_ngram < 1:
+        raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {args.top_k}, "
+                         f"{args.lookup_length} and {args.lookup_ngram}")
+    check_heads_folder(args.heads)
+    sequences = read_distilled_sequences(args.data, args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base, _ = load_base(args.base, torch.float32, device)
+    heads = load_heads(args.heads, base.get_output_embeddings().weight,
+                       embed_weight=base.get_input_embeddings().weight).to(device)
+    start = time.perf_counter()
+    calibration, path = calibrate_heads(base, heads, args.heads, sequences, args.top_k, args.lookup_length,
+                                        args.lookup_ngram, {"data": str(args.data), "limit": args.limit}, args.out)
+    print(f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}")
+    print(f"measured on {len(sequences)} sequences ({calibration.source['positions']} positions) -> {path} "
+          f"({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
 def cmd_build_tree(args) -> int:
     from medusa.decode.tree import save_tree
     from medusa.tools.bench import read_distilled_sequences
     from medusa.tools.calibrate import build_tree
     from medusa.tools.plots import plot_tree_report
 
-    model = _load(args)
+    model = _load(args, per_step_allowed=False)
     sequences = read_distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

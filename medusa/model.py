@@ -23,6 +23,8 @@ from medusa.io.checkpoint import check_heads_folder, load_heads
 logger = logging.getLogger(__name__)
 
 TREE_FILE_NAME = "tree.json"
+CALIBRATION_NOTE = ("the heads folder has no calibration.json, so every step uses one fixed tree; `medusa calibrate "
+                    "--base BASE --heads DIR --data VALIDATION.jsonl` measures one and turns on the per-step tree")
 
 
 class MedusaModel(nn.Module):
@@ -51,7 +53,7 @@ class MedusaModel(nn.Module):
         """Why this dtype, when ``--dtype auto`` chose it (:func:`medusa.profile.choose_dtype`)."""
         self.use_engine(engine, **engine_options)
 
-    def use_engine(self, name: str | None = None, **options) -> None:
+    def use_engine(self, name: str | None = None, step_size: int | None = None, **options) -> None:
         """Decode through the engine ``name`` (:func:`medusa.engines.make_engine`; ``options`` go to it, e.g.
         ``scores_all_nodes=``; ``None``: the default, ``"auto"``: chosen from this machine's profile for steps of
         this model's tree). The engine declares whether one lm_head product over all tree nodes or one row at a
@@ -59,32 +61,97 @@ class MedusaModel(nn.Module):
         same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
-        self.engine = make_engine(name, self.base, step_size=self.drafter.max_nodes, **options)
+        step_size = step_size or getattr(self.drafter, "typical_nodes", self.drafter.max_nodes)
+        self.engine = make_engine(name, self.base, step_size=step_size, **options)
+
+    def use_per_step_tree(self, calibration, profile=None, **options) -> None:
+        """Decode with a tree grown each step from the heads' calibrated confidence and this machine's measured
+        cost (:class:`medusa.drafters.per_step.PerStepDrafter`), through the current engine.
+
+        Args:
+            calibration: a :class:`medusa.drafters.calibration.Calibration`, or a heads folder holding
+                ``calibration.json`` (its weights digest is then checked too).
+            profile: this machine's :class:`medusa.profile.MachineProfile` (default: loaded, measured if none is
+                stored); the engine's forward costs and the heads' drafting cost are read from it.
+            options: :class:`medusa.drafters.per_step.PerStepDrafter` options (``max_nodes``, ``lookup_length``...).
+
+        Raises:
+            FileNotFoundError, ValueError, medusa.drafters.calibration.CalibrationMismatchError: no calibration in the
+                folder, a damaged one, or one for other heads.
+        """
+        from medusa.drafters.per_step import DEFAULT_BUCKETS, PerStepDrafter, StepCost
+        from medusa.profile import ensure_engine, load_profile, stderr_progress
+
+        if isinstance(calibration, str | Path):
+            from medusa.drafters.calibration import (
+                CALIBRATION_FILE_NAME,
+                check_calibration,
+                heads_identity,
+                load_calibration,
+            )
+            from medusa.io.checkpoint import HEADS_WEIGHTS_NAME
+
+            folder = Path(calibration)
+            calibration = load_calibration(folder / CALIBRATION_FILE_NAME)
+            check_calibration(calibration, heads_identity(self.heads, folder / HEADS_WEIGHTS_NAME),
+                              f"calibration file {folder / CALIBRATION_FILE_NAME}")
+        profile = profile if profile is not None else load_profile(self.base, progress=stderr_progress)
+        profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
+        buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else None)
+        cost = StepCost.from_profile(profile, self.engine.name, self.heads, buckets)
+        self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the model decodes with a per-step tree (:meth:`use_per_step_tree`)."""
+        from medusa.drafters.per_step import PerStepDrafter
+
+        return isinstance(self.drafter, PerStepDrafter)
 
     @classmethod
     def from_pretrained(cls, base: str | Path, heads: str | Path, tree: str | Path | Tree | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         attn_implementation: str | None = None, adapter: str | Path | None = None,
-                        engine: str | None = None, **engine_options) -> MedusaModel:
+                        engine: str | None = None, per_step: bool | None = None, **engine_options) -> MedusaModel:
         """Load a base model and a heads folder (see :mod:`medusa.io.checkpoint`).
 
         ``adapter`` is a Medusa-2 LoRA folder (peft): it is merged into the base before decoding, so the drafts are
         verified against the adapted model the heads were trained with (:mod:`medusa.io.adapter`).
 
-        ``tree`` is a tree file or :class:`Tree`; ``None`` takes ``tree.json`` from the heads folder if present,
-        else the top-1 chain (logged).
+        Which tree each step verifies: ``tree`` (a tree file or :class:`Tree`) forces that fixed tree. Otherwise
+        heads whose folder holds a ``calibration.json`` get the per-step tree (:meth:`use_per_step_tree`; ``per_step``
+        ``False`` turns it off); heads without one use ``tree.json`` from the folder if present, else the top-1 chain
+        (logged, with how to calibrate).
 
         Raises:
             FileNotFoundError: a folder or file is missing.
             medusa.io.checkpoint.HeadsMismatchError: the heads were trained for another base.
-            ValueError: the tree does not fit the heads.
+            ValueError: the tree does not fit the heads, ``per_step=True`` with a ``tree``, or ``per_step=True`` and
+                no calibration in the folder.
+            medusa.drafters.calibration.CalibrationMismatchError: the folder's calibration is for other heads.
         """
+        from medusa.drafters.calibration import CALIBRATION_FILE_NAME
+
         # Fail on a bad heads folder or tree file before spending time loading the base.
         config = check_heads_folder(heads)
+        calibrated = (Path(heads) / CALIBRATION_FILE_NAME).is_file()
+        if per_step and tree is not None:
+            raise ValueError("a tree forces one fixed tree every step, and per_step=True asks for a per-step tree: "
+                             "pass one of them")
+        if per_step and not calibrated:
+            raise ValueError(f"per_step=True needs {Path(heads) / CALIBRATION_FILE_NAME}: {CALIBRATION_NOTE}")
+        per_step = (calibrated and tree is None) if per_step is None else per_step
+        if per_step:  # a damaged calibration is refused before the base loads
+            from medusa.drafters.calibration import load_calibration
+
+            load_calibration(Path(heads) / CALIBRATION_FILE_NAME)
+        given = tree
         if tree is None and (Path(heads) / TREE_FILE_NAME).is_file():
             tree = Path(heads) / TREE_FILE_NAME
-        if tree is None:
-            logger.info("no tree given and none in %s: using the top-1 chain", heads)
+        if tree is None and not per_step:
+            logger.info("no tree given and none in %s: using the top-1 chain; %s", heads, CALIBRATION_NOTE)
+        elif given is None and not per_step and not calibrated:
+            logger.info("%s", CALIBRATION_NOTE)
         elif not isinstance(tree, Tree):
             tree = load_tree(tree)
         if tree is not None:
@@ -96,7 +163,10 @@ class MedusaModel(nn.Module):
             model = merge_adapter(model, adapter).eval()
         loaded = load_heads(heads, model.get_output_embeddings().weight,
                             embed_weight=model.get_input_embeddings().weight)
-        return cls(model, loaded, tree, tokenizer, engine, **engine_options)
+        out = cls(model, loaded, tree, tokenizer, engine, **engine_options)
+        if per_step:
+            out.use_per_step_tree(heads)
+        return out
 
     @property
     def tree(self) -> Tree:

@@ -243,3 +243,62 @@ def test_split_fractions_outside_zero_one_are_refused(field):
     for value in (-0.1, 1.0):
         with pytest.raises(ValueError, match=f"{field} must be in \\[0, 1\\), got {value}"):
             TrainConfig(base="b", data="d", output_dir="o", **{field: value})
+
+
+def _write_calibration(heads_dir: Path, text: str | None = None) -> Path:
+    from medusa.drafters.calibration import CALIBRATION_FILE_NAME
+
+    path = heads_dir / CALIBRATION_FILE_NAME
+    path.write_text(text if text is not None else json.dumps({"version": 1}))
+    return path
+
+
+@pytest.mark.parametrize("extra, calibrated, message", [
+    (["--tree", "T", "--per-step-tree", "on"], True, "--tree forces one fixed tree every step and --per-step-tree on"),
+    (["--tree", "T", "--max-tree-nodes", "8"], True, "--max-tree-nodes sizes the per-step tree, but --tree forces"),
+    (["--max-tree-nodes", "0"], True, "--max-tree-nodes must be >= 1, got 0"),
+    (["--per-step-tree", "on"], False, "--per-step-tree on needs"),
+    (["--per-step-tree", "off", "--max-tree-nodes", "8"], True, "--max-tree-nodes sizes the per-step tree, which is "
+                                                                "off here"),
+    ([], "damaged", "is damaged"),
+])
+def test_per_step_flags_that_contradict_are_refused_before_the_base_loads(heads_dir, extra, calibrated, message,
+                                                                          capsys, monkeypatch):
+    import medusa.cli
+
+    monkeypatch.setattr(medusa.model.MedusaModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the bad flags were reported"))
+    if calibrated == "damaged":
+        _write_calibration(heads_dir, '{"heads": {"num_heads": 3}, "top_k": 8, "accuracy": [[0.5')
+    elif calibrated:
+        _write_calibration(heads_dir)
+    argv = ["generate", "--base", "nowhere", "--heads", str(heads_dir), "--prompt", "hi", *extra]
+    assert medusa.cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if calibrated is False:
+        assert "medusa calibrate" in err  # and how to make one
+
+
+def test_per_step_from_python_is_refused_before_the_base_loads(heads_dir, tmp_path):
+    with pytest.raises(ValueError, match="per_step=True needs .*calibration.json"):
+        MedusaModel.from_pretrained("unused-base", heads_dir, per_step=True)
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"paths": [[0]]}))
+    with pytest.raises(ValueError, match="a tree forces one fixed tree every step, and per_step=True"):
+        MedusaModel.from_pretrained("unused-base", heads_dir, tree=tree, per_step=True)
+    _write_calibration(heads_dir, '{"version": 1, "heads": {}, "top_k": 8, "accuracy": [[NaN]]}')
+    with pytest.raises(ValueError, match="calibration file .* is damaged"):
+        MedusaModel.from_pretrained("unused-base", heads_dir)  # found in the folder: the per-step tree, refused
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--top-k", "0", "--top-k must be >= 1"), ("--lookup-length", "-1", "--lookup-length >= 0"),
+    ("--lookup-ngram", "0", "--lookup-ngram >= 1"),
+])
+def test_calibrate_flags_are_refused_by_name(heads_dir, flag, value, message, capsys):
+    from medusa.cli import main
+
+    argv = ["calibrate", "--base", "nowhere", "--heads", str(heads_dir), "--data", "nowhere.jsonl", flag, value]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -273,3 +273,36 @@ def test_chain_prediction_from_the_acceptance_histogram():
     assert pred["alpha"] == 0.5
     assert pred["predicted_tau"] == pytest.approx(1 + 0.5 + 0.25)
     assert pred["predicted_speedup"] == pytest.approx(1.75 / 1.25)
+
+
+def test_calibrate_turns_on_the_per_step_tree_and_tree_forces_a_fixed_one(setup, tmp_path, capsys):
+    import shutil
+
+    root, base, prompts = setup
+    heads = shutil.copytree(root / "heads", tmp_path / "heads")
+    data = tmp_path / "validation.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    records = [{"id": str(i), "prompt_ids": torch.randint(3, 300, (6,), generator=gen).tolist(),
+                "response_ids": torch.randint(3, 300, (20,), generator=gen).tolist()} for i in range(3)]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["calibrate", "--base", str(base), "--heads", str(heads), "--data", str(data), "--top-k", "4",
+                 "--lookup-length", "4"]) == 0
+    assert "calibration.json" in capsys.readouterr().out and (heads / "calibration.json").is_file()
+    args = ["generate", "--base", str(base), "--heads", str(heads), "--prompt", "hello world", "--max-new-tokens",
+            "12", "--stats"]
+    assert main(args) == 0
+    per_step = capsys.readouterr()
+    assert "tree: per-step" in per_step.err and "per-step tree: up to 48 nodes" in per_step.err
+    fixed = tmp_path / "chain.json"
+    save_tree(Tree.chain(2), fixed)
+    assert main(args + ["--tree", str(fixed)]) == 0
+    forced = capsys.readouterr()
+    assert "tree: chain-2" in forced.err and forced.out == per_step.out  # greedy: the same text either way
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base", str(base), "--heads", str(heads), "--prompts", str(prompts), "--max-new-tokens",
+                 "12", "--fixed-tree", str(fixed), "--max-tree-nodes", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical"] == 1.0 and result["fixed_identical"] == 1.0 and result["speedup_vs_fixed"] > 0
+    sizes = result["tree_sizes"]
+    assert sum(sizes["histogram"].values()) == result["decode_steps"] and 1 <= sizes["mean"] <= 8
+    assert result["tree"] == "per-step" and result["step_ms"]["choose"] >= 0

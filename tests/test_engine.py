@@ -186,7 +186,7 @@ def test_bench_reports_plain_baseline_step_parts_and_engine(cli_setup, tmp_path,
     result = json.loads(out.read_text())
     assert result["identical"] == 1.0 and result["plain_identical"] == 1.0
     assert result["speedup_vs_plain"] > 0 and result["plain_step_ms"] > 0 and result["step_cost_vs_plain"] > 0
-    assert set(result["step_ms"]) == {"draft", "verify_forward", "accept", "cache", "total"}
+    assert set(result["step_ms"]) == {"draft", "choose", "verify_forward", "accept", "cache", "total"}
     assert sum(result["step_ms"][k] for k in ("draft", "verify_forward", "accept", "cache")) <= (
         result["step_ms"]["total"] * 1.01)
     assert result["engine"]["engine"] == name and result["dtype"] == "torch.float32"

@@ -117,13 +117,22 @@ def test_resume_continues_from_checkpoint(base_dir, chats, tmp_path, caplog):
 
 def test_self_distill_then_train(base_dir, chats, tmp_path):
     out = tmp_path / "sd"
-    train(make_config(base_dir, chats, out, self_distill=True, distill_max_new_tokens=6, max_steps=2, eval_every=0,
-                      tracker="tensorboard"))
+    heads_dir = train(make_config(base_dir, chats, out, self_distill=True, distill_max_new_tokens=6, max_steps=2,
+                                  eval_every=0, tracker="tensorboard", validation_fraction=0.3))
     lines = (out / "distilled_train.jsonl").read_text().splitlines()
     held = (out / "distilled_held_out.jsonl").read_text().splitlines()
-    assert len(lines) + len(held) == 24
+    validation = (out / "distilled_validation.jsonl").read_text().splitlines()
+    assert validation and len(lines) + len(held) + len(validation) == 24
     assert all("response_ids" in json.loads(line) for line in lines)
     assert list(out.glob("runs/**/events.out.tfevents*"))
+    # The end of training calibrated the per-step tree on the validation answers, for exactly these heads.
+    from medusa.drafters.calibration import check_calibration, heads_identity, load_calibration
+
+    calibration = load_calibration(heads_dir / "calibration.json")
+    assert calibration.source["sequences"] == len(validation)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    heads = load_heads(heads_dir, base.get_output_embeddings().weight)
+    check_calibration(calibration, heads_identity(heads, heads_dir / "model.safetensors"))
 
 
 def test_micro_batches_resume_and_shard():

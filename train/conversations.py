@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, tokenizer):
-    """``(train, held_out)`` conversations; self-distilled first when ``config.self_distill`` asks for it.
+    """``(train, validation, held_out)`` conversations; self-distilled first when ``config.self_distill`` asks for
+    it. The validation conversations that carry base ids are what the end of training calibrates the per-step tree
+    on (:func:`validation_sequences`).
 
     The split is made on the source conversations (:func:`train.data.split_conversations`), so distilled held-out
     answers come from held-out prompts only. The validation split is never trained on; with ``self_distill`` its
@@ -50,7 +52,14 @@ def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, 
         )
     logger.info("%d train, %d validation (not trained on) and %d held-out conversations", len(train_convs),
                 len(val_convs), len(held_convs))
-    return train_convs, held_convs
+    return train_convs, val_convs, held_convs
+
+
+def validation_sequences(convs: list[Conversation]) -> list[tuple[list[int], int]]:
+    """``(token_ids, response_start)`` of the validation conversations that carry the base's own token ids
+    (self-distilled): what a calibration is measured on."""
+    return [(c.prompt_ids + c.response_ids, len(c.prompt_ids)) for c in convs
+            if c.prompt_ids is not None and c.response_ids]
 
 
 def read_distilled(path: Path) -> list[Conversation]:

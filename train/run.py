@@ -6,6 +6,7 @@ one building it (``train.setup``) import it without importing each other.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,3 +39,6 @@ class Run:
     """The training examples' hidden states on disk, when ``config.hidden_state_store`` is set."""
     lora_params: list[torch.nn.Parameter] | None = None
     """Medusa-2: the base's LoRA parameters (``run.model`` is then a peft model)."""
+    validation: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
+    """``(token_ids, response_start)`` of the validation split's self-distilled answers (never trained on): what the
+    per-step tree's calibration is measured on at the end (:func:`medusa.tools.calibrate.calibrate_heads`)."""

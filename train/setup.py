@@ -37,6 +37,7 @@ from train.conversations import (
     head_target_totals,
     prepare_conversations,
     tokenize_held_out,
+    validation_sequences,
     warn_heads_without_targets,
 )
 from train.data import default_tokenize_cache_dir, target_token_counts, tokenize_conversations
@@ -63,7 +64,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     checkpoint = latest_checkpoint(config.output_dir)
     state = read_checkpoint_state(checkpoint, config) if checkpoint else None
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
-    train_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
+    train_convs, val_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len, config.num_proc,
                                                default_tokenize_cache_dir())
     held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len, config.held_out_fraction)
@@ -102,7 +103,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         restore_rng_state(checkpoint, accelerator.process_index)
     return Run(config, accelerator, model, heads, optimizer, scheduler, train_examples, held_examples, lookup,
                pad_id, teacher_weight, step=step, hidden_cache={} if config.cache_hidden_states else None,
-               store=store, lora_params=lora_params)
+               store=store, lora_params=lora_params, validation=validation_sequences(val_convs))
 
 
 def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint: Path | None):

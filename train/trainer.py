@@ -75,6 +75,32 @@ logger = logging.getLogger(__name__)
 EVAL_NAME = "eval.json"
 
 
+def write_calibration(run: Run, heads, heads_dir: Path) -> Path | None:
+    """Measure the heads' calibration on the validation split's self-distilled answers and write it into the heads
+    folder (:func:`medusa.tools.calibrate.calibrate_heads`): decoding then grows a per-step tree. Without such
+    answers (a run that did not self-distill) nothing is written and the log says how to calibrate later."""
+    from medusa.model import CALIBRATION_NOTE
+    from medusa.tools.calibrate import calibrate_heads
+
+    if not run.validation:
+        logger.info("no self-distilled validation answers to calibrate on: %s", CALIBRATION_NOTE)
+        return None
+    base = run.accelerator.unwrap_model(run.model)
+    was_training = heads.training
+    heads.eval()
+    try:
+        calibration, path = calibrate_heads(base, heads, heads_dir, run.validation,
+                                            source={"data": "validation split", "sequences": len(run.validation)})
+    except ValueError as e:  # answers too short to measure: the heads are saved; say so and how to calibrate
+        logger.warning("no calibration written (%s): %s", e, CALIBRATION_NOTE)
+        return None
+    finally:
+        heads.train(was_training)
+    logger.info("calibration of the per-step tree written to %s (top-1 acceptance per depth %s)", path,
+                [round(a[0], 3) for a in calibration.accuracy])
+    return path
+
+
 def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
     """Train Medusa heads as ``config`` says and write them to ``output_dir/heads``.
 
@@ -99,6 +125,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         heads = run.accelerator.unwrap_model(run.heads)
         extra = {"config": config.to_dict(), "steps": run.step, "held_out": metrics}
         save_heads(heads, out / HEADS_DIR, extra_config=extra, state_dict=state)
+        write_calibration(run, heads, out / HEADS_DIR)
         if run.lora_params is not None:  # Medusa-2: the heads were trained over the adapted base
             save_adapter(run.model, out / ADAPTER_DIR)
             logger.info("LoRA adapter written to %s (decode with --adapter, or `medusa merge` it)", out / ADAPTER_DIR)

@@ -23,7 +23,7 @@ import torch
 from medusa.decode.greedy import greedy_paths, greedy_walk
 from medusa.decode.loop import GenerationStats, Step, _emit, check_context, check_draft, legacy_scores_all_nodes
 from medusa.decode.tree import Tree, TreeBuffers
-from medusa.drafters.base import TopK
+from medusa.drafters.base import RowsDrafter, TopK
 from medusa.drafters.composite import tree_drafter
 from medusa.engines import EagerEngine
 
@@ -125,7 +125,8 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
             rows, states = [rows[j] for j in running], [states[j] for j in running]
             sequences = [sequences[j] for j in running]
         start = time.perf_counter()
-        roots, valid_len, emitted = _step(engine, drafter, states, sequences, cache, roots, valid_len, all_nodes)
+        roots, valid_len, emitted, nodes = _step(engine, drafter, states, sequences, cache, roots, valid_len,
+                                                 all_nodes)
         sequences = [torch.cat([seq, seq.new_tensor(e)]) for seq, e in zip(sequences, emitted, strict=True)]
         elapsed = time.perf_counter() - start
         stats.decode_s += elapsed
@@ -133,6 +134,7 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
         stats.row_forwards += len(rows)
         for i in rows:
             stats.rows[i].decode_s += elapsed
+            stats.rows[i].tree_nodes.append(nodes)
 
 
 def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
@@ -178,11 +180,15 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     """Draft, verify and accept one tree per row (``sequences[b]``: row b's prompt and emitted tokens, root last).
 
     Returns:
-        ``(roots (B,), valid_len (B,), emitted)``; ``emitted[b]``: row b's accepted draft tokens then its bonus token
-        (the new root).
+        ``(roots (B,), valid_len (B,), emitted, nodes)``; ``emitted[b]``: row b's accepted draft tokens then its bonus
+        token (the new root); ``nodes``: the step's tree size. A drafter with ``propose_rows`` (the per-step tree)
+        grows one tree shape for all rows at once; any other proposes row by row.
     """
     batch = len(roots)
-    drafts = [drafter.propose(states[b], roots[b], sequences[b], GREEDY) for b in range(batch)]
+    if isinstance(drafter, RowsDrafter):  # one tree shape grown for all rows (medusa.drafters.per_step)
+        drafts = drafter.propose_rows(states, roots, sequences, GREEDY)
+    else:
+        drafts = [drafter.propose(states[b], roots[b], sequences[b], GREEDY) for b in range(batch)]
     layout = drafts[0].layout
     for b, draft in enumerate(drafts):
         check_draft(drafter, draft)
@@ -209,7 +215,7 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     emitted = [torch.cat([tokens[b, k[1:]], roots[b, None]]) for b, k in enumerate(keep)]  # (A_b,) each
     for b, k in enumerate(keep):
         drafter.update(states[b], drafts[b], k, hidden[b, k], emitted[b])
-    return roots, valid_len, [e.tolist() for e in emitted]
+    return roots, valid_len, [e.tolist() for e in emitted], len(layout.depth)
 
 
 def batch_generate(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,

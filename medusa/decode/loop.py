@@ -22,10 +22,11 @@ from medusa.drafters import DraftTree
 from medusa.drafters.composite import tree_drafter
 from medusa.engines import kv_cache, make_engine
 
-STEP_PARTS = ("draft", "verify_forward", "accept", "cache")
-"""A decode step's parts: the heads' draft, the base's forward over the tree (mask included), the acceptance walk
-(lm_head rows along the path included) and the cache compaction (with the heads' own context update, if they keep
-one)."""
+STEP_PARTS = ("draft", "choose", "verify_forward", "accept", "cache")
+"""A decode step's parts: the heads' draft, choosing the tree's shape (a per-step tree's overhead,
+:mod:`medusa.drafters.per_step`; 0 for a fixed tree), the base's forward over the tree (mask included), the
+acceptance walk (lm_head rows along the path included) and the cache compaction (with the heads' own context update,
+if they keep one)."""
 
 
 @dataclass
@@ -49,6 +50,8 @@ class GenerationStats:
     decode_tokens: int = 0
     """Tokens emitted by the verify forwards (prefill token excluded)."""
     accepted_per_step: list[int] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)
+    """Nodes of each step's tree, root included (1: a plain step)."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
     step_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
@@ -144,7 +147,8 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         root = result.next_token
         emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
         drafter.update(state, draft, result.path_nodes, hidden[result.path_nodes], emitted)
-        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s)
+        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s, draft.choose_s)
+        stats.tree_nodes.append(len(draft.tokens))
         sequence = torch.cat([sequence, emitted])
         stats.decode_s += time.perf_counter() - start
         yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop)
@@ -220,12 +224,12 @@ def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, s
     return rule.accept(draft, logits_at, predicted), hidden
 
 
-def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float) -> None:
+def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float, choose_s: float = 0.0) -> None:
     """Add one step's parts to ``stats.step_s``: ``marks`` are the clock at its start, after the draft, after the
     verification and after the compaction and context update; ``forward_s`` is the engine's forward inside the
-    verification."""
+    verification, ``choose_s`` the drafter's choosing of the tree inside the draft."""
     start, drafted, verified, compacted = marks
-    parts = (drafted - start, forward_s, verified - drafted - forward_s, compacted - verified)
+    parts = (drafted - start - choose_s, choose_s, forward_s, verified - drafted - forward_s, compacted - verified)
     for name, seconds in zip(STEP_PARTS, parts, strict=True):
         stats.step_s[name] += seconds
 

@@ -17,6 +17,8 @@ from medusa.drafters.base import (
     register_drafter,
 )
 from medusa.drafters.composite import CompositeDrafter, NoDrafter, tree_drafter
+from medusa.drafters.per_step import PerStepDrafter, StepCost
 
-__all__ = ["CompositeDrafter", "DraftSampler", "DraftTree", "Drafter", "Draws", "NoDrafter",
-           "SampleWithoutReplacement", "TopK", "drafter_class", "drafter_names", "register_drafter", "tree_drafter"]
+__all__ = ["CompositeDrafter", "DraftSampler", "DraftTree", "Drafter", "Draws", "NoDrafter", "PerStepDrafter",
+           "SampleWithoutReplacement", "StepCost", "TopK", "drafter_class", "drafter_names", "register_drafter",
+           "tree_drafter"]

@@ -75,6 +75,9 @@ class DraftTree:
     """``(L,)`` long node indices of deterministic (copied) nodes; ``None``: none."""
     parts: list[DraftTree] | None = None
     """For a merged tree (:class:`medusa.drafters.composite.CompositeDrafter`), each part's own draft."""
+    choose_s: float = 0.0
+    """Seconds the drafter spent choosing this tree's shape, its model calls excluded (the per-step tree's
+    overhead, :mod:`medusa.drafters.per_step`; 0 for a fixed tree)."""
 
     def confidence(self) -> torch.Tensor:
         """``(N,)`` float: each node's draft probability, the probability its own distribution gave its token (q
@@ -96,12 +99,21 @@ class DraftSampler(Protocol):
         probabilities they were drawn from (``None`` when the draw is the deterministic top-k)."""
         ...
 
+    def draw_ranked(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """:meth:`draw` and ``(P, k)`` the ``k`` largest probabilities of the distribution drawn from, sorted: what a
+        per-step tree values rank r by before the draw (:mod:`medusa.drafters.per_step`)."""
+        ...
+
 
 class TopK:
     """Each parent's ``k`` most likely ids, best first (greedy decoding, typical acceptance)."""
 
     def draw(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, None]:
         return logits.topk(k, dim=-1).indices, None  # (P, k)
+
+    def draw_ranked(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, None, torch.Tensor]:
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)  # (P, k) each
+        return ids, None, probs
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -144,6 +156,10 @@ class SampleWithoutReplacement:
         q = self.probs(logits)  # (P, Vh)
         return sample_without_replacement(q, k, self.generator), q
 
+    def draw_ranked(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.probs(logits)  # (P, Vh)
+        return sample_without_replacement(q, k, self.generator), q, q.topk(k, dim=-1).values
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -180,6 +196,19 @@ class Drafter(Protocol):
         bonus token, the next root). Of twins (the same tokens from the root down) one is kept, so ``path`` need
         not be a chain of parents; inside a composite it is the drafter's own nodes along the accepted tokens, as
         far as its tree holds them (``A' <= A``)."""
+        ...
+
+
+@runtime_checkable
+class RowsDrafter(Protocol):
+    """A drafter that proposes one tree shape for a batch of rows at once (batched decoding verifies every row's
+    tree in one forward, so a step's rows share one layout): the per-step tree (:mod:`medusa.drafters.per_step`)
+    chooses that shape from all rows' drafts. Other drafters propose row by row."""
+
+    def propose_rows(self, states: list, roots: torch.Tensor, sequences: list[torch.Tensor],
+                     sampler: DraftSampler) -> list[DraftTree]:
+        """``B`` trees of one layout, below ``roots`` ``(B,)``; ``sequences[b]`` ``(S_b,)`` as in
+        :meth:`Drafter.propose`."""
         ...
 
 

@@ -37,6 +37,19 @@ def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tor
     Raises:
         ValueError: ``sequence`` is empty or not 1-D, or ``length`` < 0 or ``max_ngram`` < 1.
     """
+    return lookup_match(sequence, length, max_ngram)[0]
+
+
+def lookup_match(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tuple[torch.Tensor, int]:
+    """:func:`lookup_draft` and the length n of the n-gram that matched (0: none; what the per-step tree's
+    calibration of the chain is indexed by, :mod:`medusa.drafters.calibration`).
+
+    Returns:
+        ``(tokens (length,), n)``.
+
+    Raises:
+        ValueError: as :func:`lookup_draft`.
+    """
     if sequence.ndim != 1 or len(sequence) == 0:
         raise ValueError(f"sequence must be a non-empty 1-D tensor of token ids, got shape {tuple(sequence.shape)}")
     if length < 0 or max_ngram < 1:
@@ -44,7 +57,7 @@ def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tor
     size = len(sequence)
     out = sequence.new_full((length,), int(sequence[-1]))
     if length == 0:
-        return out
+        return out, 0
     for n in range(min(max_ngram, size - 1), 0, -1):
         windows = sequence[: size - 1].unfold(0, n, 1)  # (size - n, n): windows with at least one token after them
         hits = (windows == sequence[size - n :]).all(dim=1).nonzero()
@@ -53,8 +66,8 @@ def lookup_draft(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tor
             period = size - start  # the copy repeats with this period once it reaches the end of the context
             copied = sequence[start:]
             reps = -(-length // period)
-            return copied.repeat(reps)[:length]
-    return out
+            return copied.repeat(reps)[:length], n
+    return out, 0
 
 
 @register_drafter("lookup")

@@ -178,6 +178,12 @@ class BenchResult:
     hf_lookup_tokens: int = 0
     hf_lookup_s: float = 0.0
     hf_lookup_identical_prompts: int = 0
+    tree_nodes: dict[int, int] = field(default_factory=dict)
+    """Steps by the number of nodes their tree had (root included; 1: a plain step)."""
+    fixed_tokens: int = 0
+    fixed_s: float = 0.0
+    fixed_identical_prompts: int = 0
+    fixed_name: str = ""
 
     def to_dict(self, num_heads: int) -> dict:
         steps = max(self.decode_steps, 1)
@@ -214,11 +220,25 @@ class BenchResult:
             "accepted_histogram": self.accepted_hist,
             "per_prompt": self.per_prompt,
             "per_prompt_speedup": per_prompt_speedup(self.per_prompt),
-        } | ({} if not self.hf_lookup_s else {
+            "tree_sizes": tree_sizes(self.tree_nodes),
+        } | ({} if not self.fixed_s else {
+            "fixed_tree": self.fixed_name,
+            "fixed_tokens_per_s": self.fixed_tokens / self.fixed_s,
+            "speedup_vs_fixed": medusa_tps / (self.fixed_tokens / self.fixed_s),
+            "fixed_identical": self.fixed_identical_prompts / max(self.prompts, 1),
+        }) | ({} if not self.hf_lookup_s else {
             "hf_prompt_lookup_tokens_per_s": self.hf_lookup_tokens / self.hf_lookup_s,
             "speedup_vs_hf_prompt_lookup": medusa_tps / (self.hf_lookup_tokens / self.hf_lookup_s),
             "hf_prompt_lookup_identical": self.hf_lookup_identical_prompts / max(self.prompts, 1),
         })
+
+
+def tree_sizes(histogram: dict[int, int]) -> dict:
+    """``{"mean", "histogram", "plain_fraction"}`` of the steps' tree sizes (nodes, root included)."""
+    steps = sum(histogram.values())
+    mean = sum(n * c for n, c in histogram.items()) / steps if steps else None
+    return {"mean": mean, "histogram": {str(n): histogram[n] for n in sorted(histogram)},
+            "plain_fraction": histogram.get(1, 0) / steps if steps else None}
 
 
 def spread(values: list[float]) -> dict | None:
@@ -277,7 +297,7 @@ def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -
 
 def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warmup: int = 1,
               use_chat_template: bool = True, progress=None, sampling: dict | None = None,
-              hf_prompt_lookup: int = 0) -> dict:
+              hf_prompt_lookup: int = 0, fixed_tree: Tree | None = None) -> dict:
     """Run the comparison over ``prompts`` (see module docstring) and return the JSON-ready result dict.
 
     ``warmup`` prompts are first decoded by both methods untimed. ``progress`` is called with
@@ -286,7 +306,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
     when they sample, both methods sample with the same settings (prompt i seeded ``seed + i``), ``identical`` is
     not applicable, and the mean log-probability per token under the base of each method's outputs is reported
     instead (equal within noise when Medusa's sampling is lossless). ``hf_prompt_lookup`` > 0 (greedy only) times
-    a fourth method, Hugging Face's prompt lookup decoding with that many tokens.
+    a fourth method, Hugging Face's prompt lookup decoding with that many tokens. ``fixed_tree`` (greedy only) times
+    the heads on that fixed tree too (``fixed``; the per-step tree against the best fixed one, in one process).
     """
     tokenizer, base = model.tokenizer, model.base
     stop = model.stop_token_ids()
@@ -298,6 +319,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         hf_settings = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
         if hf_prompt_lookup:
             raise ValueError("the Hugging Face prompt lookup baseline is greedy only: drop --hf-prompt-lookup")
+        if fixed_tree is not None:
+            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
         return _run_bench_sampling(model, encoded, max_new_tokens, warmup, progress, sampling, seed, hf_settings)
     compile_s = warm_up_engine(model, encoded, max_new_tokens)
     for ids in encoded[:warmup]:
@@ -306,8 +329,12 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
             hf_greedy(base, ids, 8, stop, hf_prompt_lookup)
         model.generate(ids, max_new_tokens=8)
         model.generate(ids, max_new_tokens=8, tree=PLAIN)
-    result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
-    methods = ["hf", "medusa", "plain"] + (["hf_lookup"] if hf_prompt_lookup else [])
+        if fixed_tree is not None:
+            model.generate(ids, max_new_tokens=8, tree=fixed_tree)
+    result = BenchResult(accepted_hist=[0] * (model.drafter.max_depth + 1))
+    result.fixed_name = fixed_tree.name if fixed_tree is not None else ""
+    methods = ["hf", "medusa", "plain"] + (["hf_lookup"] if hf_prompt_lookup else []) + (
+        ["fixed"] if fixed_tree is not None else [])
     for i, ids in enumerate(encoded):
         runs = {}
         shift = i % len(methods)
@@ -317,7 +344,7 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
                 lookup = hf_prompt_lookup if method == "hf_lookup" else 0
                 runs[method] = (hf_greedy(base, ids, max_new_tokens, stop, lookup), None)
             else:
-                tree = PLAIN if method == "plain" else None
+                tree = {"plain": PLAIN, "fixed": fixed_tree}.get(method)
                 runs[method] = model.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop, tree=tree)
             runs[method + "_s"] = time.perf_counter() - start
         reference, (tokens, stats), (plain, plain_stats) = runs["hf"][0], runs["medusa"], runs["plain"]
@@ -329,6 +356,15 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
                   "plain_tokens_per_s": len(plain) / runs["plain_s"]}
         record["speedup_vs_hf"] = record["medusa_tokens_per_s"] / record["hf_tokens_per_s"]
         record["speedup_vs_plain"] = record["medusa_tokens_per_s"] / record["plain_tokens_per_s"]
+        record["mean_tree_nodes"] = sum(stats.tree_nodes) / max(len(stats.tree_nodes), 1)
+        record["plain_steps"] = sum(n == 1 for n in stats.tree_nodes) / max(len(stats.tree_nodes), 1)
+        if fixed_tree is not None:
+            fixed, fixed_stats = runs["fixed"]
+            result.fixed_tokens += len(fixed)
+            result.fixed_s += runs["fixed_s"]
+            result.fixed_identical_prompts += fixed == reference
+            record.update(fixed_s=runs["fixed_s"], fixed_tau=fixed_stats.tau,
+                          speedup_vs_fixed=record["medusa_tokens_per_s"] / (len(fixed) / runs["fixed_s"]))
         record.update({k: prompts[i][k] for k in ("id", "category") if k in prompts[i]})
         if hf_prompt_lookup:
             result.hf_lookup_tokens += len(runs["hf_lookup"][0])
@@ -362,6 +398,8 @@ def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain
         result.step_s[part] += seconds
     for a in stats.accepted_per_step:
         result.accepted_hist[a] += 1
+    for n in stats.tree_nodes:
+        result.tree_nodes[n] = result.tree_nodes.get(n, 0) + 1
     result.plain_tokens += len(plain)
     result.plain_s += runs["plain_s"]
     result.plain_decode_s += plain_stats.decode_s
@@ -373,11 +411,14 @@ def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain
 def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_tokens: int) -> dict:
     """Compile the engine's steps (plain and tree) for every cache size the prompts need, before any timing;
     returns the compile seconds (empty for an engine that does not compile)."""
-    nodes = model.tree.num_nodes
+    nodes = model.drafter.max_nodes
+    sizes = {1, nodes}
+    if model.per_step:  # a per-step tree takes the sizes of its buckets (fixed-shape engines), or any size
+        sizes |= {b for b in model.drafter.cost.buckets or () if b <= nodes}
     compile_s: dict = {}
     # Plain decoding (one node) and the tree can need caches of different capacities: warm both.
     for needed in sorted({len(ids) + max_new_tokens + n for ids in encoded for n in (1, nodes)}):
-        compile_s = model.engine.warm_up([1, nodes], needed)
+        compile_s = model.engine.warm_up(sorted(sizes), needed)
     return dict(compile_s)
 
 
@@ -387,7 +428,9 @@ def predict(model: MedusaModel, result: dict) -> dict:
     through the bench's engine): the seed's analysis next to the measured figures."""
     from medusa.profile import load_profile, stderr_progress, time_forwards
 
-    name, nodes = model.engine.name, model.tree.num_nodes
+    name, nodes = model.engine.name, model.drafter.max_nodes
+    if model.per_step and result.get("tree_sizes", {}).get("mean"):
+        nodes = max(1, round(result["tree_sizes"]["mean"]))
     profile = load_profile(model.base, progress=stderr_progress)
     if "forward_s" in profile.engines.get(name, {}):
         cost = profile.forward_s(name, nodes) / profile.forward_s(name, 1)
@@ -482,7 +525,7 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
     for ids in encoded[:warmup]:
         hf_sample(base, ids, 8, stop, seed, **hf_settings)
         model.generate(ids, max_new_tokens=8, seed=seed, **sampling)
-    result = BenchResult(accepted_hist=[0] * (model.tree.depth + 1))
+    result = BenchResult(accepted_hist=[0] * (model.drafter.max_depth + 1))
     logprob = {"hf": [], "medusa": []}  # per prompt: (sum, tokens)
     for i, ids in enumerate(encoded):
         runs = {}
@@ -534,8 +577,9 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
 
     return {
         "max_new_tokens": max_new_tokens,
-        "tree": model.tree.name,
-        "tree_nodes": model.tree.num_nodes,
+        "tree": "per-step" if model.per_step else model.tree.name,
+        "tree_nodes": model.drafter.max_nodes,
+        "drafter": model.drafter.settings() if model.per_step else {"drafter": model.drafter.name},
         "verify_logits": "all" if model.engine.scores_all_nodes else "path",
         "engine": model.engine.settings(),
         "head_type": model.heads.config.head_type,

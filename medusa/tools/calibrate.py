@@ -15,10 +15,12 @@ tokens each step would accept (:func:`replayed_tau`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from medusa.decode.tree import Tree, expected_acceptance, grow_tree
+from medusa.drafters.calibration import Calibration
 from medusa.drafters.heads import HydraHeads, MedusaHeads, head_target_offset
 from medusa.drafters.prompt_lookup import lookup_draft
 from medusa.engines import kv_cache
@@ -265,3 +267,38 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
               "dtype": str(model.base.dtype), "engine": model.engine.settings(), "chosen": best,
               "profile": {"path": str(profile.path), "key": profile.key}}
     return tree, report, note
+
+
+def calibrate_heads(base, heads, heads_dir, sequences: list[tuple[list[int], int]], top_k: int = 8,
+                    lookup_length: int = 16, lookup_max_ngram: int = 3, source: dict | None = None,
+                    out: str | Path | None = None) -> tuple[Calibration, Path]:
+    """``medusa calibrate`` (and the end of ``train``): measure the heads of ``heads_dir`` on ``sequences`` (the
+    base's own continuations of a validation split, never the frozen held-out prompt sets) and write their
+    ``calibration.json`` (:func:`medusa.drafters.calibration.measure_calibration`), which turns on the per-step tree
+    (:mod:`medusa.drafters.per_step`).
+
+    Args:
+        base: the base causal LM the heads were trained on.
+        heads: the heads loaded from ``heads_dir``.
+        sequences: ``(token_ids, response_start)`` pairs.
+        out: where to write (default: ``heads_dir/calibration.json``).
+
+    Returns:
+        ``(calibration, path written)``.
+
+    Raises:
+        ValueError: no sequence is long enough to measure the heads.
+    """
+    from medusa.drafters.calibration import (
+        CALIBRATION_FILE_NAME,
+        heads_identity,
+        measure_calibration,
+        save_calibration,
+    )
+    from medusa.io.checkpoint import HEADS_WEIGHTS_NAME
+
+    heads_dir = Path(heads_dir)
+    identity = heads_identity(heads, heads_dir / HEADS_WEIGHTS_NAME)
+    calibration = measure_calibration(heads, sequence_states(base, sequences), top_k, lookup_length,
+                                      lookup_max_ngram, identity, source)
+    return calibration, save_calibration(calibration, out or heads_dir / CALIBRATION_FILE_NAME)

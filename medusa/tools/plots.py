@@ -40,7 +40,9 @@ def _save(fig, path: str | Path) -> Path:
 
 def plot_bench(result: dict, path: str | Path) -> Path:
     """Three panels from a ``medusa bench`` result: tokens per step, per-head acceptance, and each prompt's speedup
-    over HF ``generate`` and over plain decoding (sorted, with the 1.0x line: the prompts below it were slower).
+    over HF ``generate`` and over plain decoding (sorted, with the 1.0x line: the prompts below it were slower); a
+    fourth with the per-step tree's sizes (how many steps verified a tree of n nodes; n = 1: a plain step) when the
+    tree changed from step to step.
 
     Args:
         result: the bench JSON (:func:`medusa.tools.bench.run_bench`); ``per_prompt`` is optional (older results lack
@@ -51,7 +53,12 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         ``path``.
     """
     plt = pyplot()
-    fig, (ax_hist, ax_heads, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.2))
+    sizes = (result.get("tree_sizes") or {}).get("histogram") or {}
+    per_step = len(sizes) > 1
+    fig, axes = plt.subplots(1, 4 if per_step else 3, figsize=(20 if per_step else 15, 4.2))
+    ax_hist, ax_heads, ax_speed = axes[:3]
+    if per_step:
+        _plot_tree_sizes(axes[3], result["tree_sizes"], result.get("step_ms", {}).get("choose"))
     hist = result["accepted_histogram"]
     steps = max(sum(hist), 1)
     emitted = range(1, len(hist) + 1)  # accepted drafts + the base's own token
@@ -91,6 +98,18 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     ax_speed.legend(loc="upper left")
     fig.suptitle(_bench_caption(result), fontsize=10)
     return _save(fig, path)
+
+
+def _plot_tree_sizes(ax, tree_sizes: dict, choose_ms: float | None) -> None:
+    """The per-step tree's sizes: steps (%) by nodes per tree, the mean and the plain steps' share."""
+    counts = {int(n): c for n, c in tree_sizes["histogram"].items()}
+    steps = max(sum(counts.values()), 1)
+    ax.bar(list(counts), [100 * c / steps for c in counts.values()], color="tab:green", width=0.9)
+    ax.axvline(tree_sizes["mean"], color="black", linestyle="--", label=f"mean {tree_sizes['mean']:.1f} nodes")
+    overhead = f"; choosing it {choose_ms:.2f} ms/step" if choose_ms is not None else ""
+    ax.set(xlabel="nodes in the step's tree (root included; 1: a plain step)", ylabel="verify forwards (%)",
+           title=f"Per-step tree sizes ({100 * tree_sizes['plain_fraction']:.0f}% plain steps{overhead})")
+    ax.legend()
 
 
 def _bench_caption(result: dict) -> str:

@@ -29,7 +29,10 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("per prompt vs plain: min/median/max",
                  spread_text((r.get("per_prompt_speedup") or {}).get("vs_plain"))),
                 ("prompts slower than plain / HF", slower_text(r.get("per_prompt_speedup"))),
-                ("step ms: draft/forward/accept/cache", step_text(r.get("step_ms"))),
+                ("step ms: draft/choose/forward/accept/cache", step_text(r.get("step_ms"))),
+                ("tree sizes: mean, plain steps", tree_sizes_text(r.get("tree_sizes"))),
+                ("fixed tree tokens/s", fmt(r.get("fixed_tokens_per_s", "not timed"))),
+                ("speedup vs fixed tree", speedup_text(r.get("speedup_vs_fixed", "not timed"))),
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
                 ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
                 ("machine", machine_text(r)),
@@ -124,11 +127,19 @@ def prediction_text(prediction: dict | None) -> str:
             f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
 
 
+def tree_sizes_text(sizes: dict | None) -> str:
+    """The steps' tree sizes: mean nodes (root included) and the share of plain steps."""
+    if not sizes or sizes.get("mean") is None:
+        return "not recorded"
+    return f"{sizes['mean']:.1f} nodes, {100 * sizes['plain_fraction']:.0f}% plain steps"
+
+
 def step_text(step_ms: dict | None) -> str:
-    """Milliseconds per Medusa step by part: draft / verify forward / accept / cache (total)."""
+    """Milliseconds per Medusa step by part: draft / choose (the per-step tree's) / verify forward / accept / cache
+    (total); results from before the choose part existed show 0 there."""
     if not step_ms:
         return "not recorded"
-    parts = " / ".join(f"{step_ms[k]:.1f}" for k in ("draft", "verify_forward", "accept", "cache"))
+    parts = " / ".join(f"{step_ms.get(k, 0.0):.1f}" for k in ("draft", "choose", "verify_forward", "accept", "cache"))
     return f"{parts} (total {step_ms['total']:.1f})"
 
 

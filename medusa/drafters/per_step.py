@@ -1,0 +1,463 @@
+"""The per-step tree: each step's candidate tree grown from the drafts' calibrated confidence and this machine's
+measured cost of every extra node (pure tensor code).
+
+A fixed tree is right for one machine and one kind of text. EAGLE-2 (Li et al. 2024, section 4) grows the tree each
+step from the draft model's confidence; here the confidence is first calibrated into an acceptance probability
+(:mod:`medusa.drafters.calibration`), and every node is weighed against what the verify forward charges for it on
+this machine (:mod:`medusa.profile`).
+
+A node's value is the probability that the base accepts its whole path: the product along the path of each node's
+calibrated acceptance probability given its parent was accepted. Greedy acceptance emits one token plus the accepted
+path, so a tree's expected tokens are ``1 + sum of its nodes' values`` (Medusa report, Cai et al. 2024, section
+2.1.2; each node counted once, twins aside). Its cost is the measured forward over its nodes plus the head calls
+made to draft it. A candidate is kept when it raises this step's expected tokens per second:
+``value / extra seconds > expected tokens / seconds`` so far. When not even the first candidate pays, the step is a
+plain decoding step (the root alone).
+
+The tree is grown one depth at a time, as the heads draft it (one batched head call per depth, :mod:`medusa.drafters
+.heads_drafter`). The heads are called at a depth only when its best conceivable candidate would pay for its node
+and the call. The prompt-lookup chain is one more branch from the root (:mod:`medusa.drafters.prompt_lookup`), its
+nodes valued by the calibration's table for the matched n-gram length and their place in the chain.
+
+Lossless with sampling too: which candidates of a parent are kept is decided before they are drawn, from the sorted
+probabilities of the distribution they are drawn from (``q``), never from the drawn tokens themselves; a parent's
+kept candidates are always its first ranks. Whether a node gets children may depend on its own token (the Hydra
+heads' next distribution does); that leaves recursive rejection sampling exact (:class:`medusa.decode.acceptance.
+RejectionSampling`), which the chi-square test checks.
+
+Engines that pad to step-size buckets (``step_buckets``, or ``fixed_shapes``: one compilation per size) get a tree
+that fills the chosen bucket: the extra nodes are the best candidates left, as leaves. Batched decoding
+(:meth:`PerStepDrafter.propose_rows`) grows one tree shape for all rows from the rows' mean values and the cost of the
+batch's forward; each row fills it with its own drafts and keeps its own acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from medusa.decode.tree import TreeBuffers, layout_from_parents
+from medusa.drafters.base import DraftSampler, DraftTree, Draws, register_drafter
+from medusa.drafters.calibration import (
+    CALIBRATION_FILE_NAME,
+    Calibration,
+    check_calibration,
+    heads_identity,
+    load_calibration,
+)
+from medusa.drafters.heads_drafter import HeadsState
+from medusa.drafters.prompt_lookup import lookup_match
+
+DEFAULT_MAX_NODES = 48
+"""The most nodes (root included) a per-step tree may have by default."""
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Step sizes a ``fixed_shapes`` engine without its own ``step_buckets`` is given trees of."""
+
+
+class StepCost:
+    """What a step costs on this machine, in seconds: the verify forward over n tree nodes per row (at batch size
+    B: the forward over ``B * n`` tokens, an approximation) and each depth's head call per row.
+
+    The forward curve is made non-decreasing in n (a larger forward is never counted cheaper than a smaller one,
+    whatever the measuring noise), and with ``buckets`` every size costs what its bucket costs.
+
+    Args:
+        forward_s: ``{n: seconds}`` of one forward over n new tokens (measured sizes; linear in between).
+        level_s: ``(K,)`` seconds of one head call, by depth.
+        buckets: step sizes an engine pads to, or ``None``.
+
+    Raises:
+        ValueError: an empty curve, or a cost that is not positive and finite.
+    """
+
+    def __init__(self, forward_s: dict[int, float], level_s: list[float], buckets: tuple[int, ...] | None = None):
+        from medusa.profile import interpolate
+
+        if not forward_s or any(not (0 < float(v) < float("inf")) for v in [*forward_s.values(), *level_s]):
+            raise ValueError(f"step costs must be positive and finite: forward {forward_s}, heads {level_s}")
+        self._interpolate = lambda n: interpolate({int(k): float(v) for k, v in forward_s.items()}, n)
+        self.level_s = [float(v) for v in level_s]
+        self.buckets = tuple(sorted(buckets)) if buckets else None
+        self._table: list[float] = [0.0]
+
+    @classmethod
+    def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | None = None) -> StepCost:
+        """The costs ``profile`` (:class:`medusa.profile.MachineProfile`) measured for ``engine`` and ``heads``.
+
+        Raises:
+            KeyError: ``engine`` was not measured or could not run there.
+        """
+        from medusa.profile import heads_level_s
+
+        curve = {int(k): v for k, v in profile.engines[engine]["forward_s"].items()} if engine in profile.engines \
+            else None
+        if curve is None or "error" in profile.engines[engine]:
+            raise KeyError(f"engine {engine!r} has no measured forward in the profile {profile.path}")
+        return cls(curve, heads_level_s(profile, heads), buckets)
+
+    def forward(self, tokens: int) -> float:
+        """Seconds of a forward over ``tokens`` new tokens (non-decreasing in ``tokens``)."""
+        while len(self._table) <= tokens:
+            self._table.append(max(self._table[-1], self._interpolate(len(self._table))))
+        return self._table[tokens]
+
+    def bucket(self, n: int) -> int:
+        """The step size a forward over ``n`` nodes runs at: the smallest bucket >= n (``n`` past the last)."""
+        if self.buckets is None:
+            return n
+        return next((b for b in self.buckets if b >= n), n)
+
+    def verify(self, n: int, batch: int = 1) -> float:
+        """Seconds of verifying trees of ``n`` nodes (root included) for ``batch`` rows."""
+        return self.forward(self.bucket(n) * batch)
+
+    def level(self, depth: int, batch: int = 1) -> float:
+        """Seconds of drafting depth ``depth + 1`` (head ``depth``) for ``batch`` rows."""
+        return self.level_s[min(depth, len(self.level_s) - 1)] * batch
+
+
+@dataclass
+class _Candidate:
+    """A possible node: candidate ``rank`` of the parent in ``slot`` of the depth's drafted parents, or the next
+    node of the prompt-lookup chain (``rank`` -1)."""
+
+    value: float
+    """Mean over rows of the probability that its path is accepted."""
+    parent: int
+    rank: int
+    slot: int = -1
+
+
+@dataclass
+class _Level:
+    """One depth's head call: the nodes drafted from, and per row what was drawn there."""
+
+    parents: list[int]
+    logits: list[torch.Tensor]
+    """Per row ``(P, Vh)``."""
+    candidates: list[torch.Tensor]
+    """Per row ``(P, k)`` head-vocabulary ids in draw order."""
+    q: list[torch.Tensor | None]
+    """Per row ``(P, Vh)`` the distribution drawn from, or ``None`` (top-k)."""
+    child_values: list[list[list[float]]]
+    """``(B, P, k)`` each candidate's path value."""
+    base_ids: list[list[list[int]]]
+    """``(B, P, k)`` each candidate's base token id."""
+    kept: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(node, slot, rank)`` of the candidates made nodes."""
+
+
+@dataclass
+class PerStepState(HeadsState):
+    """A sequence's drafting state, and the running rate its trees are weighed against: moving averages of the
+    tokens each step emitted and of the seconds the cost model gave the step (:data:`RATE_DECAY`)."""
+
+    tokens: float = 1.0
+    seconds: float = 0.0
+    """0 until the first step: the plain step's cost is taken then."""
+    last_seconds: float = 0.0
+
+
+RATE_DECAY = 0.85
+"""Weight of the past in the running rate (about the last seven steps count)."""
+OBJECTIVES = ("throughput", "step")
+"""``throughput``: a node pays when its value beats the sequence's running tokens per second times its extra seconds
+(Dinkelbach's rule for the long-run rate of tokens per second); ``step``: when it raises this step's own expected
+tokens per second."""
+
+
+@register_drafter("per-step")
+class PerStepDrafter:
+    """Heads (and prompt lookup) proposing each step a tree grown from calibrated confidence and measured cost (see
+    module docstring).
+
+    Args:
+        heads: :class:`medusa.drafters.heads.MedusaHeads` or :class:`medusa.drafters.heads.HydraHeads`.
+        calibration: their :class:`medusa.drafters.calibration.Calibration` (checked against them).
+        cost: this machine's :class:`StepCost`.
+        lookup_length: longest prompt-lookup chain (default: the calibration's; 0: none).
+        max_nodes: most nodes of a tree, root included.
+        top_k: most candidates per parent (at most the calibration's ``top_k``).
+        max_parents: most nodes drafted from at one depth.
+
+    Raises:
+        medusa.drafters.calibration.CalibrationMismatchError: the calibration is for other heads.
+        ValueError: ``max_nodes``, ``top_k`` or ``max_parents`` < 1, or a lookup chain longer than calibrated.
+    """
+
+    trainable = False
+    training_objective = None
+
+    def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
+                 max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 8, max_parents: int = 8,
+                 objective: str = "step"):
+        check_calibration(calibration, heads_identity(heads))
+        lookup_length = calibration.lookup_length if lookup_length is None else lookup_length
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        self.objective = objective
+        if max_nodes < 1 or top_k < 1 or max_parents < 1:
+            raise ValueError(f"max_nodes, top_k and max_parents must be >= 1, got {max_nodes}, {top_k}, {max_parents}")
+        if not 0 <= lookup_length <= calibration.lookup_length:
+            raise ValueError(f"a prompt-lookup chain of {lookup_length} tokens, but the calibration measured "
+                             f"{calibration.lookup_length} positions")
+        self.heads, self.calibration, self.cost = heads, calibration, cost
+        self.lookup_length, self.top_k, self.max_parents = lookup_length, min(top_k, calibration.top_k), max_parents
+        self.max_nodes = max_nodes
+        self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
+        self.typical_nodes = min(16, max_nodes)
+        """The step size an engine is chosen for (``--engine auto``)."""
+        self._tables: dict[torch.device, tuple] = {}
+        self._layouts: OrderedDict[tuple, TreeBuffers] = OrderedDict()
+
+    @classmethod
+    def load(cls, heads_dir, heads, cost: StepCost, **options) -> PerStepDrafter:
+        """The heads of ``heads_dir`` (already loaded: ``heads``) with the folder's ``calibration.json``.
+
+        Raises:
+            FileNotFoundError: the folder has no calibration.
+            ValueError, medusa.drafters.calibration.CalibrationMismatchError: a damaged calibration, or one for other
+                heads (e.g. heads trained again after it was measured: their weights file differs).
+        """
+        from medusa.io.checkpoint import HEADS_WEIGHTS_NAME
+
+        path = Path(heads_dir) / CALIBRATION_FILE_NAME
+        calibration = load_calibration(path)
+        check_calibration(calibration, heads_identity(heads, Path(heads_dir) / HEADS_WEIGHTS_NAME),
+                          f"calibration file {path}")
+        return cls(heads, calibration, cost, **options)
+
+    def settings(self) -> dict:
+        """What the bench records about the drafter."""
+        return {"drafter": self.name, "max_nodes": self.max_nodes, "lookup_length": self.lookup_length,
+                "top_k": self.top_k, "max_parents": self.max_parents, "buckets": self.cost.buckets,
+                "calibration": self.calibration.source}
+
+    # -- per-sequence state (as the heads' drafter) -------------------------------------------------------------------
+    def new_state(self) -> PerStepState:
+        return PerStepState(self.heads.new_context())
+
+    def start(self, state: HeadsState, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
+
+    def update(self, state: PerStepState, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
+        state.tokens = RATE_DECAY * state.tokens + (1 - RATE_DECAY) * len(next_tokens)
+        state.seconds = RATE_DECAY * state.seconds + (1 - RATE_DECAY) * state.last_seconds
+
+    # -- proposing ----------------------------------------------------------------------------------------------------
+    def propose(self, state: HeadsState, root: torch.Tensor, sequence: torch.Tensor,
+                sampler: DraftSampler) -> DraftTree:
+        return self.propose_rows([state], root[None], [sequence], sampler)[0]
+
+    def _device_tables(self, device: torch.device):
+        if device not in self._tables:
+            edges, acceptance, lookup = self.calibration.tables(device)
+            vocab = self.heads.to_base_ids(torch.arange(self.heads.head_vocab_size, device=device))  # (Vh,)
+            self._tables[device] = (edges[1:-1].contiguous(), acceptance, lookup, vocab, acceptance[:, -1].tolist())
+        return self._tables[device]
+
+    def propose_rows(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
+                     sampler: DraftSampler) -> list[DraftTree]:
+        """One tree shape for ``B`` rows, each filled with its own drafts (see module docstring).
+
+        Args:
+            states: each row's drafting state.
+            roots: ``(B,)`` long, each row's tree root.
+            sequences: each row's prompt and emitted tokens ``(S_b,)``, the root last.
+            sampler: how candidates are drawn (:meth:`medusa.drafters.base.TopK.draw_ranked`).
+
+        Returns:
+            ``B`` :class:`medusa.drafters.base.DraftTree` s of one layout; the first carries the time spent choosing
+            the tree (``choose_s``, head calls excluded).
+        """
+        start = time.perf_counter()
+        in_heads = 0.0
+        device, batch = roots.device, len(roots)
+        inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
+        tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
+        cost = self.cost
+        seconds = cost.verify(1, batch)
+        expected = float(batch)  # a plain step: one token per row
+        for state in states:
+            state.seconds = state.seconds or seconds
+        running = sum(s.tokens for s in states) / (sum(s.seconds for s in states) / batch)
+        step_rate = self.objective == "step"
+        chain = None
+        if self.lookup_length:
+            drafts = [lookup_match(seq, self.lookup_length, self.calibration.lookup_max_ngram) for seq in sequences]
+            grams = torch.tensor([n for _, n in drafts], device=device)
+            chain = (torch.stack([t for t, _ in drafts]).tolist(),  # (B, L) tokens
+                     lookup_table[grams, : self.lookup_length].cumprod(dim=1).tolist())  # (B, L) path values
+        levels: list[_Level] = []
+        leftovers: list[tuple[_Candidate, int, _Level | None]] = []  # (candidate, its depth, its head call)
+        depth = 0
+        while len(tree.parents) < self.max_nodes:
+            n = len(tree.parents)
+            rate = expected / seconds if step_rate else running
+            extra = cost.verify(n + 1, batch) - cost.verify(n, batch)
+            candidates: list[_Candidate] = []
+            level = None
+            if depth < self.heads.config.num_heads:
+                at_depth = [i for i, d in enumerate(tree.depths) if d == depth]
+                mean = [sum(row[i] for row in tree.values) / batch for i in at_depth]
+                chosen = [at_depth[i] for i in sorted(range(len(at_depth)), key=lambda i: -mean[i])]
+                chosen = chosen[: self.max_parents]
+                call = cost.level(depth, batch)
+                best = max(mean) * best_accept[depth] * batch
+                if best > rate * (extra + call):  # its best candidate could pay for the head call and itself
+                    seconds += call
+                    heads_start = time.perf_counter()
+                    level = self._draft_level(depth, states, tree, chosen, sampler, acceptance, inner_edges, vocab)
+                    in_heads += time.perf_counter() - heads_start
+                    levels.append(level)
+                    for slot, node in enumerate(chosen):
+                        for rank in range(len(level.child_values[0][slot])):
+                            v = sum(row[slot][rank] for row in level.child_values) / batch
+                            if v > 0:
+                                candidates.append(_Candidate(v, node, rank, slot))
+            chain_parent = (tree.lookup[-1] if tree.lookup else 0) if len(tree.lookup) == depth else None
+            if chain is not None and chain_parent is not None and depth < self.lookup_length:
+                candidates.append(_Candidate(sum(row[depth] for row in chain[1]) / batch, chain_parent, -1))
+            if not candidates:
+                break
+            candidates.sort(key=lambda c: (-c.value, c.rank))  # ties: the lookup, then the lower rank
+            kept_here: set[tuple[int, int]] = set()
+            for c in candidates:
+                n = len(tree.parents)
+                extra = cost.verify(n + 1, batch) - cost.verify(n, batch)
+                rate = expected / seconds if step_rate else running
+                prefix = c.rank <= 0 or (c.slot, c.rank - 1) in kept_here
+                if n < self.max_nodes and prefix and c.value * batch > rate * extra:
+                    expected += c.value * batch
+                    seconds += extra
+                    tree.add(c, depth, level, chain)
+                    kept_here.add((c.slot, c.rank))
+                else:
+                    leftovers.append((c, depth, None if c.rank < 0 else level))
+            if not kept_here:
+                break
+            depth += 1
+        self._fill_bucket(tree, leftovers, chain)
+        for state in states:
+            state.last_seconds = seconds
+        drafts = self._assemble(tree, levels, vocab, device)
+        drafts[0].choose_s = time.perf_counter() - start - in_heads
+        return drafts
+
+    def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
+                     sampler: DraftSampler, acceptance: torch.Tensor, inner_edges: torch.Tensor,
+                     vocab: torch.Tensor) -> _Level:
+        """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
+        value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
+        draw)."""
+        paths = [_path(tree.parents, node) for node in chosen]
+        logits, cands, qs, values, base_ids = [], [], [], [], []
+        for b, state in enumerate(states):
+            path_tokens = torch.tensor([[tree.tokens[b][i] for i in path] for path in paths], dtype=torch.long,
+                                       device=vocab.device)  # (P, depth + 1)
+            row_logits = self.heads.draft_logits(depth, state.hidden, path_tokens)  # (P, Vh)
+            c, q, ranked = sampler.draw_ranked(row_logits, self.top_k)  # (P, k), (P, Vh) or None, (P, k)
+            ranked = ranked.float()
+            accept = acceptance[depth][torch.bucketize(ranked, inner_edges, right=True)] * (ranked > 0)  # (P, k)
+            parent = torch.tensor([tree.values[b][i] for i in chosen], device=accept.device)  # (P,)
+            logits.append(row_logits), cands.append(c), qs.append(q)
+            values.append((parent[:, None] * accept).tolist())
+            base_ids.append(vocab[c].tolist())
+        return _Level(chosen, logits, cands, qs, values, base_ids)
+
+    def _fill_bucket(self, tree: _Growing, leftovers, chain) -> None:
+        """With step-size buckets: add the best candidates left over, as leaves, until the tree fills its bucket
+        (a parent's kept candidates stay its first ranks; the lookup chain stays a chain)."""
+        target = min(self.cost.bucket(len(tree.parents)), self.max_nodes)
+        if self.cost.buckets is None or target <= len(tree.parents):
+            return
+        pending = sorted(leftovers, key=lambda item: (-item[0].value, item[0].rank))
+        progress = True
+        while len(tree.parents) < target and progress:
+            progress = False
+            for item in list(pending):
+                c, depth, level = item
+                if len(tree.parents) >= target:
+                    break
+                if c.rank < 0:
+                    ok = len(tree.lookup) == depth and (depth == 0 or tree.lookup[-1] == c.parent)
+                else:
+                    ok = c.rank == 0 or any(s == c.slot and r == c.rank - 1 for _, s, r in level.kept)
+                if ok:
+                    tree.add(c, depth, level, chain)
+                    pending.remove(item)
+                    progress = True
+
+    def _assemble(self, tree: _Growing, levels: list[_Level], vocab: torch.Tensor,
+                  device: torch.device) -> list[DraftTree]:
+        """Each row's :class:`medusa.drafters.base.DraftTree` on the shared layout."""
+        parents, ranks = tree.parents, tree.ranks
+        key = (tuple(parents), tuple(ranks))
+        layout = self._layouts.get(key)
+        if layout is None:
+            children = [[] for _ in parents]
+            for node in sorted(range(1, len(parents)), key=lambda n: (ranks[n], n)):  # copied (-1) first, by rank
+                children[parents[node]].append(node)
+            layout = layout_from_parents(parents, children, device)
+            self._layouts[key] = layout
+            if len(self._layouts) > 512:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        groups = []
+        for level in levels:
+            if level.kept:
+                nodes, slots, kept_ranks = (torch.tensor(col, dtype=torch.long, device=device)
+                                            for col in zip(*level.kept, strict=True))
+                groups.append((torch.tensor(level.parents, dtype=torch.long, device=device), nodes, slots,
+                               kept_ranks, level))
+        copied = torch.tensor(tree.lookup, dtype=torch.long, device=device) if tree.lookup else None
+        tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)  # (B, N)
+        return [DraftTree(tokens[b], layout,
+                          [Draws(parent_ids, level.logits[b], level.candidates[b], nodes, slots, kept_ranks,
+                                 level.q[b], vocab) for parent_ids, nodes, slots, kept_ranks, level in groups],
+                          copied) for b in range(len(tokens))]
+
+
+@dataclass
+class _Growing:
+    """A tree being grown: per node its parent, depth and rank (-1: the root or a copied node); per row and node
+    its token and path value; the lookup chain's nodes."""
+
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int]
+    tokens: list[list[int]]
+    values: list[list[float]]
+    lookup: list[int] = field(default_factory=list)
+
+    def add(self, c: _Candidate, depth: int, level: _Level | None, chain) -> None:
+        """Make candidate ``c`` (drafted at ``depth``) the next node."""
+        node = len(self.parents)
+        self.parents.append(c.parent)
+        self.depths.append(depth + 1)
+        self.ranks.append(c.rank)
+        if c.rank < 0:  # the lookup chain's next token
+            for b, (row_tokens, row_values) in enumerate(zip(*chain, strict=True)):
+                self.tokens[b].append(row_tokens[depth])
+                self.values[b].append(row_values[depth])
+            self.lookup.append(node)
+        else:
+            for b in range(len(self.tokens)):
+                self.tokens[b].append(level.base_ids[b][c.slot][c.rank])
+                self.values[b].append(level.child_values[b][c.slot][c.rank])
+            level.kept.append((node, c.slot, c.rank))
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root down to ``node``."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]

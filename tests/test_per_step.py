@@ -1,0 +1,331 @@
+"""The per-step tree: grown from calibrated confidence and measured cost, exact whatever it grows to."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+from test_batch import BatchOracle, prompts_of
+from test_decoding import ARCHS, OracleHeads, hf_greedy, random_heads
+from test_sampling import (
+    DRAWS,
+    HEAD_VOCAB,
+    PROMPT,
+    ROOT,
+    SETTINGS,
+    TableHeads,
+    V,
+    chi_square_p,
+    make_heads,
+    processed,
+    rejection_rule,
+    table_logits_at,
+)
+from tiny import tiny_model
+
+from medusa.decode.batch import batch_decode_steps
+from medusa.decode.loop import GenerationStats, decode_steps
+from medusa.drafters.calibration import (
+    CONFIDENCE_EDGES,
+    Calibration,
+    CalibrationMismatchError,
+    check_calibration,
+    heads_identity,
+    load_calibration,
+    measure_calibration,
+    monotone_fit,
+    save_calibration,
+)
+from medusa.drafters.per_step import PerStepDrafter, StepCost
+from medusa.engines import make_engine
+from medusa.tools.calibrate import sequence_states
+
+BINS = len(CONFIDENCE_EDGES) - 1
+# What this machine charges, in the shape a profile measures (a forward over n tokens; a head call per depth).
+COST = {1: 0.050, 2: 0.052, 4: 0.054, 8: 0.058, 16: 0.066, 32: 0.090, 64: 0.140}
+HEAD_CALL = 0.002
+
+
+def flat_calibration(heads, accept: float, lookup: float = 0.0, length: int = 6, top_k: int = 8) -> Calibration:
+    """A calibration that says every draft of every depth is accepted with probability ``accept``."""
+    k = heads.config.num_heads
+    return Calibration(heads_identity(heads), top_k, [[accept] * top_k] * k, [[accept] * BINS] * k, [[1] * BINS] * k,
+                       3, [[lookup] * length] * 4, [[1] * length] * 4)
+
+
+def decode(model, drafter, ids, n, engine=None):
+    stats, out = GenerationStats(), []
+    for step in decode_steps(model, drafter, ids, n, stats=stats, engine=engine or make_engine("eager", model)):
+        out += step.tokens
+    return out, stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_heads_that_are_right_grow_large_trees_and_stay_exact(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    reference = hf_greedy(model, ids, 40)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
+    out, stats = decode(model, drafter, ids, 40)
+    assert out == reference
+    assert sum(stats.tree_nodes) / len(stats.tree_nodes) > 10  # far more than a chain
+    assert stats.tau > 2.5  # and they pay: 1 + ranks 0 and 1 of heads 0 and 1 accepted
+    assert 1 not in stats.tree_nodes
+
+
+class NeverRight(torch.nn.Module):
+    """Random heads that never propose a token of ``avoid`` (the reference answer): heads that are always wrong."""
+
+    def __init__(self, heads, avoid: list[int]):
+        super().__init__()
+        self.heads, self.config, self.head_vocab_size = heads, heads.config, heads.head_vocab_size
+        self.penalty = torch.zeros(heads.head_vocab_size)
+        self.penalty[torch.tensor(sorted(set(avoid)))] = -1e4
+
+    def forward(self, hidden, tokens):
+        return self.heads(hidden, tokens) + self.penalty
+
+    def draft_logits(self, k, hidden, path_tokens):
+        return self.heads.draft_logits(k, hidden, path_tokens) + self.penalty
+
+    def new_context(self):
+        return self.heads.new_context()
+
+    def extend_context(self, context, hidden, next_tokens):
+        return self.heads.extend_context(context, hidden, next_tokens)
+
+    def to_base_ids(self, ids):
+        return self.heads.to_base_ids(ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_heads_shrink_to_plain_steps_and_stay_exact(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, ids, 40)
+    heads = NeverRight(random_heads(model, head_type="hydra"), reference)
+    calibration = measure_calibration(heads, sequence_states(model, [(ids.tolist() + reference, len(ids))]), 4, 6)
+    assert max(calibration.acceptance[0]) == 0.0  # measured: never accepted
+    drafter = PerStepDrafter(heads, calibration, StepCost(COST, [HEAD_CALL] * 3), lookup_length=0)
+    out, stats = decode(model, drafter, ids, 40)
+    assert out == reference
+    assert stats.tree_nodes == [1] * len(stats.tree_nodes)  # every step a plain step
+
+
+def test_a_cheaper_machine_grows_larger_trees():
+    """The same heads and calibration: where each extra node costs less, the trees are larger."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    reference = hf_greedy(model, ids, 32)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
+    sizes = {}
+    for name, slope in (("cheap", 0.0002), ("dear", 0.004)):
+        cost = StepCost({n: 0.05 + slope * (n - 1) for n in (1, 64)}, [HEAD_CALL] * 3)
+        out, stats = decode(model, PerStepDrafter(heads, flat_calibration(heads, 0.5), cost), ids, 32)
+        assert out == reference
+        sizes[name] = sum(stats.tree_nodes) / len(stats.tree_nodes)
+    assert sizes["cheap"] > sizes["dear"] + 4, sizes
+
+
+def test_bucketed_engines_get_trees_that_fill_their_bucket():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(3))
+    reference = hf_greedy(model, ids, 32)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
+    cost = StepCost(COST, [HEAD_CALL] * 3, buckets=(1, 4, 8, 16, 32))
+    out, stats = decode(model, PerStepDrafter(heads, flat_calibration(heads, 0.7), cost, max_nodes=32), ids, 32)
+    assert out == reference
+    assert set(stats.tree_nodes) <= {1, 4, 8, 16, 32} and len(set(stats.tree_nodes)) >= 1, stats.tree_nodes
+
+
+def test_lookup_chain_is_a_branch_valued_by_its_calibration():
+    """A prompt that repeats: a trusted lookup chain makes deep steps; an untrusted one is left out."""
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12] * 4)
+    reference = hf_greedy(model, ids, 32)
+    taus = {}
+    for trust in (0.95, 0.0):
+        drafter = PerStepDrafter(heads, flat_calibration(heads, 0.0, lookup=trust, length=8),
+                                 StepCost(COST, [HEAD_CALL] * 3))
+        out, stats = decode(model, drafter, ids, 32)
+        assert out == reference
+        taus[trust] = stats.tau
+    assert taus[0.0] == 1.0  # nothing pays: every step is plain
+    assert taus[0.95] > 1.0 or reference[:8] != reference[8:16]  # the base did not copy: nothing to accept
+
+
+def test_batched_per_step_trees_equal_one_prompt_at_a_time():
+    model = tiny_model("llama")
+    prompts = prompts_of([12, 4, 20, 9], seed=2)
+    references = [hf_greedy(model, p, 32) for p in prompts]
+    ranks = [[0, 1, None], [None, None, None], [0, None, None], [0, 0, 0]]
+    oracles = [OracleHeads(model, p.tolist() + r, rk, model.config.vocab_size)
+               for p, r, rk in zip(prompts, references, ranks, strict=True)]
+    heads = BatchOracle(oracles)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3))
+    from medusa.decode.batch import BatchStats
+
+    stats = BatchStats()
+    out = [[] for _ in prompts]
+    for step in batch_decode_steps(model, drafter, prompts, 32, stats=stats, engine=make_engine("eager", model)):
+        for i, s in step:
+            out[i] += s.tokens
+    assert out == references
+    assert min(stats.rows[0].tree_nodes) > 1  # one per-step tree shape for all rows
+    taus = [s.tau for s in stats.rows]
+    assert taus[3] > taus[1] and taus[0] > taus[1]  # each row kept its own acceptance
+
+
+class CalibratedTableHeads(TableHeads):
+    """The sampling tests' table heads, with the config a calibration identifies heads by."""
+
+    config = types.SimpleNamespace(head_type="medusa", num_heads=2, num_layers=1, hidden_size=4, vocab_size=V,
+                                   lm_head_fingerprint=None)
+
+
+class TopKClaimingSoftmaxRanked:
+    """The known bug as a per-step sampler: deterministic top-k candidates reported as drawn from the softmax q."""
+
+    def __init__(self, warp):
+        self.warp = warp
+
+    def draw_ranked(self, logits, k):
+        q = torch.softmax(self.warp(logits.float()), dim=-1)
+        return logits.topk(k, dim=-1).indices, q, q.topk(k, dim=-1).values
+
+
+def per_step_samples(rule, heads, tables, n: int, sampler=None) -> tuple[torch.Tensor, set[int], int]:
+    """``(n, 3)`` first three tokens after the root from ``n`` per-step trees, the tree sizes seen, and the drafts
+    accepted in all."""
+    mids = [(a + b) / 2 for a, b in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:], strict=False)]
+    calibration = Calibration(heads_identity(heads), 8, [[0.5] * 8] * 2, [mids] * 2,
+                              [[1] * BINS] * 2, 3, [[0.5] * 4] * 4, [[1] * 4] * 4)
+    drafter = PerStepDrafter(heads, calibration, StepCost({1: 1.0, 8: 1.02, 16: 1.1}, [0.004, 0.004]),
+                             lookup_length=2, top_k=4)
+    probs = [torch.softmax(t, dim=-1) for t in tables]
+    context = torch.tensor(PROMPT + [ROOT])
+    gen = torch.Generator().manual_seed(1)
+    out, sizes, accepted = torch.empty(n, 3, dtype=torch.long), set(), 0
+    for i in range(n):
+        state = drafter.new_state()
+        state.hidden = torch.zeros(4)
+        tree = drafter.propose(state, torch.tensor(ROOT), context, sampler or rule.sampler)
+        sizes.add(len(tree.tokens))
+        result = rule.accept(tree, table_logits_at(tables, tree.layout, tree.tokens))
+        accepted += result.accepted
+        emitted = tree.tokens[result.path_nodes[1:]].tolist() + [int(result.next_token)]
+        while len(emitted) < 3:
+            emitted.append(int(torch.multinomial(probs[len(emitted)][tuple(emitted)], 1, generator=gen)))
+        out[i] = torch.tensor(emitted[:3])
+    return out, sizes, accepted
+
+
+@pytest.mark.slow
+def test_rejection_sampling_on_per_step_trees_is_exact(base_logits):
+    tables = processed(SETTINGS["t1.0"], base_logits)
+    heads = CalibratedTableHeads(make_heads("base", base_logits).logits_fn)
+    samples, sizes, accepted = per_step_samples(rejection_rule(SETTINGS["t1.0"]), heads, tables, DRAWS)
+    assert len(sizes) >= 3, sizes
+    assert accepted > DRAWS // 4
+    assert chi_square_p(samples, tables) > 0.01
+
+
+@pytest.mark.slow
+def test_control_broken_q_on_per_step_trees_is_caught(base_logits):
+    tables = processed(SETTINGS["t1.0"], base_logits)
+    rule = rejection_rule(SETTINGS["t1.0"])
+    heads = CalibratedTableHeads(make_heads("random", base_logits).logits_fn)
+    samples, _, _ = per_step_samples(rule, heads, tables, DRAWS // 2, TopKClaimingSoftmaxRanked(rule.sampler.warp))
+    assert chi_square_p(samples, tables) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def base_logits():
+    from test_sampling import tabulated_base_logits
+
+    return tabulated_base_logits()
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+def test_monotone_fit_pools_violators_and_leans_on_the_prior_where_sparse():
+    fit = monotone_fit(torch.tensor([0.0, 50.0, 10.0, 0.0]), torch.tensor([100.0, 100.0, 100.0, 0.0]),
+                       torch.tensor([0.1, 0.3, 0.5, 0.9]))
+    assert (fit[1:] >= fit[:-1]).all()
+    assert fit[1] == pytest.approx(fit[2])  # 0.5 then 0.1: pooled
+    assert fit[3] == pytest.approx(0.9)  # no samples: the prior
+
+
+def test_measured_calibration_round_trips_and_matches_accuracy(tmp_path):
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=2)
+    ids = torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(0))
+    sequence = ids.tolist() + hf_greedy(model, ids, 48)
+    calibration = measure_calibration(heads, sequence_states(model, [(sequence, len(ids))]), 4, 6)
+    # every position whose head-0 target lies in the response (the prefill emits the first), every rank
+    assert sum(calibration.counts[0]) == 4 * (len(sequence) - len(ids) - 1)
+    path = save_calibration(calibration, tmp_path / "calibration.json")
+    assert load_calibration(path) == calibration
+    check_calibration(load_calibration(path), heads_identity(heads))
+
+
+def test_a_calibration_for_other_heads_is_refused_with_the_difference_named():
+    model = tiny_model("llama")
+    calibration = flat_calibration(random_heads(model, num_heads=2), 0.5)
+    with pytest.raises(CalibrationMismatchError, match="num_heads: calibrated 2, heads 3"):
+        PerStepDrafter(random_heads(model, num_heads=3), calibration, StepCost(COST, [HEAD_CALL]))
+    calibration.heads["weights_sha256"] = "0" * 64
+    with pytest.raises(CalibrationMismatchError, match="weights_sha256"):
+        check_calibration(calibration, {**heads_identity(random_heads(model, num_heads=2)),
+                                        "weights_sha256": "f" * 64})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nan", "probability", "ragged", "unknown field"])
+def test_a_damaged_calibration_file_is_refused(tmp_path, damage):
+    model = tiny_model("llama")
+    data = flat_calibration(random_heads(model, num_heads=2), 0.5).to_dict()
+    path = tmp_path / "calibration.json"
+    text = json.dumps(data)
+    if damage == "truncated":
+        text = text[: len(text) // 2]
+    elif damage == "nan":
+        text = text.replace("0.5", "NaN", 1)
+    elif damage == "probability":
+        data["acceptance"][0][3] = 1.5
+        text = json.dumps(data)
+    elif damage == "ragged":
+        data["acceptance"][1] = data["acceptance"][1][:-1]
+        text = json.dumps(data)
+    else:
+        data["extra"] = 1
+        text = json.dumps(data)
+    path.write_text(text)
+    with pytest.raises(ValueError, match="calibration"):
+        load_calibration(path)
+
+
+def test_step_cost_never_falls_with_size_and_pays_whole_buckets():
+    cost = StepCost({1: 0.05, 2: 0.07, 4: 0.06, 8: 0.08}, [0.001], buckets=(1, 4, 8))
+    values = [cost.verify(n) for n in range(1, 9)]
+    assert all(b >= a for a, b in zip(values, values[1:], strict=False))
+    assert cost.verify(2) == cost.verify(4) and cost.verify(5) == cost.verify(8)
+    with pytest.raises(ValueError, match="positive and finite"):
+        StepCost({1: math.nan}, [0.001])
+
+
+def test_head_vocab_mapping_is_used_for_the_tree_tokens():
+    """Heads on a truncated vocabulary: node tokens are base ids."""
+    heads = CalibratedTableHeads(lambda k, path: torch.linspace(3, 0, V))
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9, length=2), StepCost(COST, [HEAD_CALL] * 2),
+                             lookup_length=0)
+    state = drafter.new_state()
+    state.hidden = torch.zeros(4)
+    from medusa.drafters.base import TopK
+
+    tree = drafter.propose(state, torch.tensor(ROOT), torch.tensor(PROMPT + [ROOT]), TopK())
+    assert len(tree.tokens) > 3
+    assert set(tree.tokens[1:].tolist()) <= set(HEAD_VOCAB.tolist())
