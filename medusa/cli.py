@@ -262,7 +262,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--engine", default=None,
                    help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
-                   "measured once, about 30 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
+                   "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
                    + f"; default: {AUTO}")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "

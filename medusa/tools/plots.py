@@ -106,15 +106,16 @@ def _plot_tree_sizes(ax, tree_sizes: dict, choose_ms: float | None) -> None:
     steps = max(sum(counts.values()), 1)
     ax.bar(list(counts), [100 * c / steps for c in counts.values()], color="tab:green", width=0.9)
     ax.axvline(tree_sizes["mean"], color="black", linestyle="--", label=f"mean {tree_sizes['mean']:.1f} nodes")
-    overhead = f"; choosing it {choose_ms:.2f} ms/step" if choose_ms is not None else ""
+    overhead = f", choosing {choose_ms:.2f} ms/step" if choose_ms is not None else ""
     ax.set(xlabel="nodes in the step's tree (root included; 1: a plain step)", ylabel="verify forwards (%)",
-           title=f"Per-step tree sizes ({100 * tree_sizes['plain_fraction']:.0f}% plain steps{overhead})")
+           title=f"Tree sizes ({100 * tree_sizes['plain_fraction']:.0f}% plain{overhead})")
     ax.legend()
 
 
 def _bench_caption(result: dict) -> str:
     nodes = result.get("tree_nodes")
-    parts = [f"tree {result.get('tree', '?')} ({'?' if nodes is None else nodes - 1} nodes + root)",
+    most = "at most " if result.get("tree") == "per-step" else ""
+    parts = [f"tree {result.get('tree', '?')} ({most}{'?' if nodes is None else nodes - 1} nodes + root)",
              f"{result['prompts']} prompts x {result.get('max_new_tokens', '?')} new tokens",
              f"identical to HF greedy: {100 * result['identical']:.0f}% of prompts",
              f"{result.get('dtype', '?')}, {result.get('device', '?')}",

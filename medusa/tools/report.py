@@ -41,7 +41,8 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("kept a draft at depth 1, 2, ...", " ".join(f"{a:.3f}" for a in r.get("per_depth_accept", []))),
-                ("tree", f"{r.get('tree', '?')} ({r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
+                ("tree", f"{r.get('tree', '?')} ({'at most ' if r.get('tree') == 'per-step' else ''}"
+                         f"{r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
                 ("load average (1 min) / cores", load_text(r.get("load"))),
                 ("predicted tau / speedup (chain)", prediction_text(r.get("prediction")))] + [
