@@ -336,11 +336,6 @@ def _load(args, per_step_allowed: bool = True):
         if max_nodes is not None:
             options["max_nodes"] = max_nodes
         model.use_per_step_tree(args.heads, **options)
-        calibration = model.drafter.calibration
-        if args.lookup_ngram is not None and args.lookup_ngram != calibration.lookup_max_ngram:
-            raise ValueError(f"--lookup-ngram {args.lookup_ngram}: the heads' calibration measured the lookup chain "
-                             f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
-                             f"--lookup-ngram {args.lookup_ngram}, or drop the flag)")
         print(f"per-step tree: up to {model.drafter.max_nodes} nodes, from {Path(args.heads) / 'calibration.json'} "
               f"and this machine's profile", file=sys.stderr)
     elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
@@ -369,10 +364,20 @@ def _per_step_choice(args) -> bool:
     if max_nodes is not None and not per_step:
         raise ValueError(f"--max-tree-nodes sizes the per-step tree, which is off here (--per-step-tree {mode}"
                          f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
-    if per_step:  # a damaged file is refused now, before the base loads
-        from medusa.drafters.calibration import load_calibration
+    if per_step:  # a damaged file, one for other heads, or flags it cannot honour are refused before the base loads
+        from medusa.drafters.calibration import check_calibration, folder_identity, load_calibration
 
-        load_calibration(Path(args.heads) / CALIBRATION_FILE_NAME)
+        path = Path(args.heads) / CALIBRATION_FILE_NAME
+        calibration = load_calibration(path)
+        check_calibration(calibration, folder_identity(args.heads), f"calibration file {path}")
+        if args.lookup is not None and args.lookup > calibration.lookup_length:
+            raise ValueError(f"--lookup {args.lookup}: the heads' calibration measured the lookup chain at "
+                             f"{calibration.lookup_length} positions (calibrate again with --lookup-length "
+                             f"{args.lookup}, or pass a smaller --lookup)")
+        if args.lookup_ngram is not None and args.lookup_ngram != calibration.lookup_max_ngram:
+            raise ValueError(f"--lookup-ngram {args.lookup_ngram}: the heads' calibration measured the lookup chain "
+                             f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
+                             f"--lookup-ngram {args.lookup_ngram}, or drop the flag)")
     return per_step
 
 
@@ -577,13 +582,19 @@ def cmd_bench(args) -> int:
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
     fixed_tree = None
-    if args.fixed_tree:
+    if args.fixed_tree:  # refused before the model loads: a damaged file, one that does not fit, or other modes
         from medusa.decode.tree import load_tree
+        from medusa.io.checkpoint import check_heads_folder
 
-        fixed_tree = load_tree(args.fixed_tree)  # refused before the model loads when damaged
+        if args.batch_size:
+            raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
+                             "--batch-size or --fixed-tree")
+        if args.do_sample:
+            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
+        fixed_tree = load_tree(args.fixed_tree)
+        config = check_heads_folder(args.heads)
+        fixed_tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
     model = _load(args)
-    if fixed_tree is not None:
-        fixed_tree.check_fits(model.heads.config.num_heads, model.heads.head_vocab_size)
     load = machine_load(torch.get_num_threads())
     _warn(load["warning"])
     if args.batch_size:
@@ -765,7 +776,10 @@ def cmd_calibrate(args) -> int:
     if args.top_k < 1 or args.lookup_length < 0 or args.lookup_ngram < 1:
         raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {args.top_k}, "
                          f"{args.lookup_length} and {args.lookup_ngram}")
-    check_heads_folder(args.heads)
+    config = check_heads_folder(args.heads)
+    if args.top_k > (config.head_vocab_size or config.vocab_size):
+        raise ValueError(f"--top-k {args.top_k} is more than the heads' vocabulary of "
+                         f"{config.head_vocab_size or config.vocab_size} tokens")
     sequences = read_distilled_sequences(args.data, args.limit)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -143,19 +143,21 @@ class MedusaModel(nn.Module):
         if per_step and not calibrated:
             raise ValueError(f"per_step=True needs {Path(heads) / CALIBRATION_FILE_NAME}: {CALIBRATION_NOTE}")
         per_step = (calibrated and tree is None) if per_step is None else per_step
-        if per_step:  # a damaged calibration is refused before the base loads
-            from medusa.drafters.calibration import load_calibration
+        if per_step:  # a damaged calibration, or one for other heads, is refused before the base loads
+            from medusa.drafters.calibration import check_calibration, folder_identity, load_calibration
 
-            load_calibration(Path(heads) / CALIBRATION_FILE_NAME)
+            path = Path(heads) / CALIBRATION_FILE_NAME
+            check_calibration(load_calibration(path), folder_identity(heads, config), f"calibration file {path}")
         given = tree
-        if tree is None and (Path(heads) / TREE_FILE_NAME).is_file():
-            tree = Path(heads) / TREE_FILE_NAME
+        if tree is None and not per_step and (Path(heads) / TREE_FILE_NAME).is_file():
+            tree = Path(heads) / TREE_FILE_NAME  # the per-step tree never reads it: a stale one cannot block it
+        if tree is not None and not isinstance(tree, Tree):
+            tree = load_tree(tree)
         if tree is None and not per_step:
-            logger.info("no tree given and none in %s: using the top-1 chain; %s", heads, CALIBRATION_NOTE)
+            logger.info("no tree given and none in %s: using the top-1 chain%s", heads,
+                        "" if calibrated else f"; {CALIBRATION_NOTE}")
         elif given is None and not per_step and not calibrated:
             logger.info("%s", CALIBRATION_NOTE)
-        elif not isinstance(tree, Tree):
-            tree = load_tree(tree)
         if tree is not None:
             tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
         if adapter is not None:

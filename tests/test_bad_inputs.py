@@ -302,3 +302,72 @@ def test_calibrate_flags_are_refused_by_name(heads_dir, flag, value, message, ca
     argv = ["calibrate", "--base", "nowhere", "--heads", str(heads_dir), "--data", "nowhere.jsonl", flag, value]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _valid_calibration(heads_dir: Path, **changes) -> Path:
+    """A calibration that matches the fixture's heads (from their files), with ``changes`` to its identity."""
+    from medusa.drafters.calibration import CONFIDENCE_EDGES, Calibration, folder_identity, save_calibration
+
+    bins = len(CONFIDENCE_EDGES) - 1
+    identity = {**folder_identity(heads_dir), **changes}
+    calibration = Calibration(identity, 4, [[0.5] * 4] * 3, [[0.5] * bins] * 3, [[1] * bins] * 3, 3, [[0.5] * 4] * 4,
+                              [[1] * 4] * 4)
+    return save_calibration(calibration, heads_dir / "calibration.json")
+
+
+@pytest.mark.parametrize("changes, extra, message", [
+    ({"num_heads": 4}, [], "was measured for other heads (num_heads: calibrated 4, heads 3"),
+    ({"weights_sha256": "0" * 64}, [], "weights_sha256"),
+    ({}, ["--lookup", "9"], "--lookup 9: the heads' calibration measured the lookup chain at 4 positions"),
+    ({}, ["--lookup-ngram", "2"], "--lookup-ngram 2: the heads' calibration measured the lookup chain with n-grams "
+                                  "up to 3"),
+])
+def test_a_calibration_that_does_not_fit_is_refused_before_the_base_loads(heads_dir, changes, extra, message,
+                                                                           capsys, monkeypatch):
+    import medusa.cli
+    from medusa.drafters.calibration import CalibrationMismatchError
+
+    if changes.get("num_heads"):  # the tables must hold as many depths as the identity names
+        from medusa.drafters.calibration import CONFIDENCE_EDGES, Calibration, folder_identity, save_calibration
+
+        bins = len(CONFIDENCE_EDGES) - 1
+        save_calibration(Calibration({**folder_identity(heads_dir), **changes}, 4, [[0.5] * 4] * 4,
+                                     [[0.5] * bins] * 4, [[1] * bins] * 4, 3, [[0.5] * 4] * 4, [[1] * 4] * 4),
+                         heads_dir / "calibration.json")
+    else:
+        _valid_calibration(heads_dir, **changes)
+    if not extra:
+        with pytest.raises(CalibrationMismatchError, match=message.split(" (")[0]):
+            MedusaModel.from_pretrained("unused-base", heads_dir)
+    monkeypatch.setattr(medusa.model.MedusaModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the calibration was refused"))
+    argv = ["generate", "--base", "nowhere", "--heads", str(heads_dir), "--prompt", "hi", *extra]
+    assert medusa.cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "2"], "--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench"),
+    (["--do-sample"], "the fixed-tree comparison is greedy only"),
+    ([], "has depth 5 but the model has only 3 heads"),
+])
+def test_bench_fixed_tree_flags_are_refused_before_the_base_loads(heads_dir, tmp_path, extra, message, capsys):
+    from medusa.cli import main
+    from medusa.decode.tree import Tree, save_tree
+
+    tree = tmp_path / "fixed.json"
+    save_tree(Tree.chain(5 if not extra else 2), tree)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    argv = ["bench", "--base", "nowhere", "--heads", str(heads_dir), "--prompts", str(prompts), "--fixed-tree",
+            str(tree), *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_top_k_beyond_the_heads_vocabulary_is_refused(heads_dir, capsys):
+    from medusa.cli import main
+
+    argv = ["calibrate", "--base", "nowhere", "--heads", str(heads_dir), "--data", "nowhere.jsonl", "--top-k", "65"]
+    assert main(argv) == 2
+    assert "--top-k 65 is more than the heads' vocabulary of 64 tokens" in capsys.readouterr().err

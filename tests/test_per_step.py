@@ -286,7 +286,8 @@ def test_a_calibration_for_other_heads_is_refused_with_the_difference_named():
                                         "weights_sha256": "f" * 64})
 
 
-@pytest.mark.parametrize("damage", ["truncated", "nan", "probability", "ragged", "unknown field"])
+@pytest.mark.parametrize("damage", ["truncated", "nan", "probability", "ragged", "unknown field", "rows",
+                                    "ragged lookup"])
 def test_a_damaged_calibration_file_is_refused(tmp_path, damage):
     model = tiny_model("llama")
     data = flat_calibration(random_heads(model, num_heads=2), 0.5).to_dict()
@@ -301,6 +302,13 @@ def test_a_damaged_calibration_file_is_refused(tmp_path, damage):
         text = json.dumps(data)
     elif damage == "ragged":
         data["acceptance"][1] = data["acceptance"][1][:-1]
+        text = json.dumps(data)
+    elif damage == "rows":  # fewer depths than the heads it names
+        for key in ("acceptance", "counts", "accuracy"):
+            data[key] = data[key][:1]
+        text = json.dumps(data)
+    elif damage == "ragged lookup":
+        data["lookup"][1] = data["lookup"][1][:2]
         text = json.dumps(data)
     else:
         data["extra"] = 1
@@ -344,3 +352,29 @@ def test_a_tree_between_buckets_is_pruned_to_the_one_below_when_the_next_costs_t
     out, stats = decode(model, PerStepDrafter(heads, flat_calibration(heads, 0.5), cost, max_nodes=32), ids, 32)
     assert out == reference
     assert set(stats.tree_nodes) == {4}, stats.tree_nodes
+
+
+def test_from_pretrained_takes_the_per_step_tree_from_a_calibrated_folder(tmp_path):
+    """A heads folder with calibration.json (and a tree.json that no longer fits, which the per-step tree never
+    reads) loads as a per-step model whose greedy output is the base's; per_step=False falls back to the chain."""
+    from tiny import save_tiny
+
+    from medusa.decode.tree import Tree, save_tree
+    from medusa.drafters.calibration import folder_identity
+    from medusa.io.checkpoint import save_heads
+    from medusa.model import MedusaModel
+
+    base_dir = save_tiny(tmp_path / "base", "llama")
+    model = tiny_model("llama")
+    heads_dir = save_heads(random_heads(model, num_heads=2), tmp_path / "heads")
+    calibration = flat_calibration(random_heads(model, num_heads=2), 0.6)
+    calibration.heads = folder_identity(heads_dir)
+    save_calibration(calibration, heads_dir / "calibration.json")
+    save_tree(Tree.chain(5), heads_dir / "tree.json")  # stale: deeper than the 2 heads
+    loaded = MedusaModel.from_pretrained(base_dir, heads_dir, engine="eager")
+    assert loaded.per_step
+    ids = torch.randint(3, 300, (10,), generator=torch.Generator().manual_seed(1))
+    tokens, stats = loaded.generate(ids, max_new_tokens=16, stop_token_ids=set())
+    assert tokens == hf_greedy(loaded.base, ids, 16) and stats.tree_nodes
+    with pytest.raises(ValueError, match="depth 5 but the model has only 2 heads"):
+        MedusaModel.from_pretrained(base_dir, heads_dir, engine="eager", per_step=False)

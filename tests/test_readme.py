@@ -71,7 +71,8 @@ def test_usage_commands_run_in_order(tmp_path, monkeypatch, capsys):
         argv = [stand_ins.get(a, a) for a in shlex.split(command, comments=True)[1:]]
         argv += shlex.split(TINY_FLAGS.get(argv[0], ""))
         assert main(argv) == 0, f"{command}\n{capsys.readouterr().err}"
-    for produced in ("runs/x/heads/model.safetensors", "runs/x/heads/calibration.json", "runs/x/eval.json", "runs/x/eval.png", "trees/x.json",
+    for produced in ("runs/x/heads/model.safetensors", "runs/x/heads/calibration.json", "runs/x/eval.json",
+                     "runs/x/eval.png", "trees/x.json",
                      "trees/x.report.json", "trees/x.report.png", "prompts.jsonl", "bench.json", "bench.png"):
         assert (tmp_path / produced).stat().st_size > 0, produced
     bench = json.loads((tmp_path / "bench.json").read_text())

@@ -9,8 +9,8 @@ folder as ``calibration.json``:
 
 - ``accuracy[d][r]``: how often head d's rank-r candidate is the base's token, given the path above is right;
 - ``acceptance[d][b]``: the same, by confidence bin b (the head's softmax probability of the candidate, bins
-  :data:`CONFIDENCE_EDGES`), made monotone in confidence (pool adjacent violators) and shrunk towards the depth's
-  overall rate where it holds few samples (a high confidence alone earns no trust);
+  :data:`CONFIDENCE_EDGES`), made monotone in confidence when measured (pool adjacent violators) and shrunk towards
+  the depth's overall rate where it holds few samples (a high confidence alone earns no trust);
 - ``lookup[n][j]``: how often the prompt-lookup chain's token j is right given tokens 1..j-1 were, by the length n of
   the context n-gram that matched (0: no match, the last token repeated).
 
@@ -110,9 +110,14 @@ class Calibration:
         k = len(_table(cal.acceptance, where, "acceptance", 2, cols=bins, probability=True))
         if k < 1:
             raise ValueError(f"{where}: 'acceptance' holds no head")
+        if k != cal.heads.get("num_heads", k):
+            raise ValueError(f"{where}: 'acceptance' has {k} rows, but the heads it names have "
+                             f"{cal.heads['num_heads']}")
         _table(cal.counts, where, "counts", 2, rows=k, cols=bins)
         _table(cal.accuracy, where, "accuracy", 2, rows=k, cols=cal.top_k, probability=True)
-        look = _table(cal.lookup, where, "lookup", 2, rows=cal.lookup_max_ngram + 1, probability=True)
+        look = _table(cal.lookup, where, "lookup", 2, rows=cal.lookup_max_ngram + 1,
+                      cols=len(cal.lookup[0]) if cal.lookup and isinstance(cal.lookup[0], list) else None,
+                      probability=True)
         _table(cal.lookup_counts, where, "lookup_counts", 2, rows=len(look), cols=len(look[0]) if look else 0)
         return cal
 
@@ -159,6 +164,20 @@ def heads_identity(heads, weights_file: str | Path | None = None) -> dict:
     return out
 
 
+def folder_identity(heads_dir: str | Path, config=None) -> dict:
+    """:func:`heads_identity` of a heads folder from its files alone (``config.json`` and the weights file's
+    digest), so a calibration for other heads is refused before any model loads. ``config``: the folder's
+    :class:`medusa.drafters.heads.MedusaHeadsConfig` when already read."""
+    from medusa.io.checkpoint import HEADS_WEIGHTS_NAME, check_heads_folder
+
+    c = config if config is not None else check_heads_folder(heads_dir)
+    return {"head_type": c.head_type, "num_heads": c.num_heads, "num_layers": c.num_layers,
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+            "head_vocab_size": c.head_vocab_size or c.vocab_size,
+            "lm_head_fingerprint": _fingerprint_digest(c.lm_head_fingerprint),
+            "weights_sha256": file_digest(Path(heads_dir) / HEADS_WEIGHTS_NAME)}
+
+
 def _fingerprint_digest(fingerprint) -> str | None:
     if not fingerprint:
         return None
@@ -193,6 +212,7 @@ def save_calibration(calibration: Calibration, path: str | Path) -> Path:
     from medusa.io.files import atomic_file
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(calibration.to_dict(), indent=1) + "\n")
     return path

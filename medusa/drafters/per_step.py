@@ -48,6 +48,7 @@ from medusa.drafters.base import DraftSampler, DraftTree, Draws, TopK, register_
 from medusa.drafters.calibration import (
     CALIBRATION_FILE_NAME,
     Calibration,
+    CalibrationMismatchError,
     check_calibration,
     heads_identity,
     load_calibration,
@@ -204,6 +205,9 @@ class PerStepDrafter:
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
                  objective: str = "step"):
         check_calibration(calibration, heads_identity(heads))
+        if calibration.num_heads != heads.config.num_heads:
+            raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
+                                           f"{heads.config.num_heads}")
         lookup_length = calibration.lookup_length if lookup_length is None else lookup_length
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")

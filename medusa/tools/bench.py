@@ -602,8 +602,9 @@ BATCH_METHODS = ("plain", "medusa", "hf")
 
 def run_batch_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, batch_sizes=(1, 4, 16),
                     use_chat_template: bool = True, methods=BATCH_METHODS, progress=None) -> dict:
-    """Tokens/s of batched decoding at each batch size: plain greedy (a tree of one node), Medusa (``model.tree``)
-    and Hugging Face ``generate`` with left padding, all greedy, in one process.
+    """Tokens/s of batched decoding at each batch size: plain greedy (a tree of one node), Medusa (``model.drafter``:
+    the per-step tree, or the fixed tree) and Hugging Face ``generate`` with left padding, all greedy, in one
+    process.
 
     At batch size B the prompts are decoded in consecutive groups of B (the last group may be smaller), so every
     batch size decodes the same prompts; a batch size above the number of prompts uses them all (noted in
