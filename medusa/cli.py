@@ -336,7 +336,8 @@ def _load(args, per_step_allowed: bool = True):
         if max_nodes is not None:
             options["max_nodes"] = max_nodes
         model.use_per_step_tree(args.heads, **options)
-        print(f"per-step tree: up to {model.drafter.max_nodes} nodes, from {Path(args.heads) / 'calibration.json'} "
+        print(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
+              f"{Path(args.heads) / 'calibration.json'} "
               f"and this machine's profile", file=sys.stderr)
     elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
         print(f"note: {CALIBRATION_NOTE}", file=sys.stderr)

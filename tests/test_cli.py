@@ -292,7 +292,7 @@ def test_calibrate_turns_on_the_per_step_tree_and_tree_forces_a_fixed_one(setup,
             "12", "--stats"]
     assert main(args) == 0
     per_step = capsys.readouterr()
-    assert "tree: per-step" in per_step.err and "per-step tree: up to 48 nodes" in per_step.err
+    assert "tree: per-step" in per_step.err and "per-step tree: up to 48 nodes (root included)" in per_step.err
     fixed = tmp_path / "chain.json"
     save_tree(Tree.chain(2), fixed)
     assert main(args + ["--tree", str(fixed)]) == 0

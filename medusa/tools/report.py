@@ -30,7 +30,7 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                  spread_text((r.get("per_prompt_speedup") or {}).get("vs_plain"))),
                 ("prompts slower than plain / HF", slower_text(r.get("per_prompt_speedup"))),
                 ("step ms: draft/choose/forward/accept/cache", step_text(r.get("step_ms"))),
-                ("tree sizes: mean, plain steps", tree_sizes_text(r.get("tree_sizes"))),
+                ("tree sizes: mean (root incl.), plain steps", tree_sizes_text(r.get("tree_sizes"))),
                 ("fixed tree tokens/s", fmt(r.get("fixed_tokens_per_s", "not timed"))),
                 ("speedup vs fixed tree", speedup_text(r.get("speedup_vs_fixed", "not timed"))),
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
@@ -42,7 +42,7 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("kept a draft at depth 1, 2, ...", " ".join(f"{a:.3f}" for a in r.get("per_depth_accept", []))),
                 ("tree", f"{r.get('tree', '?')} ({'at most ' if r.get('tree') == 'per-step' else ''}"
-                         f"{r['tree_nodes'] - 1 if 'tree_nodes' in r else '?'} nodes + root)"),
+                         f"{r['tree_nodes'] if 'tree_nodes' in r else '?'} nodes, root included)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
                 ("load average (1 min) / cores", load_text(r.get("load"))),
                 ("predicted tau / speedup (chain)", prediction_text(r.get("prediction")))] + [
