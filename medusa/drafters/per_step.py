@@ -100,10 +100,10 @@ class StepCost:
         """
         from medusa.profile import heads_level_s
 
-        curve = {int(k): v for k, v in profile.engines[engine]["forward_s"].items()} if engine in profile.engines \
-            else None
-        if curve is None or "error" in profile.engines[engine]:
+        entry = profile.engines.get(engine, {})
+        if "forward_s" not in entry:
             raise KeyError(f"engine {engine!r} has no measured forward in the profile {profile.path}")
+        curve = {int(k): v for k, v in entry["forward_s"].items()}
         return cls(curve, heads_level_s(profile, heads), tuple(sorted(curve)) if buckets == "measured" else buckets)
 
     def forward(self, tokens: int) -> float:
