@@ -1,5 +1,6 @@
-"""The base model: loading a stock transformers causal LM, its end-of-sequence ids, and Hugging Face ``generate``
-over a batch of prompts (the reference the bench and self-distillation both use)."""
+"""The base model: loading a stock transformers causal LM, its end-of-sequence ids, the states a drafter reads from it
+(:func:`base_states`), and Hugging Face ``generate`` over a batch of prompts (the reference the bench and
+self-distillation both use)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,58 @@ def hf_greedy_batch(model, prompts: list, max_new_tokens: int, stop_token_ids: s
         cut = next((i + 1 for i, t in enumerate(row) if t in stop_token_ids), len(row))
         rows.append(row[:cut])
     return rows
+
+
+def check_layer_indices(layers, count: int, name: str = "layers") -> None:
+    """Refuse decoder layer indices (0-based) outside a base of ``count`` decoder layers.
+
+    Raises:
+        ValueError: naming the offending indices, ``name`` (what they were given as) and the base's layer count.
+    """
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
+    if bad:
+        which = f"layer {bad[0]} is" if len(bad) == 1 else f"layers {', '.join(map(str, bad))} are"
+        raise ValueError(f"{name}: {which} outside the base's {count} decoder layers (0 .. {count - 1})")
+
+
+def base_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """What a drafter reads from the frozen base at every position: its last hidden state (after the final norm,
+    what the lm_head reads) and, after it, the outputs of decoder layers ``layers`` (0-based; EAGLE-3's fused
+    features, :mod:`medusa.drafters.eagle`), concatenated. No logits are computed.
+
+    Args:
+        model: a transformers causal LM (``get_decoder()`` is its decoder stack).
+        input_ids: ``(B, T)`` token ids.
+        attention_mask: ``(B, T)`` 1 on real tokens (``None``: every token is real).
+        layers: decoder layers whose outputs follow the last hidden state; ``()`` gives the last hidden state
+            alone, exactly as a run without ``output_hidden_states``.
+
+    Returns:
+        ``(B, T, (1 + len(layers)) * H)`` in the base's dtype, without gradient.
+
+    Raises:
+        ValueError: a layer index outside the base's decoder layers.
+    """
+    from medusa.engines.kv_cache import decoder_of, layer_features
+
+    check_layer_indices(layers, model.config.get_text_config(decoder=True).num_hidden_layers)
+    kwargs = {"output_hidden_states": True} if layers else {}
+    with torch.no_grad():
+        out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    if not layers:
+        return out.last_hidden_state  # (B, T, H)
+    return torch.cat([out.last_hidden_state, layer_features(out, tuple(layers))], dim=-1)  # (B, T, (1 + k) H)
+
+
+def learned_position_weight(model) -> torch.Tensor:
+    """The base's learned absolute position embedding ``(P, H)`` (GPT-2's ``wpe``): what the eagle drafter adds to
+    its token embeddings on such a base.
+
+    Raises:
+        ValueError: the base's decoder has no learned position embedding (``wpe``).
+    """
+    wpe = getattr(model.get_decoder(), "wpe", None)
+    if wpe is None:
+        raise ValueError(f"{type(model).__name__} has no learned position embedding (wpe) to read")
+    return wpe.weight

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
                    help="distill only this split")
     p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--sample", choices=["spread", "first"], default=None,
+                   help="which --max-conversations: spread evenly over the whole dataset (default) or its first ones")
+    p.add_argument("--turns", choices=["all", "first"], default=None,
+                   help="answer a turn drawn from all of each conversation's turns (default) or only the first")
     p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
                    help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
     p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
@@ -201,11 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="PNG to write (one input only; default: next to the input, .png)")
     p.set_defaults(func=cmd_plot)
 
-    p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model)")
-    p.add_argument("--format", required=True, choices=["vllm"], help="target layout")
+    p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model, speculators eagle3)")
+    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"],
+                   help="target layout: vllm (Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's "
+                   "EAGLE-3)")
     p.add_argument("--heads", required=True, help="our heads folder")
     p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
-    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head")
+    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head, and always for "
+                   "speculators-eagle3 (its embedding, lm_head and config)")
     p.set_defaults(func=cmd_export)
 
     p = add_command("import", "convert heads from another project's layout into ours")
@@ -412,7 +419,7 @@ def cmd_distill(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from train.config import TrainConfig
-    from train.data import load_conversations, split_conversations
+    from train.data import load_conversations, load_splits, split_conversations
     from train.distill import (
         DISTILLED_HELD_OUT_NAME,
         DISTILLED_TRAIN_NAME,
@@ -428,11 +435,16 @@ def cmd_distill(args) -> int:
     if args.skip_conversations < 0:
         raise ValueError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
     logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
-    conversations, _ = load_conversations(args.data, limit=args.max_conversations)
-    conversations = conversations[args.skip_conversations :]
-    train_convs, val_convs, held_convs = split_conversations(
-        conversations, value(args.held_out_fraction, "held_out_fraction"),
-        value(args.validation_fraction, "validation_fraction"), value(args.seed, "seed"))
+    if args.skip_conversations:  # the file's order matters here: read it as it is, then split
+        conversations, _ = load_conversations(args.data, limit=args.max_conversations, sample="first")
+        train_convs, val_convs, held_convs = split_conversations(
+            conversations[args.skip_conversations :], value(args.held_out_fraction, "held_out_fraction"),
+            value(args.validation_fraction, "validation_fraction"), value(args.seed, "seed"))
+    else:
+        train_convs, val_convs, held_convs = load_splits(
+            args.data, args.max_conversations, value(args.sample, "data_sample"),
+            value(args.held_out_fraction, "held_out_fraction"), value(args.validation_fraction, "validation_fraction"),
+            value(args.seed, "seed"))
     out = Path(args.out_dir)
     splits = {"validation": (val_convs, out / DISTILLED_VALIDATION_NAME),
               "held-out": (held_convs, out / DISTILLED_HELD_OUT_NAME),
@@ -444,7 +456,8 @@ def cmd_distill(args) -> int:
     distill_splits(model.eval(), tokenizer, chosen,
                    max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
                    max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
-                   batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s)
+                   batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s,
+                   turns=value(args.turns, "distill_turns"), seed=value(args.seed, "seed"))
     for split, path in chosen:
         done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
         print(f"{path}: {done} answers ({len(split)} conversations in the split)")
@@ -745,11 +758,10 @@ def cmd_profile(args) -> int:
     if args.heads:
         from medusa.decode.tree import load_tree
         from medusa.drafters import tree_drafter
-        from medusa.io.checkpoint import load_heads
+        from medusa.io.checkpoint import load_heads_for_base
         from medusa.model import TREE_FILE_NAME
 
-        heads = load_heads(args.heads, base.get_output_embeddings().weight,
-                           embed_weight=base.get_input_embeddings().weight).to(device=base.device, dtype=dtype)
+        heads = load_heads_for_base(args.heads, base).to(device=base.device, dtype=dtype)
         heads_level_s(profile, heads)
         if args.step_size is None and (Path(args.heads) / TREE_FILE_NAME).is_file():
             tree = load_tree(Path(args.heads) / TREE_FILE_NAME)
@@ -770,7 +782,7 @@ def cmd_calibrate(args) -> int:
     import torch
 
     from medusa.base import load_base
-    from medusa.io.checkpoint import check_heads_folder, load_heads
+    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
     from medusa.tools.bench import read_distilled_sequences
     from medusa.tools.calibrate import calibrate_heads
 
@@ -786,8 +798,7 @@ def cmd_calibrate(args) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base, _ = load_base(args.base, torch.float32, device)
-    heads = load_heads(args.heads, base.get_output_embeddings().weight,
-                       embed_weight=base.get_input_embeddings().weight).to(device)
+    heads = load_heads_for_base(args.heads, base).to(device)
     start = time.perf_counter()
     calibration, path = calibrate_heads(base, heads, args.heads, sequences, args.top_k, args.lookup_length,
                                         args.lookup_ngram, {"data": str(args.data), "limit": args.limit}, args.out)
@@ -876,6 +887,8 @@ def cmd_export(args) -> int:
     from medusa.io.checkpoint import check_heads_folder, load_heads
     from medusa.io.interop import export_vllm
 
+    if args.format == "speculators-eagle3":
+        return _export_speculators_eagle3(args)
     config = check_heads_folder(args.heads)
     if config.share_lm_head and args.base is None:
         raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
@@ -887,6 +900,28 @@ def cmd_export(args) -> int:
     heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
     out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
     print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")
+    return 0
+
+
+def _export_speculators_eagle3(args) -> int:
+    """``medusa export --format speculators-eagle3``: the eagle drafter with the base's embedding and lm_head rows, as
+    the speculators eagle3 folder vLLM serves EAGLE-3 from."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
+    from medusa.io.speculators import check_eagle3_config, export_speculators_eagle3
+
+    config = check_heads_folder(args.heads)
+    check_eagle3_config(config)  # before the base loads
+    if args.base is None:
+        raise ValueError("the speculators eagle3 format stores the base's embedding and lm_head rows: pass --base")
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype="auto")
+    lm_head, embed = model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
+    heads = load_heads_for_base(args.heads, model)
+    out = export_speculators_eagle3(heads, args.out, model.config, lm_head if config.share_lm_head else None, embed,
+                                    verifier_name_or_path=config.base_model_name_or_path)
+    print(f"wrote the speculators eagle3 format (layers {config.eagle_layers}, {config.num_heads} draft tokens) "
+          f"to {out}")
     return 0
 
 

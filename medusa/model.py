@@ -18,7 +18,7 @@ from medusa.drafters.composite import tree_drafter
 from medusa.drafters.heads import HydraHeads, MedusaHeads
 from medusa.engines import make_engine
 from medusa.io.adapter import check_adapter_folder, merge_adapter
-from medusa.io.checkpoint import check_heads_folder, load_heads
+from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ class MedusaModel(nn.Module):
         model, tokenizer = load_base(base, dtype, device, attn_implementation)
         if adapter is not None:
             model = merge_adapter(model, adapter).eval()
-        loaded = load_heads(heads, model.get_output_embeddings().weight,
-                            embed_weight=model.get_input_embeddings().weight)
+        loaded = load_heads_for_base(heads, model)
         out = cls(model, loaded, tree, tokenizer, engine, **engine_options)
         if per_step:
             out.use_per_step_tree(heads)

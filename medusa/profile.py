@@ -601,7 +601,12 @@ def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
     """Seconds of drafting one tree level with each head (its call over ``rows`` nodes and a top-10), by depth
     (head k drafts depth k + 1)."""
     parameter = next(heads.parameters())
-    hidden = torch.randn(heads.config.hidden_size, device=parameter.device, dtype=parameter.dtype)
+    # The drafting input, as decoding makes it: the heads' context fed a few positions of base states (the last
+    # hidden state, then the layers a feature drafter reads).
+    width = heads.config.hidden_size * (1 + len(heads.base_layers))
+    states = torch.randn(8, width, device=parameter.device, dtype=parameter.dtype)
+    hidden = heads.extend_context(heads.new_context(), states, torch.zeros(8, dtype=torch.long,
+                                                                           device=parameter.device))
     paths = [torch.zeros(rows, k + 1, dtype=torch.long, device=parameter.device)
              for k in range(heads.config.num_heads)]
     out = []

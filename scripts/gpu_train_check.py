@@ -1,9 +1,10 @@
 """Training check on one device: a random Llama-2-7B-shaped base in bf16, synthetic learnable sequences, a hidden-state
-store built by the base on the device (train/store.py), then Medusa (optionally Hydra) heads trained from that store
-by the trainer's own loop (:func:`train.loop.fit`), saved and loaded back. Checks the training path, not accuracy:
-the loss is finite at every step and falls from the first steps to the last, and the saved heads load and give the
-same logits. Writes one JSON (steps, first/last loss, steps/s, store build seconds and bytes, peak memory, device,
-versions) and exits 1 naming each failed check. No ``datasets`` import and no download anywhere on this path.
+store built by the base on the device (train/store.py), then Medusa (optionally Hydra, or alone the eagle drafter,
+whose store holds its fused layers too) heads trained from that store by the trainer's own loop
+(:func:`train.loop.fit`), saved and loaded back. Checks the training path, not accuracy: the loss is finite at every
+step and falls from the first steps to the last, and the saved heads load and give the same logits. Writes one JSON
+(steps, first/last loss, steps/s, store build seconds and bytes, peak memory, device, versions) and exits 1 naming
+each failed check. No ``datasets`` import and no download anywhere on this path.
 
     PYTHONPATH=. python scripts/gpu_train_check.py --steps 300 --out outputs/gpu/gpu-train-7b-shape.json
     PYTHONPATH=. python scripts/gpu_train_check.py --tiny --device cpu --out tmp/result.json   # seconds on a CPU
@@ -45,7 +46,15 @@ from medusa.io.checkpoint import load_heads, save_heads  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.loop import fit  # noqa: E402
 from train.run import Run  # noqa: E402
-from train.setup import freeze_base, full_base_weights, heads_for_training, make_accelerator, make_optimizer  # noqa: E402
+from train.setup import (  # noqa: E402
+    base_position_weight,
+    freeze_base,
+    full_base_weights,
+    heads_base_layers,
+    heads_for_training,
+    make_accelerator,
+    make_optimizer,
+)
 from train.store import HiddenStateStore, ensure_store  # noqa: E402
 
 TINY_SHAPE = {**SHAPES["tiny"], "vocab_size": 512}
@@ -103,6 +112,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
     if not 0 <= args.min_drop < 1:
         parser.error(f"--min-drop must be in [0, 1), got {args.min_drop}")
+    if "eagle" in args.head_types and len(set(args.head_types)) > 1:
+        parser.error("--head-types eagle trains from a store of the base's fused layers too, which the other head "
+                     "types do not read: check it alone")
 
 
 def build_base(shape: dict, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -157,8 +169,9 @@ def build_store(config: TrainConfig, accelerator, model, examples: list[dict]) -
     """
     sync(accelerator.device)
     start = time.perf_counter()
+    layers = heads_base_layers(config, model.config.get_text_config(decoder=True))  # the eagle drafter's, else ()
     store = ensure_store(config.hidden_state_store, model, examples, config.max_seq_len, config.batch_size,
-                         accelerator)
+                         accelerator, layers)
     sync(accelerator.device)
     seconds = time.perf_counter() - start
     shards = store.meta["shards"]
@@ -174,7 +187,8 @@ def make_run(config: TrainConfig, accelerator, model, examples: list[dict], stor
     data or a tokenizer; nothing is held out."""
     lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each
     always = sorted(stop_token_ids(model.generation_config))
-    heads = heads_for_training(config, lm_head, embed, examples, always)
+    heads = heads_for_training(config, lm_head, embed, examples, always, model.config.get_text_config(decoder=True),
+                               base_position_weight(config, model))
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps)
@@ -240,13 +254,14 @@ def heads_roundtrip(run: Run, folder: Path) -> dict:
     heads = run.accelerator.unwrap_model(run.heads).eval()
     save_heads(heads, folder, extra_config={"steps": run.step, "check": "gpu_train_check"})
     lm_head, embed = full_base_weights(run.model, heads.config.head_type)  # (V, H) each
-    loaded = load_heads(folder, lm_head, embed_weight=embed).eval()
+    layers = run.model.config.get_text_config(decoder=True).num_hidden_layers
+    loaded = load_heads(folder, lm_head, embed_weight=embed, num_base_layers=layers).eval()
     saved, back = heads.state_dict(), loaded.state_dict()
     weights_equal = saved.keys() == back.keys() and all(torch.equal(saved[k], back[k].to(saved[k].device))
                                                         for k in saved)
     indices = list(range(min(run.config.batch_size, len(run.store))))
     batch = run.store.batch(indices)
-    hidden = batch["hidden"].to(run.accelerator.device)  # (B, T, H)
+    hidden = batch["hidden"].to(run.accelerator.device)  # (B, T, S): the base states the heads read
     input_ids = batch["input_ids"].to(run.accelerator.device)  # (B, T)
     # Accelerate's prepare wrapped the trained heads' forward in the run's autocast: the loaded heads run in it too.
     with torch.no_grad(), run.accelerator.autocast():

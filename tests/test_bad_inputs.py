@@ -18,6 +18,7 @@ from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig, lm_head_finger
 from medusa.io.checkpoint import HEADS_CONFIG_NAME, HEADS_WEIGHTS_NAME, HeadsMismatchError, load_heads, save_heads
 from medusa.model import MedusaModel
 from train.config import load_config
+from train.store import StoreError
 
 H, V = 16, 64
 
@@ -371,3 +372,73 @@ def test_calibrate_top_k_beyond_the_heads_vocabulary_is_refused(heads_dir, capsy
     argv = ["calibrate", "--base", "nowhere", "--heads", str(heads_dir), "--data", "nowhere.jsonl", "--top-k", "65"]
     assert main(argv) == 2
     assert "--top-k 65 is more than the heads' vocabulary of 64 tokens" in capsys.readouterr().err
+
+
+# --- the eagle drafter in training (head_type eagle) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, message", [
+    ({"head_type": "eagle", "ttt_steps": 0}, "ttt_steps must be >= 1, got 0"),
+    ({"head_type": "eagle", "ttt_steps": -2}, "ttt_steps must be >= 1, got -2"),
+    ({"head_type": "hydra", "ttt_steps": 5}, "ttt_steps belong to head_type eagle, not 'hydra'"),
+    ({"eagle_layers": [1, 2]}, "eagle_layers belong to head_type eagle, not 'medusa'"),
+    ({"head_type": "eagle", "eagle_layers": [1, -1]}, r"eagle_layers must be a non-empty list of decoder layer "
+                                                      r"indices >= 0 \(or null\), got \[1, -1\]"),
+    ({"head_type": "eagle", "eagle_layers": "1,x"}, r"eagle_layers: expected int, got 'x'"),
+    ({"head_type": "eagle", "num_layers": 2}, "head_type eagle is one decoder layer: num_layers must be 1, got 2"),
+    ({"head_type": "eagle", "share_lm_head": False}, "head_type eagle projects every depth with one lm_head"),
+    ({"head_type": "eagle", "training_mode": "medusa2"}, "head_type eagle reads intermediate base layers"),
+], ids=["ttt_steps 0", "ttt_steps -2", "ttt_steps for hydra", "eagle_layers for medusa", "negative layer",
+        "layer not an int", "num_layers 2", "own lm_heads", "medusa2"])
+def test_bad_eagle_training_fields_are_refused_when_the_config_is_built(fields, message):
+    from train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(base="b", data="d", output_dir="o", **fields)
+
+
+@pytest.fixture
+def no_data_work(monkeypatch):
+    """Fail the test if the trainer reads its data: the bad input must be refused as soon as the base loads."""
+    import train.setup as setup_module
+
+    monkeypatch.setattr(setup_module, "prepare_conversations",
+                        lambda *a, **k: pytest.fail("the data was read before the bad input was reported"))
+
+
+@pytest.mark.parametrize("arch, fields, message", [
+    ("llama", {"eagle_layers": [0, 5]}, r"eagle_layers: layer 5 is outside the base's 2 decoder layers \(0 .. 1\)"),
+    ("llama", {"eagle_layers": [2, 3, 1]}, r"eagle_layers: layers 2, 3 are outside the base's 2 decoder layers"),
+    ("gpt2", {"train_window": 16}, r"train_window=16 with head_type eagle needs a base with rotary positions: this "
+                                   r"gpt2 base has learned positions"),
+], ids=["layer 5 of 2", "layers 2 and 3 of 2", "window on learned positions"])
+def test_eagle_settings_the_base_cannot_serve_are_refused_before_the_data_is_read(tmp_path, no_data_work, arch,
+                                                                                 fields, message):
+    from tests.tiny import save_tiny
+    from train.trainer import train
+
+    config = load_config(overrides={"base": str(save_tiny(tmp_path / arch, arch)), "data": "unread.jsonl",
+                                    "output_dir": str(tmp_path / "run"), "head_type": "eagle",
+                                    "mixed_precision": "no", **fields})
+    with pytest.raises(ValueError, match=message):
+        train(config)
+
+
+def test_a_store_built_with_other_layers_is_refused_by_the_trainer(tmp_path):
+    """An eagle run pointed at a store of the last hidden states alone (a Medusa run's) is refused naming both
+    layer lists, before any training step."""
+    import train.loop as loop_module
+    from tests.test_train import make_config, write_chats
+    from tests.tiny import save_tiny, tiny_tokenizer
+    from train.trainer import train
+
+    base, chats = save_tiny(tmp_path / "llama", "llama"), write_chats(tmp_path / "chats.jsonl")
+    store = str(tmp_path / "store")
+    train(make_config(base, chats, tmp_path / "medusa", hidden_state_store=store, max_steps=1, eval_every=0),
+          tokenizer=tiny_tokenizer())
+    eagle = make_config(base, chats, tmp_path / "eagle", hidden_state_store=store, head_type="eagle",
+                        eagle_layers=[1, 0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop_module, "train_step", lambda *a: pytest.fail("a training step ran"))
+        with pytest.raises(StoreError, match=r"store/meta.json: a store built with other layers: it holds the base "
+                                             r"states of layers \[\], the heads read layers \[1, 0\]"):
+            train(eagle, tokenizer=tiny_tokenizer())

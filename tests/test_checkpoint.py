@@ -181,3 +181,95 @@ def test_failed_save_keeps_old_checkpoint_and_leaves_no_temp_folder(tmp_path, mo
         save_heads(trained_heads(weight, num_heads=4), out)
     assert [p.name for p in tmp_path.iterdir()] == ["heads"]
     assert load_heads(out, weight).config.num_heads == 2
+
+
+# --- the eagle drafter (head_type eagle, format version 4) ---------------------------------------------------------
+
+def eagle_heads(model, layers=(1, 0), head_vocab: int | None = 24, scale=0.05):
+    """An eagle drafter for the tiny base ``model`` (its own settings, ``layers``, a draft vocabulary of the
+    ``head_vocab`` first tokens), every trainable tensor moved by ``scale`` noise."""
+    from medusa.base import learned_position_weight
+    from medusa.drafters.eagle import eagle_base_settings
+    from medusa.drafters.heads import build_heads
+
+    lm_head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    settings = eagle_base_settings(model.config.get_text_config(decoder=True))
+    config = MedusaHeadsConfig(hidden_size=lm_head.shape[1], vocab_size=lm_head.shape[0], num_heads=3,
+                               head_vocab_size=head_vocab, lm_head_fingerprint=lm_head_fingerprint(lm_head),
+                               head_type="eagle", eagle_layers=list(layers), eagle_base=settings)
+    position = learned_position_weight(model) if settings["positions"] == "learned" else None
+    token_map = None if head_vocab is None else torch.arange(head_vocab)
+    torch.manual_seed(2)
+    heads = build_heads(config, lm_head, embed, token_map, position_weight=position)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return heads
+
+
+def base_states_of(model, heads, ids):
+    from medusa.base import base_states
+
+    return base_states(model, ids, torch.ones_like(ids), heads.base_layers)  # (B, T, (1 + k) H)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_eagle_folder_round_trip_is_exact_and_strict(tmp_path, arch):
+    """An eagle folder saves and loads back to identical outputs (GPT-2: with its position embedding passed);
+    its weights file holds exactly the drafter's trainable weights and token map, checked without a base."""
+    from medusa.io.checkpoint import check_heads_folder, expected_shapes, load_heads_for_base
+    from tests.tiny import tiny_model
+
+    model = tiny_model(arch)
+    heads = eagle_heads(model)
+    out = save_heads(heads, tmp_path / "heads")
+    config = check_heads_folder(out)
+    assert config == heads.config and config.format_version == 4 and config.eagle_layers == [1, 0]
+    stored = load_file(out / HEADS_WEIGHTS_NAME)
+    assert {k: tuple(v.shape) for k, v in stored.items()} == expected_shapes(config)
+    assert "fc.weight" in stored and "embed_weight" not in stored and "position_weight" not in stored
+    loaded = load_heads_for_base(out, model)
+    assert loaded.base_layers == (1, 0)
+    ids = torch.randint(4, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    states = base_states_of(model, heads, ids)
+    with torch.no_grad():
+        assert torch.equal(loaded(states, ids), heads(states, ids))
+    del stored["layer.q_proj.weight"]
+    save_file(stored, str(out / HEADS_WEIGHTS_NAME))
+    with pytest.raises(HeadsMismatchError, match=r"missing keys \['layer.q_proj.weight'\]"):
+        load_heads_for_base(out, model)
+
+
+def test_eagle_folder_of_a_learned_position_base_needs_its_position_embedding(tmp_path):
+    from tests.tiny import tiny_model
+
+    model = tiny_model("gpt2")
+    out = save_heads(eagle_heads(model), tmp_path / "heads")
+    with pytest.raises(HeadsMismatchError, match=r"learned positions needs its position embedding \(P, 64\)"):
+        load_heads(out, model.get_output_embeddings().weight, embed_weight=model.get_input_embeddings().weight,
+                   num_base_layers=2)
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(hidden_size=96), r"heads expect hidden size 64, base has 96"),
+    (dict(vocab_size=321), r"heads expect vocabulary size 320, base has 321"),
+    (dict(num_hidden_layers=4), r"reads layers \[1, 0\] of a base with 2 decoder layers, base has 4"),
+], ids=["hidden size", "vocabulary", "layer count"])
+def test_eagle_folder_loaded_onto_another_base_is_refused(tmp_path, other, message):
+    from medusa.io.checkpoint import load_heads_for_base
+    from tests.tiny import tiny_model
+
+    out = save_heads(eagle_heads(tiny_model("llama")), tmp_path / "heads")
+    with pytest.raises(HeadsMismatchError, match=message):
+        load_heads_for_base(out, tiny_model("llama", **other))
+
+
+def test_eagle_config_in_an_older_format_version_is_refused(tmp_path):
+    from tests.tiny import tiny_model
+
+    out = save_heads(eagle_heads(tiny_model("llama")), tmp_path / "heads")
+    data = json.loads((out / HEADS_CONFIG_NAME).read_text())
+    (out / HEADS_CONFIG_NAME).write_text(json.dumps(data | {"format_version": 3}))
+    with pytest.raises(ValueError, match=r"config.json: head_type 'eagle' in format_version 3; the eagle drafter "
+                                         r"exists from version 4 on"):
+        read_heads_config(out)

@@ -25,7 +25,9 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
 
 class StatelessContext:
     """The decoding-context interface for test heads that keep no state (as
-    :class:`medusa.drafters.heads.MedusaHeads`)."""
+    :class:`medusa.drafters.heads.MedusaHeads`), reading the base's last hidden state only."""
+
+    base_layers = ()
 
     def new_context(self):
         return None

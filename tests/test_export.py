@@ -395,3 +395,167 @@ def test_cli_round_trip_of_shared_heads_through_a_base_folder(tmp_path):
     hidden = torch.randn(3, weight.shape[1])
     with torch.no_grad():
         assert torch.equal(loaded(hidden), heads(hidden))
+
+
+# --- export the eagle drafter -> speculators eagle3 ---------------------------------------------------------------
+
+def eagle_drafter(arch="llama", layers=(0, 1, 2), token_map=None, share=True, seed=0):
+    """A random eagle drafter on a tiny base config (4 decoder layers, GPT-2's 2), with the base's weights."""
+    from tiny import tiny_config
+
+    from medusa.drafters.eagle import eagle_base_settings
+    from medusa.drafters.heads import build_heads
+
+    base = tiny_config(arch) if arch == "gpt2" else tiny_config(arch, num_hidden_layers=4)
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = base.vocab_size, base.hidden_size
+    lm_head, embed = torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g)
+    config = MedusaHeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=3, head_type="eagle",
+                               eagle_layers=list(layers), eagle_base=eagle_base_settings(base),
+                               head_vocab_size=None if token_map is None else len(token_map), share_lm_head=share,
+                               lm_head_fingerprint=lm_head_fingerprint(lm_head), base_model_name_or_path="tiny-base")
+    extra = {"position_weight": torch.randn(512, hidden, generator=g)} if arch == "gpt2" else {}
+    heads = build_heads(config, lm_head, embed, token_map, **extra)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2, generator=g)
+    return heads, base, lm_head, embed
+
+
+@pytest.mark.parametrize("layers, token_map, share", [
+    ((0, 1, 2), None, True),
+    ((2, 0, 1), torch.tensor([9, 3, 100, 5, 77, 300, 1, 2]), True),
+    ((1, 0, 2), torch.tensor([40, 7, 6, 5]), False),
+], ids=["full vocabulary", "draft vocabulary, layers out of order", "own lm_head, draft vocabulary"])
+def test_eagle3_folder_recomputes_the_drafters_logits(tmp_path, layers, token_map, share):
+    """The written files, run with the format's math (step 0 and one unrolled step), give the drafter's logits; the
+    config and names are the format's, d2t maps draft ids to base ids and t2d marks them."""
+    from medusa.io.speculators import export_speculators_eagle3, speculators_eagle3_logits
+
+    heads, base, lm_head, embed = eagle_drafter(layers=layers, token_map=token_map, share=share)
+    out = export_speculators_eagle3(heads, tmp_path / "eagle3", base, lm_head if share else None, embed)
+    config, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (config["speculators_model_type"], config["architectures"]) == ("eagle3", ["Eagle3DraftModel"])
+    assert config["norm_before_residual"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-base"
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"], layer["head_dim"]) == (
+        "llama", 1, V_BASE, 16)
+    vocab = len(token_map) if token_map is not None else V_BASE
+    assert config["draft_vocab_size"] == vocab and state["lm_head.weight"].shape == (vocab, 64)
+    assert {"embed_tokens.weight", "fc.weight", "layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.0.mlp.gate_proj.weight", "norm.weight"} <= set(state)
+    if token_map is not None:
+        assert torch.equal(torch.arange(vocab) + state["d2t"], token_map.sort().values)
+        assert state["t2d"].dtype == torch.bool and state["t2d"].sum() == vocab and state["t2d"][token_map].all()
+    else:
+        assert "d2t" not in state and "t2d" not in state
+    hidden_states, ids = torch.randn(10, 5, 64), torch.randint(0, V_BASE, (10,))  # (T, L + 1, H): layer i's input
+    ours_in = torch.cat([hidden_states[:, -1]] + [hidden_states[:, i + 1] for i in layers], dim=-1)
+    with torch.no_grad():
+        ours = heads(ours_in, ids, steps=2)  # (2, T, Vh)
+    theirs = speculators_eagle3_logits(config, state, hidden_states, ids, steps=2)  # (2, T - 1, V)
+    columns = torch.arange(V_BASE) if token_map is None else token_map
+    for j in range(2):
+        torch.testing.assert_close(theirs[j, : 9 - j][:, columns], ours[j, : 9 - j])
+    outside = torch.ones(V_BASE, dtype=torch.bool)
+    outside[columns] = False
+    assert torch.isneginf(theirs[..., outside]).all()
+
+
+V_BASE = 320  # tests/tiny.py's vocabulary
+
+
+def with_base_setting(**setting):
+    """A Llama-base drafter whose recorded base settings say otherwise (standing in for such a base)."""
+    heads = eagle_drafter()[0]
+    heads.config.eagle_base.update(setting)
+    return heads
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: eagle_drafter("gpt2", layers=(0, 1, 1))[0], "learned position embeddings .* rotary positions only"),
+    (lambda: eagle_drafter("gemma3")[0], "norms are 'rms_unit_offset' .* RMSNorm"),
+    (lambda: trained_heads(base_weight(), share=False), "head_type 'medusa' cannot be exported to the speculators"),
+    (lambda: with_base_setting(hidden_act="gelu"), "activation is 'gelu': vLLM's Llama MLP.* SiLU only"),
+    (lambda: with_base_setting(gated_mlp=False), "MLP is not gated"),
+    (lambda: eagle_drafter(layers=(0, 1, 3))[0], "output of the base's last layer"),
+    (lambda: eagle_drafter(layers=(0, 1, 1))[0], r"fuses base layers \[0, 1, 1\]: .* exactly 3 distinct"),
+], ids=["gpt2 base", "gemma3 norm", "medusa heads", "activation", "mlp", "last layer", "repeated layer"])
+def test_eagle3_export_refuses_what_the_format_cannot_hold(tmp_path, make, message):
+    from medusa.io.speculators import export_speculators_eagle3
+
+    with pytest.raises(FormatError, match=message):
+        export_speculators_eagle3(make(), tmp_path / "eagle3")
+    assert not (tmp_path / "eagle3").exists()
+
+
+def test_eagle3_export_refuses_another_base(tmp_path):
+    """A base config, lm_head or embedding other than the drafter's, or a base with a scaled rotary embedding, is
+    refused, naming what differs."""
+    from tiny import tiny_config
+
+    from medusa.io.speculators import export_speculators_eagle3
+
+    heads, base, lm_head, embed = eagle_drafter()
+    with pytest.raises(FormatError, match="not the one the drafter was built for.*rope_theta"):
+        export_speculators_eagle3(heads, tmp_path / "a", tiny_config(
+            "llama", num_hidden_layers=4, rope_parameters={"rope_type": "default", "rope_theta": 500.0}))
+    scaled = tiny_config("llama", num_hidden_layers=4,
+                         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(FormatError, match="rotary embedding cannot be expressed.*'linear'"):
+        export_speculators_eagle3(heads, tmp_path / "a", scaled)
+    with pytest.raises(FormatError, match="not the one the drafter was trained on"):
+        export_speculators_eagle3(heads, tmp_path / "b", base, lm_head + 1)
+    with pytest.raises(FormatError, match="input embedding given .* is not the one the drafter reads"):
+        export_speculators_eagle3(heads, tmp_path / "c", base, embed_weight=embed + 1)
+    assert not any(tmp_path.iterdir())
+
+
+def test_eagle3_export_catches_a_corrupted_weight(tmp_path, monkeypatch):
+    """Weights written wrongly (here: one hidden_norm entry) are caught by the recomputation; nothing is written."""
+    from medusa.io import speculators
+
+    original = speculators._eagle3_state
+
+    def corrupted(*args):
+        state = original(*args)
+        state["layers.0.hidden_norm.weight"] = state["layers.0.hidden_norm.weight"].clone()
+        state["layers.0.hidden_norm.weight"][5] += 0.5
+        return state
+
+    monkeypatch.setattr(speculators, "_eagle3_state", corrupted)
+    with pytest.raises(FormatError, match=r"do not reproduce the drafter's logits \(step 0\)"):
+        speculators.export_speculators_eagle3(eagle_drafter()[0], tmp_path / "eagle3")
+    assert not (tmp_path / "eagle3").exists()
+
+
+def test_cli_exports_the_eagle_drafter_to_speculators_eagle3(tmp_path, capsys):
+    from tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from medusa.drafters.eagle import eagle_base_settings
+    from medusa.drafters.heads import build_heads
+
+    base = save_tiny(tmp_path / "base", num_hidden_layers=4)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    lm_head, embed = model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
+    config = MedusaHeadsConfig(hidden_size=64, vocab_size=V_BASE, num_heads=2, head_type="eagle",
+                               eagle_layers=[0, 2, 1], eagle_base=eagle_base_settings(model.config), head_vocab_size=4,
+                               lm_head_fingerprint=lm_head_fingerprint(lm_head))
+    heads = build_heads(config, lm_head, embed, torch.tensor([5, 6, 7, 40]))
+    heads_dir = save_heads(heads, tmp_path / "heads")
+    args = ["export", "--format", "speculators-eagle3", "--heads", str(heads_dir)]
+    assert cli.main(args + ["--out", str(tmp_path / "x")]) == 2
+    assert "pass --base" in capsys.readouterr().err
+    assert cli.main(args + ["--out", str(tmp_path / "eagle3"), "--base", str(base)]) == 0
+    written = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert written["speculators_config"]["verifier"] == {"name_or_path": str(base),
+                                                         "architectures": ["LlamaForCausalLM"]}
+    assert written["draft_vocab_size"] == 4 and written["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    medusa_dir = save_heads(trained_heads(base_weight(), share=False), tmp_path / "medusa")
+    assert cli.main(["export", "--format", "speculators-eagle3", "--heads", str(medusa_dir), "--out",
+                     str(tmp_path / "y"), "--base", str(base)]) == 2
+    assert "head_type 'medusa'" in capsys.readouterr().err

@@ -190,11 +190,11 @@ def test_format_versions(tmp_path):
     edit_config(out, format_version=1, head_type=None)
     assert read_heads_config(out).head_type == "medusa"
     assert load_heads(out, weight).config.num_heads == 2
-    edit_config(out, format_version=4)
-    with pytest.raises(ValueError, match="unknown heads format_version 4"):
+    edit_config(out, format_version=5)
+    with pytest.raises(ValueError, match="unknown heads format_version 5"):
         read_heads_config(out)
-    edit_config(out, format_version=2, head_type="eagle")
-    with pytest.raises(ValueError, match="unknown head_type 'eagle'"):
+    edit_config(out, format_version=2, head_type="lstm")
+    with pytest.raises(ValueError, match="unknown head_type 'lstm'"):
         read_heads_config(out)
 
 

@@ -80,6 +80,8 @@ def test_heads_that_are_right_grow_large_trees_and_stay_exact(arch):
 class NeverRight(torch.nn.Module):
     """Random heads that never propose a token of ``avoid`` (the reference answer): heads that are always wrong."""
 
+    base_layers = ()
+
     def __init__(self, heads, avoid: list[int]):
         super().__init__()
         self.heads, self.config, self.head_vocab_size = heads, heads.config, heads.head_vocab_size

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_hydra import H, V, make_hydra
 
-from medusa.drafters.heads import MedusaHeadsConfig
+from medusa.drafters.heads import FORMAT_VERSION, MedusaHeadsConfig
 from medusa.drafters.prefix_layer import PrefixAttention, PrefixContext, rotate, window_mask
 from medusa.io.checkpoint import load_heads, save_heads
 
@@ -69,7 +69,7 @@ def test_prefix_checkpoint_round_trip_and_bad_configs(tmp_path):
     heads = make_hydra(weight=weight, embed=embed, prefix_window=6)
     out = save_heads(heads, tmp_path / "heads")
     config = json.loads((out / "config.json").read_text())
-    assert config["prefix_layers"] == 1 and config["prefix_window"] == 6 and config["format_version"] == 3
+    assert config["prefix_layers"] == 1 and config["prefix_window"] == 6 and config["format_version"] == FORMAT_VERSION
     loaded = load_heads(out, weight, embed_weight=embed)
     hidden, ids = torch.randn(1, 9, H), torch.randint(0, V, (1, 9))
     assert torch.equal(loaded(hidden, ids), heads(hidden, ids))

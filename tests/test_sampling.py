@@ -62,6 +62,7 @@ class TableHeads:
 
     config = types.SimpleNamespace(num_heads=2)
     head_vocab_size = len(HEAD_VOCAB)
+    base_layers = ()
 
     def __init__(self, logits_fn):
         self.logits_fn = logits_fn
@@ -105,8 +106,9 @@ def draft(heads, sampler):
     return draft_tree(heads, torch.zeros(4), torch.tensor(ROOT), tree_buffers(TREE), sampler, vocab=HEAD_VOCAB)
 
 
-def run_steps(rule, heads, tables, n: int, sampler=None) -> torch.Tensor:
-    """``(n, 3)`` first three tokens after the root from ``n`` independent Medusa steps."""
+def run_steps(rule, heads, tables, n: int, sampler=None, accepted: list | None = None) -> torch.Tensor:
+    """``(n, 3)`` first three tokens after the root from ``n`` independent Medusa steps (each step's accepted drafts
+    appended to ``accepted`` when given)."""
     buffers = tree_buffers(TREE)
     probs = [torch.softmax(t, dim=-1) for t in tables]
     gen = torch.Generator().manual_seed(1)
@@ -114,6 +116,8 @@ def run_steps(rule, heads, tables, n: int, sampler=None) -> torch.Tensor:
     for i in range(n):
         tree = draft(heads, sampler or rule.sampler)
         result = rule.accept(tree, table_logits_at(tables, buffers, tree.tokens))
+        if accepted is not None:
+            accepted.append(result.accepted)
         emitted = tree.tokens[result.path_nodes[1:]].tolist() + [int(result.next_token)]
         while len(emitted) < 3:  # the steps after this one: exact base sampling
             context = probs[len(emitted)][tuple(emitted)]

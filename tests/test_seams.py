@@ -48,6 +48,7 @@ class BigramDrafter:
     state records every token it was told was accepted."""
 
     max_nodes, max_depth = 4, 2
+    base_layers = ()
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -221,6 +222,7 @@ class FixedChain:
     def __init__(self, tokens):
         self.tokens = torch.tensor(tokens)
         self.max_nodes, self.max_depth = len(tokens) + 1, len(tokens)
+        self.base_layers = ()
         self.layout = layout_from_parents(list(range(-1, len(tokens))))
         self.copied = torch.arange(1, len(tokens) + 1)
 

@@ -51,6 +51,27 @@ def base_weights():
     return torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)  # lm_head, embeddings
 
 
+# What each head type trains with here: the eagle drafter reads layers 1 and 0 of a 2-layer Llama-shaped base (its
+# shared lm_head: it projects every depth with one).
+HEAD_TYPES = {"medusa": {}, "eagle": {"head_type": "eagle", "eagle_layers": [1, 0], "share_lm_head": True}}
+
+
+def base_config():
+    """The text config of a Llama-shaped base of hidden size ``H``: what the eagle drafter's layer copies."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def heads_of(head_type: str, lm_head, embed):
+    """Fresh heads of ``head_type`` (:data:`HEAD_TYPES`) over these base weights, through the trainer's builder."""
+    from train.trainer import heads_for_training
+
+    config = train_config(**HEAD_TYPES[head_type])
+    return config, heads_for_training(config, lm_head, embed, [], [], base_config())
+
+
 # --- config files ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(p.name for p in ACCELERATE_CONFIGS.glob("*.yaml")))
@@ -120,19 +141,19 @@ def partitioned(weight: torch.Tensor) -> torch.nn.Parameter:
     return param
 
 
-@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("head_type", ["medusa", "hydra", "eagle"])
 def test_partitioned_lm_head_is_gathered_once(monkeypatch, head_type):
     from train.trainer import heads_for_training
 
     lm_head, embed = base_weights()
-    config = train_config(head_type=head_type, share_lm_head=True)
-    expected = heads_for_training(config, lm_head, embed, [], [])
+    config = train_config(**({"head_type": head_type, "share_lm_head": True} | HEAD_TYPES.get(head_type, {})))
+    expected = heads_for_training(config, lm_head, embed, [], [], base_config())
     parts = partitioned(lm_head), partitioned(embed)
     monkeypatch.setitem(sys.modules, "deepspeed", fake_deepspeed({id(parts[0]): lm_head, id(parts[1]): embed}))
-    heads = heads_for_training(config, *parts, [], [])
-    assert parts[0].shape == (0,)  # partitioned again after the gather
+    heads = heads_for_training(config, *parts, [], [], base_config())
+    assert parts[0].shape == (0,) and parts[1].shape == (0,)  # partitioned again after the gather
     assert heads.config == expected.config  # sizes and lm_head fingerprint from the full weight
-    hidden, ids = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+    hidden, ids = step_batch(head_type)[0][:2, :5], torch.randint(0, V, (2, 5))
     with torch.no_grad():
         assert torch.equal(heads(hidden, ids), expected(hidden, ids))  # the heads kept their own full copy
 
@@ -241,14 +262,17 @@ def test_deepspeed_checkpoint_holds_the_gathered_heads_and_the_engine_partitions
 
 # --- FSDP2 on 2 CPU processes ---------------------------------------------------------------------------------
 
-def step_batch():
-    """Hidden states ``(4, 6, H)`` and labels ``(K, 4, 6)`` of one optimizer step (split by rows over processes)."""
+def step_batch(head_type: str = "medusa"):
+    """Base states ``(4, 6, (1 + layers) H)``, tokens ``(4, 6)`` and labels ``(K, 4, 6)`` of one optimizer step
+    (split by rows over processes)."""
     g = torch.Generator().manual_seed(1)
-    return torch.randn(4, 6, H, generator=g), torch.randint(0, V, (K, 4, 6), generator=g)
+    width = (1 + len(HEAD_TYPES.get(head_type, {}).get("eagle_layers", []))) * H
+    return (torch.randn(4, 6, width, generator=g), torch.randint(0, V, (4, 6), generator=g),
+            torch.randint(0, V, (K, 4, 6), generator=g))
 
 
-def step_loss(heads, hidden, labels, total_targets: int) -> torch.Tensor:
-    logits = heads(hidden)  # (K, B, T, V)
+def step_loss(heads, hidden, ids, labels, total_targets: int) -> torch.Tensor:
+    logits = heads(hidden, ids)  # (K, B, T, V)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="sum") / total_targets
 
 
@@ -274,66 +298,73 @@ def force_fsdp2(accelerator) -> None:
     assert accelerator.is_fsdp2
 
 
-def fsdp_worker(out: Path) -> None:
+def fsdp_worker(out: Path, head_type: str) -> None:
     """One training step of heads built from a row-sharded lm_head, under Accelerate's FSDP2 (run per process)."""
     from accelerate import Accelerator
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from train.trainer import heads_for_training, make_optimizer
+    from train.trainer import make_optimizer
 
     accelerator = Accelerator(cpu=True)  # gloo process group; Accelerate picks FSDP only with GPUs
     force_fsdp2(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     lm_head, embed = base_weights()
     sharded = distribute_tensor(lm_head, init_device_mesh("cpu", (world,)), [Shard(0)])  # this rank's V / 2 rows
-    config = train_config()
-    heads = heads_for_training(config, sharded, embed, [], [])
+    config, heads = heads_of(head_type, sharded, embed)
+    first = next(name for name, _ in heads.named_parameters())
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
-    hidden, labels = step_batch()
-    loss = step_loss(heads, hidden[rank::world], labels[:, rank::world], labels.numel())
+    hidden, ids, labels = step_batch(head_type)
+    loss = step_loss(heads, hidden[rank::world], ids[rank::world], labels[:, rank::world], labels.numel())
     accelerator.backward(loss * world)  # as train_step: the loss is this process's share of the step's sum
     accelerator.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
     optimizer.step()
     state = accelerator.get_state_dict(heads)  # a collective under FSDP2: the main process gets the full weights
     unwrapped = accelerator.unwrap_model(heads).state_dict()
     if accelerator.is_main_process:
+        from medusa.io.checkpoint import save_heads
+
         save_file({k: v.detach().clone() for k, v in state.items()}, str(out / "heads.safetensors"))
+        save_heads(accelerator.unwrap_model(heads), out / "folder", state_dict=state)  # every key and shape checked
         (out / "info.json").write_text(json.dumps({
             "wrapped": type(heads).__name__, "sharded_params": [type(p).__name__ for p in heads.parameters()],
             "local_rows": sharded.to_local().shape[0],
-            "unwrapped_state": type(unwrapped["lm_heads.0.weight"]).__name__,
+            "unwrapped_state": type(unwrapped[first]).__name__,
         }))
     accelerator.wait_for_everyone()
 
 
 @pytest.mark.slow
-def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path):
-
-    from train.trainer import heads_for_training, make_optimizer
+@pytest.mark.parametrize("head_type, wrapped", [("medusa", "FSDPMedusaHeads"), ("eagle", "FSDPEagleDrafterHeads")])
+def test_heads_train_under_accelerate_fsdp2_on_two_cpu_processes(tmp_path, head_type, wrapped):
+    """One step of Medusa heads, and of the eagle drafter (its decoder layer, fusion and norm sharded), on 2 FSDP2
+    processes equals the step on one process; the heads folder saved from the gathered state loads back."""
+    from medusa.io.checkpoint import load_heads
+    from train.trainer import make_optimizer
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(Path(__file__).resolve()), str(tmp_path)]
+           str(Path(__file__).resolve()), str(tmp_path), head_type]
     run_two_process_command(cmd)
     info = json.loads((tmp_path / "info.json").read_text())
-    assert info["wrapped"] == "FSDPMedusaHeads" and set(info["sharded_params"]) == {"DTensor"}
+    assert info["wrapped"] == wrapped and set(info["sharded_params"]) == {"DTensor"}
     assert info["local_rows"] == V // 2  # the lm_head the heads were built from was sharded
     # The unwrapped module's own state is still sharded: a heads folder must be saved from get_state_dict.
     assert info["unwrapped_state"] == "DTensor"
     # The same step on one process, from the whole lm_head, gives the same heads.
     lm_head, embed = base_weights()
-    config = train_config()
-    heads = heads_for_training(config, lm_head, embed, [], [])
+    config, heads = heads_of(head_type, lm_head, embed)
     optimizer = make_optimizer(heads, config)
-    hidden, labels = step_batch()
-    step_loss(heads, hidden, labels, labels.numel()).backward()
+    hidden, ids, labels = step_batch(head_type)
+    step_loss(heads, hidden, ids, labels, labels.numel()).backward()
     torch.nn.utils.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
     optimizer.step()
     sharded = load_file(tmp_path / "heads.safetensors")
     assert sharded.keys() == heads.state_dict().keys()
     for key, value in heads.state_dict().items():
         torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6)
+    folder = load_heads(tmp_path / "folder", lm_head, embed_weight=embed, num_base_layers=2)  # saved from shards
+    assert all(torch.equal(v, sharded[k]) for k, v in folder.state_dict().items())
 
 
 # --- the whole trainer under FSDP2 on 2 CPU processes: save, load, resume -----------------------------------------
@@ -421,4 +452,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "train":
         trainer_worker(sys.argv[2])
     else:
-        fsdp_worker(Path(sys.argv[1]))
+        fsdp_worker(Path(sys.argv[1]), sys.argv[2])

@@ -15,8 +15,9 @@ from train.store import (
     META_NAME,
     HiddenStateStore,
     StoreError,
-    base_hidden_states,
+    base_states,
     build_store,
+    ensure_store,
     plan_shards,
 )
 from train.trainer import batch_hidden_states, head_loss, setup, train
@@ -51,7 +52,7 @@ def built(tmp_path_factory, model, examples):
 
 def online_bf16(model, example: dict) -> torch.Tensor:
     ids = torch.tensor([example["input_ids"]])
-    return base_hidden_states(model, ids, torch.ones_like(ids))[0].to(torch.bfloat16)  # (T, H)
+    return base_states(model, ids, torch.ones_like(ids))[0].to(torch.bfloat16)  # (T, H)
 
 
 def test_round_trip_is_bit_exact(built, model, examples):
@@ -77,6 +78,94 @@ def test_batched_build_matches_online_within_one_bf16_step(tmp_path, model, exam
         torch.testing.assert_close(store.hidden(i).float(), online, rtol=2**-7, atol=1e-5)
 
 
+LAYERS = (0, 1, 2)  # the low, middle and high layers of a 4-layer base, fused by the eagle drafter
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    return tiny_model("llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory, deep_model, examples):
+    """A store of ``examples`` with the outputs of ``LAYERS`` after the last hidden state, one forward per example."""
+    return build_store(tmp_path_factory.mktemp("layered") / "s", deep_model, examples, 64, batch_size=1,
+                       shard_tokens=80, layers=LAYERS)
+
+
+def test_round_trip_of_the_three_layers_is_bit_exact(layered, deep_model, examples, caplog):
+    store = HiddenStateStore.open(layered, model=deep_model, max_seq_len=64, examples=examples, layers=LAYERS)
+    assert store.layers == LAYERS and store.width == 4 * 64 and len(store.meta["shards"]) > 2
+    for i, example in enumerate(examples):
+        ids = torch.tensor([example["input_ids"]])
+        online = base_states(deep_model, ids, torch.ones_like(ids), LAYERS)[0].to(torch.bfloat16)  # (T, 4H)
+        assert torch.equal(online[:, :64], base_states(deep_model, ids, torch.ones_like(ids))[0].to(torch.bfloat16))
+        hidden = store.hidden(i)
+        assert hidden.shape == (len(example["input_ids"]), 4 * 64)
+        assert torch.equal(hidden.view(torch.int16), online.view(torch.int16))
+    meta = json.loads((layered / META_NAME).read_text())
+    assert meta["format_version"] == 2 and meta["layers"] == list(LAYERS)
+    assert meta["bytes_per_token"] == 2 * 4 * 64 + 8
+    assert all(s["hidden_bytes"] == s["tokens"] * 4 * 64 * 2 for s in meta["shards"])
+    with caplog.at_level("INFO", logger="train.store"):
+        build_store(layered.parent / "again", deep_model, examples[:2], 64, layers=LAYERS)
+    assert "layers [0, 1, 2]: 520 bytes per token" in caplog.text
+
+
+def test_layered_store_built_in_batches_of_8_equals_one_built_one_by_one(tmp_path, layered, deep_model, examples):
+    """Padding never reaches the stored states: each example's rows, built in length-sorted batches of 8 (padded),
+    equal the ones built alone, within one bf16 step (the padded forward rounds differently), and the files have
+    the same sizes."""
+    alone = HiddenStateStore.open(layered)
+    batched = HiddenStateStore.open(build_store(tmp_path / "s", deep_model, examples, 64, batch_size=8,
+                                                shard_tokens=80, layers=LAYERS), layers=LAYERS)
+    assert [s["hidden_bytes"] for s in batched.meta["shards"]] == [s["hidden_bytes"] for s in alone.meta["shards"]]
+    for i in range(len(examples)):
+        torch.testing.assert_close(batched.hidden(i).float(), alone.hidden(i).float(), rtol=2**-7, atol=1e-5)
+    indices = [3, 0, 7]
+    batch = batched.hidden_batch(indices)  # (B, T, 4H): zero padding, each row its example's states
+    for row, i in enumerate(indices):
+        n = len(examples[i]["input_ids"])
+        assert torch.equal(batch[row, :n], batched.hidden(i).float()) and not batch[row, n:].any()
+
+
+def test_a_store_built_with_other_layers_is_refused(built, layered, deep_model, model, examples):
+    with pytest.raises(StoreError, match=r"a store built with other layers: it holds the base states of layers "
+                                         r"\[\], the heads read layers \[1, 0\]"):
+        HiddenStateStore.open(built, layers=(1, 0))
+    with pytest.raises(StoreError, match=r"a store built with other layers: .*layers \[\], the heads read "
+                                         r"layers \[2\]"):
+        HiddenStateStore.open(built, layers=(2,))
+    with pytest.raises(StoreError, match=r"a store built with other layers"):
+        build_store(built, model, examples, 64, batch_size=1, shard_tokens=80, layers=(0,))
+
+
+def test_a_store_of_more_layers_serves_heads_of_fewer(layered, deep_model, examples):
+    """A finished store holding layers [0, 1, 2] gives Medusa/Hydra heads their last hidden states and an eagle
+    drafter of layers [2, 0] exactly those columns, in its order: one base pass serves every drafter."""
+    full = HiddenStateStore.open(layered)
+    h = full.hidden_size
+    heads = ensure_store(layered, deep_model, examples, 64)  # layers (): the heads' own
+    assert heads.width == h and torch.equal(heads.hidden(1), full.hidden(1)[:, :h])
+    picked = HiddenStateStore.open(layered, layers=(2, 0))
+    expected = torch.cat([full.hidden(1)[:, :h], full.hidden(1)[:, 3 * h :], full.hidden(1)[:, h : 2 * h]], dim=1)
+    assert picked.width == 3 * h and torch.equal(picked.hidden(1), expected)
+    # The last layer's output is the last hidden state, which every store holds first.
+    with_last = HiddenStateStore.open(layered, layers=(3, 1), model=deep_model)
+    assert torch.equal(with_last.hidden(1), torch.cat([full.hidden(1)[:, :h], full.hidden(1)[:, :h],
+                                                       full.hidden(1)[:, 2 * h : 3 * h]], dim=1))
+
+
+def test_a_version_1_store_holds_the_last_hidden_states(built, tmp_path, model, examples):
+    store = copy_store(built, tmp_path / "s")
+    meta = json.loads((store / META_NAME).read_text())
+    meta.pop("layers")
+    (store / META_NAME).write_text(json.dumps(meta | {"format_version": 1}))
+    opened = HiddenStateStore.open(store, model=model, examples=examples, layers=())
+    assert opened.layers == () and opened.width == 64
+    assert torch.equal(opened.hidden(0), HiddenStateStore.open(built).hidden(0))
+
+
 def test_batch_pads_right_with_zero_states(built, examples):
     store = HiddenStateStore.open(built)
     indices = [3, 0, 7]
@@ -92,7 +181,7 @@ def test_batch_pads_right_with_zero_states(built, examples):
 
 
 def test_resume_after_interrupted_build_gives_the_same_store(tmp_path, monkeypatch, model, examples, built):
-    real, calls = store_module.base_hidden_states, []
+    real, calls = store_module.base_states, []
 
     def failing(*args):
         calls.append(1)
@@ -100,7 +189,7 @@ def test_resume_after_interrupted_build_gives_the_same_store(tmp_path, monkeypat
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(store_module, "base_hidden_states", failing)
+    monkeypatch.setattr(store_module, "base_states", failing)
     with pytest.raises(KeyboardInterrupt):
         build_store(tmp_path / "s", model, examples, 64, batch_size=1, shard_tokens=80)
     partial = json.loads((tmp_path / "s" / META_NAME).read_text())
@@ -110,7 +199,7 @@ def test_resume_after_interrupted_build_gives_the_same_store(tmp_path, monkeypat
     (tmp_path / "s" / ".tmp-shard_00002.hidden").write_bytes(b"half")  # what a killed process leaves behind
     with pytest.raises(StoreError, match="build stopped after"):
         HiddenStateStore.open(tmp_path / "s")
-    monkeypatch.setattr(store_module, "base_hidden_states", real)
+    monkeypatch.setattr(store_module, "base_states", real)
     calls.clear()
     build_store(tmp_path / "s", model, examples, 64, batch_size=1, shard_tokens=80)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == sorted(p.name for p in built.iterdir())
@@ -164,6 +253,8 @@ def test_truncated_shard_is_refused(built, tmp_path):
     ('{"format": "something else"}', "not the meta of a hidden-state store"),
     ('{"format": "medusa-hidden-state-store", "format_version": 99}', "unknown store format version 99"),
     ('{"format": "medusa-hidden-state-store", "format_version": 1}', "corrupt: missing"),
+    ('{"format": "medusa-hidden-state-store", "format_version": 2}',
+     r"corrupt: missing \['base', 'complete', 'layers'"),
 ])
 def test_bad_meta_is_refused(built, tmp_path, meta_text, match):
     store = copy_store(built, tmp_path / "s")
@@ -180,18 +271,20 @@ def test_examples_longer_than_max_seq_len_are_refused(tmp_path, model, examples)
         build_store(tmp_path / "s", model, examples, 8)
 
 
-@pytest.mark.parametrize("loss", ["hard", "teacher"])
-def test_training_from_the_store_matches_online_training(tmp_path, loss):
+@pytest.mark.parametrize("loss, head_type", [("hard", "hydra"), ("teacher", "hydra"), ("teacher", "eagle")])
+def test_training_from_the_store_matches_online_training(tmp_path, loss, head_type):
     base_dir = save_tiny(tmp_path / "base", "llama")
     chats = write_chats(tmp_path / "chats.jsonl")
     config = make_config(base_dir, chats, tmp_path / "run", hidden_state_store=str(tmp_path / "store"), loss=loss,
-                         head_type="hydra")
+                         head_type=head_type)
     run = setup(config, tokenizer=tiny_tokenizer())
     assert run.store is not None and len(run.store) == len(run.train_examples)
+    layers = run.heads.base_layers  # the eagle drafter's: the base's default layers, also the store's
+    assert run.store.layers == layers and len(layers) == (3 if head_type == "eagle" else 0)
     indices = [0, 5, 2, 7]
     batch = collate([run.train_examples[i] for i in indices], run.pad_id)
-    from_store = batch_hidden_states(run, indices, batch)  # (B, T, H)
-    online = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+    from_store = batch_hidden_states(run, indices, batch)  # (B, T, S)
+    online = base_states(run.model, batch["input_ids"], batch["attention_mask"], layers)  # (B, T, S)
     online = online.to(torch.bfloat16).float() * batch["attention_mask"][..., None]
     # The store ran the base in other batches (other padding): its bf16 states may differ by one bf16 step.
     torch.testing.assert_close(from_store, online, rtol=2**-7, atol=1e-5)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from medusa.io.checkpoint import load_heads
 from medusa.losses import head_ce_sums, head_target_counts, medusa_loss
 from tests.tiny import tiny_tokenizer
 from train.config import TrainConfig
-from train.trainer import fit, latest_checkpoint, micro_batches, setup, step_loss, train
+from train.trainer import evaluate, fit, latest_checkpoint, micro_batches, setup, step_loss, train
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over the lazy dog hello world how are you today Medusa heads predict tokens".split()
@@ -173,13 +174,13 @@ def test_hidden_state_cache_runs_the_base_once_per_example(base_dir, chats, tmp_
     import train.loop as loop
 
     calls = []
-    real = loop.base_hidden_states
+    real = loop.base_states
 
-    def counting(model, input_ids, attention_mask):
+    def counting(model, input_ids, attention_mask, layers=()):
         calls.append(input_ids.shape[0])
-        return real(model, input_ids, attention_mask)
+        return real(model, input_ids, attention_mask, layers)
 
-    monkeypatch.setattr(loop, "base_hidden_states", counting)
+    monkeypatch.setattr(loop, "base_states", counting)
     # 18 train examples, batch 4: one epoch is 5 micro-batches; 12 steps are more than two epochs.
     config = make_config(base_dir, chats, tmp_path / "cached", cache_hidden_states=True, max_steps=12,
                          save_every=0, eval_every=0)
@@ -210,11 +211,13 @@ def test_step_loss_shares_add_up_to_medusa_loss():
     assert step_loss(torch.zeros(2), torch.zeros(2, dtype=torch.long), 0.8).item() == 0  # no target: 0, not NaN
 
 
-@pytest.mark.parametrize("variant", [{}, {"head_type": "hydra", "loss": "mixed"}, {"train_window": 12}])
+@pytest.mark.parametrize("variant", [{}, {"head_type": "hydra", "loss": "mixed"}, {"train_window": 12},
+                                     {"head_type": "eagle", "eagle_layers": [1, 0], "ttt_steps": 2, "loss": "mixed"}])
 def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, variant):
     """8 x 1, 1 x 8 and 4 x 2 (batch x accumulation) over answers of 1 and 12 sentences: one loss, one set of heads
     (Medusa heads with the hard loss; Hydra heads with the hard + teacher mix, each term with its own count; random
-    training windows, drawn per example and step)."""
+    training windows, drawn per example and step; the eagle drafter's 2 training-time-test steps, counted as 2
+    depths, not its 3 drafting ones)."""
     chats = write_mixed_chats(tmp_path / "mixed.jsonl")
     runs = {}
     for batch, accum in ((8, 1), (1, 8), (4, 2)):
@@ -231,20 +234,27 @@ def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, var
         assert max_relative_difference(heads, other_heads) < tolerance, split
 
 
+EAGLE_VARIANT = {"head_type": "eagle", "eagle_layers": [1, 0], "ttt_steps": 2, "loss": "teacher"}
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_batch(base_dir, tmp_path):
-    """2 processes x batch 4 against 1 process x batch 8: same step losses, heads within 1e-5 relative."""
+@pytest.mark.parametrize("variant", [{}, EAGLE_VARIANT], ids=["medusa", "eagle"])
+def test_two_processes_train_like_one_batch(base_dir, tmp_path, variant):
+    """2 processes x batch 4 against 1 process x batch 8: same step losses, heads within 1e-5 relative (Medusa
+    heads, and the eagle drafter's training-time test with the teacher loss under DDP)."""
     chats = write_mixed_chats(tmp_path / "mixed.jsonl")
-    run = setup(split_config(base_dir, chats, tmp_path / "one", 8, 1))
+    run = setup(dataclasses.replace(split_config(base_dir, chats, tmp_path / "one", 8, 1), **variant))
     losses = fit(run)
     heads = {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
     out = tmp_path / "two"
+    flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in
+             variant.items()]
     result = launch_two_processes(["--base", str(base_dir), "--data", str(chats), "--output-dir", str(out),
                                    "--num-heads", "3", "--head-vocab-size", "none", "--max-seq-len", "256",
                                    "--batch-size", "4", "--grad-accum-steps", "1", "--learning-rate", "1e-2",
                                    "--warmup-steps", "0", "--max-steps", "3", "--save-every", "0", "--eval-every",
                                    "0", "--log-every", "1", "--held-out-fraction", "0", "--max-grad-norm", "0",
-                                   "--mixed-precision", "no"])
+                                   "--mixed-precision", "no", *flags])
     logged = [float(v) for v in re.findall(r"step \d+ loss ([0-9.]+)", result.stderr)]
     assert logged == pytest.approx(losses, rel=1e-5)
     two = heads_state(out / "heads")
@@ -429,3 +439,103 @@ def test_training_windows_keep_the_full_context_and_hold_targets():
         assert cropped["input_ids"][0].tolist() == list(range(starts[0], starts[0] + 6))
         assert (cropped["labels"] != -100).any(dim=1).all()
     assert len({tuple(window_starts(batch, [4, 9], 6, seed=0, step=s)) for s in range(20)}) > 1
+
+
+# --- the eagle drafter (head_type eagle): training-time test, a whole run, decoding -------------------------------
+
+@pytest.mark.parametrize("ttt_steps, window", [(1, None), (3, None), (3, 12)])
+def test_training_time_test_unrolls_ttt_steps_on_the_drafters_own_outputs(base_dir, chats, tmp_path, monkeypatch,
+                                                                          ttt_steps, window):
+    """One trainer step of the eagle drafter runs its layer exactly ``ttt_steps`` times per micro-batch: step 0 on
+    the fused base layers, step j on step j-1's own output shifted one position on (position p reads p - 1); the
+    loss scores ``ttt_steps`` outputs, whatever ``num_heads`` (the drafting depth evaluation uses) is; with a
+    training window, inside the window."""
+    from medusa.drafters.eagle import EagleLayer
+    from train import loop
+
+    calls, scored = [], []
+    finish = EagleLayer.finish
+
+    def recording(self, hidden, attended):
+        out = finish(self, hidden, attended)
+        calls.append((hidden.detach().clone(), out.detach().clone()))  # (B, T, H) each
+        return out
+
+    real_loss = loop.mixed_step_loss
+
+    def scoring(run, logits, hidden, batch, *counts):
+        scored.append((logits.shape, counts[0].shape, hidden.detach().clone(), batch["input_ids"].clone()))
+        return real_loss(run, logits, hidden, batch, *counts)
+
+    monkeypatch.setattr(EagleLayer, "finish", recording)
+    monkeypatch.setattr(loop, "mixed_step_loss", scoring)
+    config = make_config(base_dir, chats, tmp_path / "run", head_type="eagle", num_heads=2, ttt_steps=ttt_steps,
+                         eagle_layers=[1, 0], loss="teacher", train_window=window, eval_every=0, save_every=0)
+    run = setup(config)
+    trained = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in run.heads.parameters()} and all(p.requires_grad for p in run.heads.parameters())
+    assert not any(p.requires_grad for p in run.model.parameters())
+    batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, 0, 1)
+    loop.train_step(run, batches)
+    assert len(calls) == ttt_steps and len(scored) == 1
+    (logits_shape, counts_shape, states, ids) = scored[0]
+    assert logits_shape[0] == ttt_steps and counts_shape == (ttt_steps,)
+    assert states.shape[-1] == 3 * 64 and ids.shape[1] == (window or ids.shape[1])  # last hidden, layers 1 and 0
+    with torch.no_grad():
+        assert torch.equal(calls[0][0], run.heads.fuse(states))  # step 0 reads the fused base layers
+    for j in range(1, ttt_steps):
+        previous_out, feature = calls[j - 1][1], calls[j][0]
+        assert torch.equal(feature[:, 1:], previous_out[:, :-1]) and not feature[:, 0].any()
+    calls.clear()
+    metrics = evaluate(run)
+    assert len(metrics["heads"]) == 2 and len(calls) == 2 * math.ceil(len(run.held_examples) / config.batch_size)
+
+
+def test_medusa_train_with_head_type_eagle_writes_a_drafter_that_loads_and_decodes_like_hf(base_dir, chats,
+                                                                                          tmp_path):
+    """``medusa train`` flags for the eagle drafter on a tiny Llama: the base stays bit-identical and frozen, the
+    drafter moves, its folder (format 4, its layers recorded) loads back onto the base and greedy decoding with it
+    gives Hugging Face's greedy tokens."""
+    import argparse
+
+    from medusa.decode.loop import medusa_generate
+    from medusa.decode.tree import Tree
+    from medusa.io.checkpoint import load_heads_for_base
+    from train.cli import add_train_arguments, config_from_args
+
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args([
+        "--base", str(base_dir), "--data", str(chats), "--output-dir", str(tmp_path / "run"), "--head-type", "eagle",
+        "--eagle-layers", "1,0", "--ttt-steps", "2", "--num-heads", "3", "--loss", "teacher",
+        "--head-vocab-size", "64", "--max-seq-len", "64", "--batch-size", "4", "--learning-rate", "1e-2",
+        "--warmup-steps", "1", "--max-steps", "4", "--save-every", "2", "--eval-every", "0",
+        "--held-out-fraction", "0.25", "--mixed-precision", "no"])
+    config = config_from_args(args)
+    assert (config.head_type, config.eagle_layers, config.ttt_steps) == ("eagle", [1, 0], 2)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    heads_dir = train(config, model, tiny_tokenizer())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "base parameters moved"
+    assert all(not p.requires_grad for p in model.parameters())
+    step2 = heads_state(tmp_path / "run" / "checkpoints" / "step_2" / "heads")
+    final = heads_state(heads_dir)
+    assert final.keys() == step2.keys() and "fc.weight" in final
+    assert all(not torch.equal(final[k], step2[k]) for k in final if k != "token_map"), "a weight did not train"
+    saved = json.loads((heads_dir / "config.json").read_text())
+    assert saved["format_version"] == 4 and saved["eagle_layers"] == [1, 0] and saved["num_heads"] == 3
+    metrics = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert len(metrics["heads"]) == 3 and 1 <= metrics["expected_tau"] <= 4
+    heads = load_heads_for_base(heads_dir, model).eval()
+    assert heads.base_layers == (1, 0)
+    ids = torch.tensor([[1, 5, 17, 40, 9, 77, 120]])
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, ids.shape[1]:].tolist()
+    tokens, stats = medusa_generate(model, heads, ids[0], Tree.chain(3), 16, stop_token_ids=set())
+    assert tokens == expected
+
+
+def test_expected_tau_of_the_top1_chain():
+    """1 for the base's own token, plus each depth's acceptance while every shallower one was accepted."""
+    from train.evaluation import expected_chain_tau
+
+    assert expected_chain_tau([]) == 1.0
+    assert expected_chain_tau([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_chain_tau([0.0, 1.0]) == 1.0 and expected_chain_tau([1.0] * 4) == 5.0

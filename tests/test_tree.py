@@ -72,6 +72,8 @@ def test_buffers_of_a_hand_made_tree():
 class FixedHeads:
     """Medusa-like heads whose head k ranks ``ranking[k]`` (base ids, best first) whatever the node."""
 
+    base_layers = ()
+
     def __init__(self, ranking: torch.Tensor, vocab: int = 200):
         self.ranking, self.vocab = ranking, vocab
 

@@ -65,17 +65,29 @@ class TrainConfig:
     output_dir: str = "outputs/medusa"
     """Run folder: checkpoints/, distilled data, heads/ and eval.json are written here."""
     head_type: str = "medusa"
-    """"medusa" (each head reads the hidden state at t) or "hydra" (head k also reads the input embeddings of the
-    tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024)."""
+    """"medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
+    tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024) or "eagle" (an EAGLE-3-style drafter:
+    one decoder layer over fused base layers, drafting each deeper token from its own output, Li et al. 2025;
+    :mod:`medusa.drafters.eagle`)."""
     num_heads: int = 4
-    """K: number of Medusa heads; head k predicts the token k + 2 positions ahead."""
+    """K: number of Medusa heads; head k predicts the token k + 2 positions ahead. For the eagle drafter: its
+    drafting depth (the outputs evaluated, calibrated and drafted; output k predicts token k + 2 ahead)."""
     num_layers: int = 1
-    """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks."""
+    """Layers per head: ResBlocks for Medusa heads; for Hydra heads the input layer plus num_layers - 1 ResBlocks.
+    The eagle drafter is one decoder layer (1 only)."""
     prefix_layers: int = 0
     """1: Hydra heads get their own sliding-window attention layer over the base's hidden states (Hydra++'s extra
     decoder layer, :mod:`medusa.drafters.prefix_layer`), so they can look back at the context; 0: none."""
     prefix_window: int = 64
     """Positions that attention layer looks back over, in training and decoding alike."""
+    eagle_layers: list[int] | None = None
+    """head_type eagle: the base's decoder layers (0-based; each one's output) fused into the drafter's input, a
+    list in YAML, comma-separated on the command line; null: EAGLE-3's low, middle and high layers of the base
+    (:func:`medusa.drafters.eagle.default_eagle_layers`). Checked against the base's layer count when it loads."""
+    ttt_steps: int = 3
+    """head_type eagle: training-time-test steps (EAGLE-3, section 3.3): each training step unrolls the drafter this
+    many times on its own outputs, output j scored as the depth-j head (loss_decay ** j); may differ from
+    num_heads."""
     share_lm_head: bool = True
     """Project with the base's frozen lm_head (True) or train a per-head copy (False)."""
     head_vocab_size: int | None = 8192
@@ -137,7 +149,13 @@ class TrainConfig:
     """Experiment tracker: "none", "tensorboard" (logs under output_dir/runs) or "wandb" (offline without
     WANDB_API_KEY)."""
     max_conversations: int | None = None
-    """Read at most this many conversations from the data (before the split); null reads all."""
+    """Use at most this many conversations of the data; null uses all."""
+    data_sample: str = "spread"
+    """Which ``max_conversations``: "spread" (evenly spaced over the whole dataset, each split its share, split
+    first) or "first" (the file's first ones, split after)."""
+    distill_turns: str = "all"
+    """Self-distillation: answer a turn drawn from all of each conversation's turns ("all", with the dataset's own
+    earlier turns as context) or only the first ("first")."""
     self_distill: bool = False
     """Regenerate the answers with the base itself before training (ignored for data already self-distilled)."""
     distill_max_new_tokens: int = 256
@@ -165,6 +183,8 @@ class TrainConfig:
             raise ValueError("base (the base model folder) is required")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
+        _check_choice("data_sample", self.data_sample, ("spread", "first"))
+        _check_choice("distill_turns", self.distill_turns, ("all", "first"))
         from medusa.drafters.heads import (
             HEAD_TYPES,  # here, not at the top: flag parsing (train.cli) stays free of torch
         )
@@ -173,6 +193,7 @@ class TrainConfig:
         _check_choice("loss", self.loss, LOSS_CHOICES)
         _check_choice("training_mode", self.training_mode, TRAINING_MODE_CHOICES)
         self._check_medusa2()
+        self._check_eagle()
         if self.head_type == "hydra" and self.num_layers < 1:
             raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
         if self.prefix_layers not in (0, 1):
@@ -229,6 +250,26 @@ class TrainConfig:
                 raise ValueError(f"training_mode medusa2 adapts the base, so its hidden states change every step: "
                                  f"{name} (states of the frozen base) cannot serve it; unset {name}")
 
+    def _check_eagle(self) -> None:
+        _check_min("ttt_steps", self.ttt_steps, 1)
+        if self.head_type != "eagle":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [name for name in ("eagle_layers", "ttt_steps") if getattr(self, name) != defaults[name]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} belong to head_type eagle, not {self.head_type!r}")
+            return
+        if self.eagle_layers is not None and (not self.eagle_layers or min(self.eagle_layers) < 0):
+            raise ValueError(f"eagle_layers must be a non-empty list of decoder layer indices >= 0 (or null), got "
+                             f"{self.eagle_layers}")
+        if self.num_layers != 1:
+            raise ValueError(f"head_type eagle is one decoder layer: num_layers must be 1, got {self.num_layers}")
+        if not self.share_lm_head:
+            raise ValueError("head_type eagle projects every depth with one lm_head: share_lm_head must be true (the "
+                             "drafter would hold num_heads trainable copies and use one)")
+        if self.training_mode == "medusa2":
+            raise ValueError("head_type eagle reads intermediate base layers, which training_mode medusa2's joint "
+                             "stage does not pass through; use training_mode medusa1")
+
     def to_dict(self) -> dict:
         # Tuples as lists: the dict is stored as JSON and compared with what JSON gives back.
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -250,7 +291,7 @@ def _field_types() -> dict[str, object]:
 
 def coerce(name: str, annotation, value):
     """Convert ``value`` (from YAML or a CLI string) to the field type ``annotation`` (int, float, bool, str,
-    ``tuple[str, ...]`` (a list, or a comma-separated string) or ``X | None``).
+    ``tuple[str, ...]`` or ``list[int]`` (a list, or a comma-separated string) or ``X | None``).
 
     Raises:
         ValueError: the value does not fit the type (``True`` for an int, ``"abc"`` for a float...).
@@ -271,6 +312,8 @@ def coerce(name: str, annotation, value):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return _coerce_list(name, typing.get_args(annotation)[0], value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -294,6 +337,20 @@ def coerce(name: str, annotation, value):
     elif annotation is str and isinstance(value, (str, Path)):
         return str(value)
     raise ValueError(f"{name}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def _coerce_list(name: str, item, value) -> list:
+    """``value`` (a list, a YAML-style ``[1, 2]`` or a comma-separated string) as a list of ``item``."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: expected a list of {item.__name__}, got {value!r}")
+    return [coerce(name, item, v) for v in value]
 
 
 def field_docs() -> dict[str, str]:

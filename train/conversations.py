@@ -14,9 +14,8 @@ from train.config import TrainConfig
 from train.data import (
     Conversation,
     ReadReport,
-    load_conversations,
+    load_splits,
     normalize_record,
-    split_conversations,
     tokenize_conversations,
 )
 from train.distill import (
@@ -40,9 +39,10 @@ def prepare_conversations(config: TrainConfig, accelerator: Accelerator, model, 
     answers are written to ``distilled_validation.jsonl`` for ``medusa build-tree``. Records that already carry
     base token ids are used as they are.
     """
-    convs, _ = load_conversations(config.data, config.max_conversations)
-    train_convs, val_convs, held_convs = split_conversations(convs, config.held_out_fraction,
-                                                             config.validation_fraction, config.seed)
+    train_convs, val_convs, held_convs = load_splits(config.data, config.max_conversations, config.data_sample,
+                                                     config.held_out_fraction, config.validation_fraction,
+                                                     config.seed)
+    convs = train_convs + val_convs + held_convs
     if config.self_distill and any(c.response_ids is None for c in convs):
         out = Path(config.output_dir)
         splits = ((train_convs, DISTILLED_TRAIN_NAME), (val_convs, DISTILLED_VALIDATION_NAME),
@@ -91,7 +91,7 @@ def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tok
     if todo:
         distill(model, tokenizer, todo[rank::world], shard_path, max_new_tokens=config.distill_max_new_tokens,
                 max_prompt_tokens=config.distill_max_prompt_tokens, batch_size=config.distill_batch_size,
-                time_limit_s=config.distill_time_limit_s)
+                time_limit_s=config.distill_time_limit_s, turns=config.distill_turns, seed=config.seed)
     accelerator.wait_for_everyone()
     if world > 1 and accelerator.is_main_process:
         _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))

@@ -164,14 +164,23 @@ def default_dataset_path() -> Path:
         return Path(path)
 
 
+SAMPLE_CHOICES = ("spread", "first")
+"""How ``limit`` conversations are chosen from a larger dataset: evenly spaced over the whole file (``spread``,
+the default: every part of the dataset is represented) or its first ones (``first``)."""
+
+
 def load_conversations(
-    source: str | Path = DEFAULT_DATASET, limit: int | None = None
+    source: str | Path = DEFAULT_DATASET, limit: int | None = None, sample: str = "first"
 ) -> tuple[list[Conversation], ReadReport]:
     """Read a chat dataset into normalised conversations.
 
     Args:
         source: ``"sharegpt"`` for the bundled ShareGPT V3, or a path to a json/jsonl/parquet file.
-        limit: keep at most this many conversations (after normalisation), in file order.
+        limit: keep at most this many conversations (after normalisation).
+        sample: which ``limit`` conversations (:data:`SAMPLE_CHOICES`): ``"first"`` stops reading after them,
+            ``"spread"`` reads the whole file and keeps evenly spaced ones (:func:`spread_sample`). A caller that
+            splits the data must split before spreading (:func:`spread_sample` after
+            :func:`split_conversations`), so that chunks of one conversation never fall on two sides.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -180,21 +189,36 @@ def load_conversations(
     path = default_dataset_path() if str(source) == DEFAULT_DATASET else Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
+    if sample not in SAMPLE_CHOICES:
+        raise ValueError(f"sample must be one of {', '.join(SAMPLE_CHOICES)}, got {sample!r}")
     report = ReadReport()
     records = _read_records(path, report)
     conversations = []
+    stop_at = limit if sample == "first" else None
     for i, record in enumerate(records):
         report.read += 1
         conv = normalize_record(record, i, report)
         if conv is not None:
             conversations.append(conv)
-            if limit is not None and len(conversations) >= limit:
+            if stop_at is not None and len(conversations) >= stop_at:
                 break
+    if sample == "spread" and limit is not None:
+        conversations = spread_sample(conversations, limit)
     report.kept = len(conversations)
     logger.info("%s: %s", path, report.summary())
     if not conversations:
         raise ValueError(f"{path}: no usable conversation ({report.summary()})")
     return conversations, report
+
+
+def spread_sample(items: list, limit: int | None) -> list:
+    """At most ``limit`` of ``items``, evenly spaced over the whole list (their order kept): a sample that covers
+    the dataset rather than its first part. ``None`` or a limit of at least ``len(items)`` keeps all."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    if limit <= 0:
+        return []
+    return [items[(i * len(items)) // limit] for i in range(limit)]
 
 
 def _read_records(path: Path, report: ReadReport):
@@ -302,6 +326,26 @@ def split_conversations(convs: list[Conversation], held_out_fraction: float, val
     return train, validation, held
 
 
+def load_splits(source: str | Path, limit: int | None, sample: str, held_out_fraction: float,
+                validation_fraction: float, seed: int
+                ) -> tuple[list[Conversation], list[Conversation], list[Conversation]]:
+    """``(train, validation, held_out)`` of at most ``limit`` conversations of a dataset, chosen as ``sample`` says
+    (:data:`SAMPLE_CHOICES`). ``"spread"`` splits the whole dataset first (:func:`split_conversations`, so no
+    conversation's chunks fall on two sides) and then keeps evenly spaced conversations of each split, each split
+    its share of ``limit``.
+
+    Raises:
+        as :func:`load_conversations`.
+    """
+    if sample != "spread" or limit is None:
+        convs, _ = load_conversations(source, limit, sample)
+        return split_conversations(convs, held_out_fraction, validation_fraction, seed)
+    convs, _ = load_conversations(source, None, sample)
+    splits = split_conversations(convs, held_out_fraction, validation_fraction, seed)
+    total = max(len(convs), 1)
+    return tuple(spread_sample(split, min(len(split), round(limit * len(split) / total))) for split in splits)
+
+
 def first_prompt(conv: Conversation) -> list[dict]:
     """The messages before the first assistant turn (system and first user turn): a generation prompt."""
     out = []
@@ -310,6 +354,40 @@ def first_prompt(conv: Conversation) -> list[dict]:
             break
         out.append(m)
     return out
+
+
+TURN_CHOICES = ("all", "first")
+"""Which turn of a conversation distillation answers: one drawn from all its turns (``all``, the default) or the
+first (``first``)."""
+
+
+def assistant_turns(conv: Conversation) -> list[int]:
+    """Indices into ``conv.messages`` of the assistant turns that follow a user turn (the answers a prompt can ask
+    for)."""
+    return [i for i, m in enumerate(conv.messages)
+            if m["role"] == "assistant" and i > 0 and conv.messages[i - 1]["role"] == "user"]
+
+
+def turn_prompts(conv: Conversation, turns: str = "all", seed: int = 0) -> list[list[dict]]:
+    """Generation prompts of one conversation, the preferred first: everything before an assistant turn (earlier
+    turns with the dataset's own answers, then the user's message).
+
+    ``turns="all"`` puts first the turn a hash of ``(seed, id)`` draws uniformly from the conversation's assistant
+    turns, then the earlier ones, latest first (fallbacks for a prompt budget the drawn turn exceeds): over a
+    dataset every turn of every conversation is asked for, not only the first. ``turns="first"`` gives only the
+    messages before the first assistant turn (:func:`first_prompt`).
+
+    Raises:
+        ValueError: an unknown ``turns``.
+    """
+    if turns not in TURN_CHOICES:
+        raise ValueError(f"turns must be one of {', '.join(TURN_CHOICES)}, got {turns!r}")
+    answers = assistant_turns(conv)
+    if turns == "first" or len(answers) <= 1:
+        return [first_prompt(conv)]
+    digest = hashlib.sha256(f"{seed}:turn:{conv.id}".encode()).digest()
+    drawn = int.from_bytes(digest[:8], "big") % len(answers)
+    return [conv.messages[: answers[k]] for k in range(drawn, -1, -1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from medusa.base import hf_greedy_batch, stop_token_ids
-from train.data import Conversation, first_prompt
+from train.data import Conversation, turn_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +58,25 @@ def distill(
     max_prompt_tokens: int = 384,
     batch_size: int = 32,
     time_limit_s: float | None = None,
+    turns: str = "all",
+    seed: int = 0,
 ) -> int:
-    """Answer each conversation's first prompt with the base model (greedy) and append the results as JSON lines.
+    """Answer one prompt of each conversation with the base model (greedy) and append the results as JSON lines.
 
     Args:
         model: the base causal LM (eval mode, on its device).
         tokenizer: its tokenizer; must have a chat template.
-        conversations: source conversations; only the messages before the first assistant turn are used.
+        conversations: source conversations; of each, the messages before one assistant turn are the prompt
+            (:func:`train.data.turn_prompts`: a turn drawn from all of them, or the first; the latest that fits
+            ``max_prompt_tokens``).
         out_path: JSON-lines file, appended to; ids already present are skipped.
         max_new_tokens: generation budget per answer (tokens).
         max_prompt_tokens: prompts longer than this are skipped (counted in the log).
         batch_size: prompts generated together (left padded; sorted by length within windows of
             :data:`WINDOW_BATCHES` batches in file order, to limit padding).
         time_limit_s: stop after the batch that crosses this wall-clock budget (seconds); ``None`` for no limit.
+        turns: ``"all"`` or ``"first"`` (:data:`train.data.TURN_CHOICES`).
+        seed: seeds the drawn turn.
 
     Returns:
         Number of new records written.
@@ -87,12 +93,13 @@ def distill(
     for conv in conversations:
         if conv.id in done:
             continue
-        prompt = first_prompt(conv)
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if len(ids) > max_prompt_tokens:
+        for prompt in turn_prompts(conv, turns, seed):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if len(ids) <= max_prompt_tokens:
+                todo.append((conv.id, prompt, list(ids)))
+                break
+        else:
             too_long += 1
-            continue
-        todo.append((conv.id, prompt, list(ids)))
     logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped)",
                 len(todo), len(done), too_long, max_prompt_tokens)
     todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
@@ -128,7 +135,8 @@ def window_sorted(items: list, key, window: int) -> list:
 
 
 def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str | Path]], max_new_tokens: int,
-                   max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None) -> list[Path]:
+                   max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None, turns: str = "all",
+                   seed: int = 0) -> list[Path]:
     """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`); ``medusa
     distill`` passes validation, held-out, training.
 
@@ -143,5 +151,5 @@ def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str 
         if left is not None and left <= 0:
             logger.info("time limit reached: %s waits for the next run", Path(path).name)
             continue
-        distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left)
+        distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left, turns, seed)
     return paths

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 from tqdm.auto import tqdm
 
+from medusa.base import base_states
 from medusa.drafters.heads import IGNORE_INDEX
 from medusa.losses import head_target_counts
 from train.checkpoints import latest_checkpoint, save_checkpoint
@@ -26,9 +27,8 @@ from train.medusa2 import (
     kl_sum,
     set_lora_dropout,
 )
-from train.objective import mixed_step_loss
+from train.objective import mixed_step_loss, train_logits, training_steps
 from train.run import Run
-from train.store import base_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +101,15 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     step loss (a detached scalar). In Medusa-2's stage 2 the heads' loss is weighted by
     :func:`train.medusa2.heads_loss_weight` and ``kl_weight x KL(frozen || adapted)``, averaged over the step's
     next-token positions, is added; the heads' gradient reaches the LoRA through the adapted hidden states.
+    The eagle drafter gives ``ttt_steps`` outputs (its training-time-test unroll, :func:`train_logits`), each
+    scored as the head of its depth.
     """
     config, accelerator = run.config, run.accelerator
     run.heads.train()
     joint = in_stage2(config, run.step)
     if joint:
         set_lora_dropout(run.model, True)
-    num_heads = accelerator.unwrap_model(run.heads).config.num_heads
+    num_heads = training_steps(config)  # outputs per position: heads, or the eagle drafter's unrolled steps
     micro = [next(batches) for _ in range(config.grad_accum_steps)]
     collated = [to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
                 for indices in micro]
@@ -124,14 +126,14 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     heads_weight = heads_loss_weight(config, run.step)
     total = torch.zeros((), device=accelerator.device)
     for m, (indices, full, batch) in enumerate(zip(micro, collated, windows, strict=True)):
-        hidden, frozen = step_hidden_states(run, indices, full, joint)  # (B, T, H) each; frozen None unless joint
+        hidden, frozen = step_hidden_states(run, indices, full, joint)  # (B, T, S) each; frozen None unless joint
         if starts[m] is not None:
-            hidden = crop_window({"hidden": hidden}, starts[m], config.train_window)["hidden"]  # (B, W, H)
+            hidden = crop_window({"hidden": hidden}, starts[m], config.train_window)["hidden"]  # (B, W, S)
             frozen = frozen if frozen is None else crop_window({"h": frozen}, starts[m], config.train_window)["h"]
         last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
-            logits = run.heads(hidden, batch["input_ids"])  # (K, B, T, Vh)
+            logits = train_logits(run, hidden, batch["input_ids"])  # (K, B, T, Vh); K: training_steps
             loss = heads_weight * mixed_step_loss(run, logits, hidden, batch, global_counts, global_supervised)
             if joint:
                 kl = kl_sum(run.model, hidden, frozen, batch["labels"])
@@ -150,9 +152,11 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
 
 
 def step_hidden_states(run: Run, indices: list[int], batch: dict, joint: bool):
-    """``(hidden, frozen)``: the hidden states ``(B, T, H)`` the heads read (fp32) and, in Medusa-2's joint stage,
-    the original base's (the KL teacher's; ``None`` otherwise). Jointly, ``hidden`` is the adapted base's, with
-    gradient into the LoRA; otherwise it comes from :func:`batch_hidden_states` without gradient."""
+    """``(hidden, frozen)``: the base states ``(B, T, S)`` the heads read (fp32; ``S = (1 + len(base_layers)) H``,
+    :func:`medusa.base.base_states`) and, in Medusa-2's joint stage, the original base's hidden states (the KL
+    teacher's; ``None`` otherwise). Jointly, ``hidden`` is the adapted base's, with gradient into the LoRA (Medusa
+    and Hydra heads, which read the last hidden state alone); otherwise it comes from :func:`batch_hidden_states`
+    without gradient."""
     if not joint:
         return batch_hidden_states(run, indices, batch).float(), None  # the heads' weights are fp32
     hidden = adapted_hidden_states(run.model, batch["input_ids"], batch["attention_mask"]).float()  # (B, T, H)
@@ -180,7 +184,13 @@ def window_starts(batch: dict, indices: list[int], window: int, seed: int, step:
 def crop_window(batch: dict, starts: list[int] | None, window: int | None) -> dict:
     """Each row of every ``(B, T, ...)`` tensor in ``batch`` cut to ``[start, start + window)`` (padded positions
     beyond a short row stay as they are). The base's hidden states keep their full left context, so a window only
-    chooses which targets a step sees (Medusa-1's base is frozen: nothing else depends on the rest of the row)."""
+    chooses which targets a step sees (Medusa-1's base is frozen: nothing else depends on the rest of the row).
+
+    The eagle drafter's training-time test runs inside the window: every tensor is cut at the same start, so step j
+    at window position p still reads its own step-(j-1) output at p - 1 and the token p + 1, and output j anchored
+    at p still scores the label p + j + 2. Its own attention sees the window only (its context starts there);
+    window-relative positions are what rotary attention needs, and a base with learned positions is refused with a
+    window (:func:`train.setup.heads_base_layers`)."""
     if starts is None:
         return batch
     width = min(window, next(iter(batch.values())).shape[1])
@@ -193,25 +203,26 @@ def crop_window(batch: dict, starts: list[int] | None, window: int | None) -> di
 
 
 def batch_hidden_states(run: Run, indices: list[int], batch: dict) -> torch.Tensor:
-    """Base hidden states ``(B, T, H)`` for a micro-batch: from ``run.store`` when there is one, else from
-    ``run.hidden_cache`` when every example is in it.
+    """Base states ``(B, T, S)`` the heads read for a micro-batch (``S = (1 + len(heads.base_layers)) H``): from
+    ``run.store`` when there is one, else from ``run.hidden_cache`` when every example is in it.
 
-    Without either this is :func:`train.store.base_hidden_states`. With a cache, a batch holding any new example runs
-    the base and stores each example's unpadded states (bf16, CPU); a fully cached batch is re-padded with zeros
-    (padding positions carry no label).
+    Without either this is :func:`medusa.base.base_states` of the heads' ``base_layers``. With a cache, a batch
+    holding any new example runs the base and stores each example's unpadded states (bf16, CPU); a fully cached
+    batch is re-padded with zeros (padding positions carry no label).
     """
     if run.store is not None:
-        return run.store.hidden_batch(indices).to(batch["input_ids"].device)  # (B, T, H)
+        return run.store.hidden_batch(indices).to(batch["input_ids"].device)  # (B, T, S)
     if run.hidden_cache is None or any(i not in run.hidden_cache for i in indices):
-        hidden = base_hidden_states(run.model, batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        layers = run.accelerator.unwrap_model(run.heads).base_layers
+        hidden = base_states(run.model, batch["input_ids"], batch["attention_mask"], layers)  # (B, T, S)
         if run.hidden_cache is not None:
             lengths = batch["attention_mask"].sum(dim=1).tolist()
             for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
                 run.hidden_cache[i] = hidden[row, :n].to("cpu", torch.bfloat16)
         return hidden
-    batch_size, width = batch["input_ids"].shape
-    hidden = torch.zeros(batch_size, width, run.model.config.get_text_config(decoder=True).hidden_size,
-                         device=batch["input_ids"].device)  # (B, T, H)
+    batch_size, length = batch["input_ids"].shape
+    width = run.hidden_cache[indices[0]].shape[-1]
+    hidden = torch.zeros(batch_size, length, width, device=batch["input_ids"].device)  # (B, T, S)
     for row, i in enumerate(indices):
         cached = run.hidden_cache[i]
         hidden[row, : len(cached)] = cached.to(hidden.device, torch.float32)

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from medusa.base import base_states
 from medusa.drafters.heads import IGNORE_INDEX
 from medusa.io.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from medusa.io.files import atomic_folder
 from medusa.losses import next_token_kl_sum
 from train.config import TrainConfig
-from train.store import base_hidden_states
 
 ADAPTER_DIR = "adapter"
 
@@ -99,7 +99,7 @@ def adapted_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.
 def frozen_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states ``(B, T, H)`` of the original base: the same model with its adapter switched off."""
     with model.disable_adapter():
-        return base_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
+        return base_states(model, input_ids, attention_mask)  # (B, T, H)
 
 
 def kl_positions(labels: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """What a training step minimises: Medusa's decayed per-head loss (hard, teacher or mixed) normalised by the targets
-of the whole optimizer step (Cai et al., 2024, section 2.2)."""
+of the whole optimizer step (Cai et al., 2024, section 2.2). The eagle drafter's ``ttt_steps`` unrolled outputs
+(EAGLE-3's training-time test, Li et al. 2025, section 3.3) are scored as heads of their depth; the teacher is the
+base's lm_head over its last hidden state, the first columns of the base states the heads read."""
 
 from __future__ import annotations
 
@@ -10,19 +12,41 @@ import torch
 from medusa.losses import head_ce_sums, head_soft_sums, medusa_loss
 
 if TYPE_CHECKING:
+    from train.config import TrainConfig
     from train.setup import Run
 
 
-
 def teacher_logits(run: Run, hidden: torch.Tensor) -> torch.Tensor | None:
-    """The base's own logits over the head vocabulary ``(B, T, Vh)`` from hidden states ``(B, T, H)`` (its lm_head
-    rows of the token map, with its final soft-capping), or ``None`` when the loss needs no teacher."""
+    """The base's own logits over the head vocabulary ``(B, T, Vh)`` from base states ``(B, T, (1 + k) H)`` (its
+    lm_head rows of the token map over the last hidden state, the first H columns, with its final soft-capping), or
+    ``None`` when the loss needs no teacher."""
     if run.teacher_weight is None:
         return None
     with torch.no_grad():
-        teacher = hidden.float() @ run.teacher_weight.float().T  # (B, T, Vh)
+        last = last_hidden(hidden, run.teacher_weight.shape[1])  # (B, T, H)
+        teacher = last.float() @ run.teacher_weight.float().T  # (B, T, Vh)
         cap = getattr(run.model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
         return teacher if cap is None else torch.tanh(teacher / cap) * cap
+
+
+def last_hidden(states: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """The base's last hidden state ``(..., H)`` (what its lm_head reads) of base states ``(..., (1 + k) H)``
+    (:func:`medusa.base.base_states`: it comes first)."""
+    return states[..., :hidden_size]
+
+
+def training_steps(config: TrainConfig) -> int:
+    """How many outputs the heads give per position in a training step: the eagle drafter's training-time-test
+    unroll ``ttt_steps`` (EAGLE-3, section 3.3), else one per head (``num_heads``)."""
+    return config.ttt_steps if config.head_type == "eagle" else config.num_heads
+
+
+def train_logits(run: Run, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The heads' logits ``(training_steps, B, T, Vh)`` of a training step from base states ``(B, T, (1 + k) H)``
+    and tokens ``(B, T)``: the eagle drafter unrolled ``ttt_steps`` steps on its own outputs, heads as they are."""
+    if run.config.head_type == "eagle":
+        return run.heads(hidden, input_ids, steps=run.config.ttt_steps)
+    return run.heads(hidden, input_ids)
 
 
 def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):

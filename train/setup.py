@@ -13,10 +13,9 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from medusa.base import stop_token_ids
+from medusa.base import check_layer_indices, learned_position_weight, stop_token_ids
+from medusa.drafters.eagle import default_eagle_layers, eagle_base_settings
 from medusa.drafters.heads import (
-    HydraHeads,
-    MedusaHeads,
     MedusaHeadsConfig,
     build_heads,
     lm_head_fingerprint,
@@ -48,6 +47,9 @@ from train.store import ensure_store
 
 logger = logging.getLogger(__name__)
 
+READS_EMBEDDINGS = ("hydra", "eagle")
+"""Head types built over the base's input embeddings too (besides its lm_head)."""
+
 
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     """Accelerator, frozen base, tokenised data, heads (fresh or from the latest checkpoint), optimizer, schedule."""
@@ -64,6 +66,8 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     checkpoint = latest_checkpoint(config.output_dir)
     state = read_checkpoint_state(checkpoint, config) if checkpoint else None
     model, tokenizer = prepare_base(config, accelerator, model, tokenizer)
+    base_config = model.config.get_text_config(decoder=True)
+    layers = heads_base_layers(config, base_config)  # a bad eagle layer is refused before any data work
     train_convs, val_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len, config.num_proc,
                                                default_tokenize_cache_dir())
@@ -72,12 +76,13 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
         raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
                          "project with it and the teacher loss needs it")
     store = ensure_store(config.hidden_state_store, model, train_examples, config.max_seq_len, config.batch_size,
-                         accelerator) if config.hidden_state_store else None
+                         accelerator, layers) if config.hidden_state_store else None
     model = adapt_base(config, accelerator, model, checkpoint)
     lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
     lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each; gathered once when sharded
+    position = base_position_weight(config, model)  # (P, H) for the eagle drafter on GPT-2, else None
     eos = sorted(stop_token_ids(model.generation_config, tokenizer))  # always in a truncated head vocabulary
-    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos)
+    heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos, base_config, position)
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
     teacher_weight = None
     if config.loss != "hard":
@@ -95,7 +100,7 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     if config.tracker != "none":
         # Trackers take scalars and strings only: None as "none", lists comma-joined.
-        tracker_config = {k: "none" if v is None else ",".join(v) if isinstance(v, list) else v
+        tracker_config = {k: "none" if v is None else ",".join(map(str, v)) if isinstance(v, list) else v
                           for k, v in config.to_dict().items()}
         accelerator.init_trackers("medusa_heads", config=tracker_config,
                                   init_kwargs={"wandb": {"dir": config.output_dir}})
@@ -121,31 +126,74 @@ def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint:
 
 
 def full_base_weights(model, head_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The base's whole lm_head ``(V, H)`` and, for Hydra heads, its whole input embeddings ``(V, H)`` (else
-    ``None``): gathered once (:func:`full_weight`) when sharded training holds them partitioned."""
+    """The base's whole lm_head ``(V, H)`` and, for Hydra heads and the eagle drafter, its whole input embeddings
+    ``(V, H)`` (else ``None``): gathered once (:func:`full_weight`) when sharded training holds them partitioned."""
     lm_head = full_weight(model.get_output_embeddings().weight, "lm_head")
-    if head_type != "hydra":
+    if head_type not in READS_EMBEDDINGS:
         return lm_head, None
     return lm_head, full_weight(model.get_input_embeddings().weight, "input embeddings")
 
 
+def base_position_weight(config: TrainConfig, model) -> torch.Tensor | None:
+    """The base's whole learned position embedding ``(P, H)`` when the eagle drafter needs it (a base with learned
+    absolute positions, GPT-2), else ``None``."""
+    if config.head_type != "eagle":
+        return None
+    if eagle_base_settings(model.config.get_text_config(decoder=True))["positions"] != "learned":
+        return None
+    return full_weight(learned_position_weight(model), "position embedding")
+
+
+def heads_base_layers(config: TrainConfig, base_config) -> tuple[int, ...]:
+    """The base's decoder layers (0-based) whose outputs the heads read after its last hidden state: none for
+    Medusa and Hydra heads; for the eagle drafter ``config.eagle_layers`` (null: EAGLE-3's low, middle and high
+    layers of this base, :func:`medusa.drafters.eagle.default_eagle_layers`).
+
+    Checked as soon as the base loads (before data, store or heads): the eagle layers must lie inside the base, the
+    base's kind of layer must be one the drafter can be (:func:`medusa.drafters.eagle.eagle_base_settings`), and a
+    training window needs rotary positions (the drafter's positions start at the window; a base with learned
+    positions would see window-relative positions in training and absolute ones when drafting).
+
+    Raises:
+        ValueError: a layer index outside the base (naming it and the base's layer count), a rotary embedding the
+            drafter does not support, or ``train_window`` on a base with learned positions.
+    """
+    if config.head_type != "eagle":
+        return ()
+    settings = eagle_base_settings(base_config)
+    count = settings["num_hidden_layers"]
+    layers = default_eagle_layers(count) if config.eagle_layers is None else config.eagle_layers
+    check_layer_indices(layers, count, "eagle_layers")
+    if config.train_window and settings["positions"] == "learned":
+        raise ValueError(f"train_window={config.train_window} with head_type eagle needs a base with rotary "
+                         f"positions: this {settings['model_type']} base has learned positions, which the drafter "
+                         "would see window-relative in training; set train_window: null")
+    return tuple(layers)
+
+
 def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.Tensor, embed: torch.Tensor | None,
-                  examples: list[dict], always: list[int]):
+                  examples: list[dict], always: list[int], base_config=None,
+                  position_weight: torch.Tensor | None = None):
     """The heads training starts from: the checkpoint's, else ``config.init_heads``, else fresh ones, over the
-    base's whole lm_head and (Hydra) input embeddings ``(V, H)``; ``always`` are the token ids a truncated head
-    vocabulary keeps."""
+    base's whole lm_head and (Hydra, eagle) input embeddings ``(V, H)``; ``always`` are the token ids a truncated
+    head vocabulary keeps. ``base_config`` is the base's text config (needed by the eagle drafter; its layer count
+    is checked against loaded heads), ``position_weight`` its learned position embedding (GPT-2, eagle)."""
+    layers = heads_base_layers(config, base_config) if base_config is not None else ()
+    num_layers = None if base_config is None else base_config.num_hidden_layers
+    loaded = {"embed_weight": embed, "position_weight": position_weight, "num_base_layers": num_layers}
     if checkpoint:
-        return load_heads(checkpoint / HEADS_DIR, lm_head, embed_weight=embed)
+        return load_heads(checkpoint / HEADS_DIR, lm_head, **loaded)
     if config.init_heads:
-        heads = load_heads(config.init_heads, lm_head, embed_weight=embed)
-        check_init_heads(config, heads.config)
+        heads = load_heads(config.init_heads, lm_head, **loaded)
+        check_init_heads(config, heads.config, layers)
         logger.info("heads initialised from %s", config.init_heads)
         return heads
-    return heads_for_training(config, lm_head, embed, examples, always)
+    return heads_for_training(config, lm_head, embed, examples, always, base_config, position_weight)
 
 
-def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> None:
-    """Refuse ``init_heads`` whose head type, count, layers or lm_head sharing differ from the run's config.
+def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig, layers: tuple[int, ...] = ()) -> None:
+    """Refuse ``init_heads`` whose head type, count, layers, lm_head sharing or (eagle) base layers differ from the
+    run's config (``layers``: the run's :func:`heads_base_layers`).
 
     Raises:
         ValueError: naming every differing field with both values.
@@ -153,6 +201,8 @@ def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig) -> No
     fields = ("head_type", "num_heads", "num_layers", "share_lm_head")
     problems = [f"{f}: heads {getattr(heads_config, f)!r} != config {getattr(config, f)!r}" for f in fields
                 if getattr(heads_config, f) != getattr(config, f)]
+    if list(heads_config.eagle_layers or []) != list(layers):
+        problems.append(f"eagle_layers: heads {heads_config.eagle_layers!r} != config {list(layers) or None!r}")
     if problems:
         raise ValueError(f"init_heads {config.init_heads} do not fit the config: " + "; ".join(problems))
 
@@ -234,11 +284,22 @@ def freeze_base(model: torch.nn.Module) -> None:
 
 
 def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.Tensor, examples: list[dict],
-                       always: list[int]) -> MedusaHeads | HydraHeads:
+                       always: list[int], base_config=None,
+                       position_weight: torch.Tensor | None = None) -> torch.nn.Module:
     """Fresh heads of ``config.head_type`` over the base's lm_head and input embeddings ``(V, H)``, with a token map
-    of the most frequent training targets. Sharded or partitioned weights are gathered once (:func:`full_weight`)."""
+    of the most frequent training targets, initialised from ``config.seed`` alone (the global random state is left
+    as it was). Sharded or partitioned weights are gathered once (:func:`full_weight`).
+
+    The eagle drafter also takes its layer's shape from the base's text config ``base_config``
+    (:func:`medusa.drafters.eagle.eagle_base_settings`), its fused layers from :func:`heads_base_layers` and, on a
+    base with learned positions, the position embedding ``position_weight`` ``(P, H)``.
+
+    Raises:
+        ValueError: an eagle drafter without ``base_config``; what :func:`heads_base_layers` raises; shapes that do
+            not fit.
+    """
     lm_head = full_weight(lm_head, "lm_head")  # (V, H); a no-op on a whole weight
-    embed = full_weight(embed, "input embeddings") if config.head_type == "hydra" else embed  # (V, H)
+    embed = full_weight(embed, "input embeddings") if config.head_type in READS_EMBEDDINGS else embed  # (V, H)
     vocab, hidden = lm_head.shape
     head_vocab = config.head_vocab_size if config.head_vocab_size and config.head_vocab_size < vocab else None
     token_map = None
@@ -255,9 +316,24 @@ def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
         lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
-        prefix_layers=config.prefix_layers, prefix_window=config.prefix_window,
+        prefix_layers=config.prefix_layers, prefix_window=config.prefix_window, **eagle_fields(config, base_config),
     )
-    return build_heads(heads_config, lm_head, embed, token_map)
+    # The initial weights are a function of the seed alone: every process of a sharded run (FSDP2 keeps each
+    # process's own shard of them) and a run after any other random draws start from the same heads.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return build_heads(heads_config, lm_head, embed, token_map, position_weight=position_weight)
+
+
+def eagle_fields(config: TrainConfig, base_config) -> dict:
+    """The eagle drafter's :class:`MedusaHeadsConfig` fields (``eagle_layers``, ``eagle_base``) from the base's text
+    config; none for other head types."""
+    if config.head_type != "eagle":
+        return {}
+    if base_config is None:
+        raise ValueError("head_type eagle needs the base's config (its layer count, attention and MLP shape)")
+    return {"eagle_layers": list(heads_base_layers(config, base_config)),
+            "eagle_base": eagle_base_settings(base_config)}
 
 
 def make_optimizer(heads: torch.nn.Module, config: TrainConfig,

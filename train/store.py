@@ -1,15 +1,20 @@
-"""Hidden-state store: the frozen base's last hidden states, computed once and kept on disk in bf16.
+"""Hidden-state store: the frozen base's states (its last hidden state, and the outputs of the decoder layers a
+drafter fuses), computed once and kept on disk in bf16.
 
 Medusa-1 trains the heads over a frozen base (Cai et al. 2024, section 2.2.1), so the base's hidden states of a
 training example never change: one pass of the base writes them here, and every later epoch reads them back at the
-speed of the heads, for data larger than RAM too (the shards are memory-mapped). Teacher logits are the base's
-lm_head applied to these states: they are recomputed, not stored.
+speed of the heads, for data larger than RAM too (the shards are memory-mapped). What is stored per position is
+:func:`medusa.base.base_states` of the store's ``layers``: the last hidden state, then the outputs of those decoder
+layers (EAGLE-3's fused features, :mod:`medusa.drafters.eagle`; none for Medusa and Hydra heads). Teacher logits are
+the base's lm_head applied to the last hidden state: they are recomputed, not stored.
 
 A store is a folder:
 
-- ``meta.json``: format version, the base's identity (name, sizes, lm_head fingerprint), ``max_seq_len``, dtype,
-  counts, bytes per token, and for each finished shard its files, their exact byte sizes and its example lengths.
-- ``shard_NNNNN.hidden``: ``(N, H)`` uint16 holding the bf16 bits of the unpadded states of consecutive examples.
+- ``meta.json``: format version, the base's identity (name, sizes, lm_head fingerprint), ``layers``,
+  ``max_seq_len``, dtype, counts, bytes per token, and for each finished shard its files, their exact byte sizes and
+  its example lengths. Version 1 (before ``layers``) is read as ``layers: []``.
+- ``shard_NNNNN.hidden``: ``(N, (1 + len(layers)) H)`` uint16 holding the bf16 bits of the unpadded states of
+  consecutive examples.
 - ``shard_NNNNN.tokens``: ``(N, 2)`` int32, the input id and the label of each of those tokens.
 
 Example ``i`` lives in one shard at a token offset, with its length ``T_i``; that index is rebuilt from the lengths
@@ -29,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa.base import base_states, check_layer_indices
 from medusa.drafters.heads import fingerprint_mismatch, lm_head_fingerprint
 from medusa.io.files import atomic_file
 from train.data import collate
@@ -36,7 +42,9 @@ from train.data import collate
 logger = logging.getLogger(__name__)
 
 STORE_FORMAT = "medusa-hidden-state-store"
-STORE_FORMAT_VERSION = 1
+# Version 1: the last hidden states only. Version 2: ``layers`` in meta.json, their outputs after the last hidden.
+STORE_FORMAT_VERSION = 2
+SUPPORTED_STORE_VERSIONS = (1, 2)
 META_NAME = "meta.json"
 HIDDEN_SUFFIX = ".hidden"
 TOKENS_SUFFIX = ".tokens"
@@ -49,17 +57,18 @@ STATE_CHECK_RTOL = 5e-2
 
 
 class StoreError(ValueError):
-    """A hidden-state store that cannot be used as asked: another base, data or max_seq_len, or a damaged file."""
+    """A hidden-state store that cannot be used as asked: another base, data, max_seq_len or layers, or a damaged
+    file."""
 
 
-def base_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states ``(B, T, H)`` (after the final norm) of the frozen base; no logits are computed.
+def state_width(hidden_size: int, layers) -> int:
+    """Width of one position's stored states: the last hidden state and one hidden state per layer."""
+    return (1 + len(layers)) * hidden_size
 
-    ``get_decoder()`` is the inner transformer (``LlamaModel``, ``GPT2Model``...) in transformers 5.x.
-    """
-    with torch.no_grad():
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state  # (B, T, H)
+
+def bytes_per_token(hidden_size: int, layers) -> int:
+    """Disk bytes of one stored token: its bf16 states and its int32 input id and label."""
+    return 2 * state_width(hidden_size, layers) + 2 * np.dtype(np.int32).itemsize
 
 
 def base_identity(model) -> dict:
@@ -106,12 +115,12 @@ def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]
 
 
 def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
-                shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
-    """Run the frozen base once over ``examples`` and write their hidden states to the store folder ``path``.
+                shard_tokens: int = DEFAULT_SHARD_TOKENS, layers: tuple[int, ...] = ()) -> Path:
+    """Run the frozen base once over ``examples`` and write their states to the store folder ``path``.
 
-    Resumable: a folder holding part of the same store (same base, examples, ``max_seq_len``, ``shard_tokens``)
-    continues after its last finished shard; a finished store is left as it is. Progress (tokens/s) is logged per
-    shard.
+    Resumable: a folder holding part of the same store (same base, examples, ``max_seq_len``, ``shard_tokens``,
+    ``layers``) continues after its last finished shard; a finished store is left as it is. The bytes per token are
+    logged at the start, progress (tokens/s) per shard.
 
     Args:
         path: the store folder (created).
@@ -119,15 +128,18 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
         examples: ``{"input_ids", "labels"}`` lists, as :func:`train.data.tokenize_conversations` returns.
         max_seq_len: the tokenisation limit the examples were cut to (recorded and checked on open).
         batch_size: sequences per base forward.
-        shard_tokens: tokens per shard file (the last shard may hold fewer); ``2 * H + 8`` bytes each.
+        shard_tokens: tokens per shard file (the last shard may hold fewer); :func:`bytes_per_token` each.
+        layers: decoder layers (0-based) whose outputs are stored after the last hidden state
+            (:func:`medusa.base.base_states`); ``()`` stores the last hidden state alone.
 
     Returns:
         ``path``.
 
     Raises:
-        StoreError: ``path`` holds a store of another base, other examples or another ``max_seq_len``, a damaged
-            ``meta.json`` or a finished shard whose size differs from ``meta.json``.
-        ValueError: ``examples`` is empty or an example is empty or longer than ``max_seq_len``.
+        StoreError: ``path`` holds a store of another base, other examples, another ``max_seq_len`` or other
+            ``layers``, a damaged ``meta.json`` or a finished shard whose size differs from ``meta.json``.
+        ValueError: ``examples`` is empty, an example is empty or longer than ``max_seq_len``, or a layer is
+            outside the base.
     """
     path = Path(path)
     if not examples:
@@ -136,7 +148,8 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
     if min(lengths) < 1 or max(lengths) > max_seq_len:
         raise ValueError(f"{path}: example lengths must be in [1, max_seq_len={max_seq_len}], got "
                          f"{min(lengths)}..{max(lengths)}")
-    meta = _new_meta(model, examples, lengths, max_seq_len, shard_tokens)
+    check_layer_indices(layers, base_identity(model)["num_hidden_layers"])
+    meta = _new_meta(model, examples, lengths, max_seq_len, shard_tokens, layers)
     if (path / META_NAME).is_file():
         stored = read_meta(path)
         # A finished store is used whatever shard size built it; a partial one resumes only with the same plan.
@@ -149,12 +162,15 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
     for leftover in path.glob(f"{TMP_PREFIX}*"):  # an interrupted shard: written again below
         leftover.unlink()
     plan = plan_shards(lengths, shard_tokens)
+    logger.info("%s: %d examples, %d tokens, layers %s: %d bytes per token (%.2f GB)", path, len(examples),
+                meta["num_tokens"], meta["layers"], meta["bytes_per_token"],
+                meta["bytes_per_token"] * meta["num_tokens"] / 1e9)
     if meta["shards"]:
         logger.info("%s: resuming after shard %d of %d", path, len(meta["shards"]), len(plan))
     for index in range(len(meta["shards"]), len(plan)):
         first, stop = plan[index]
         start = time.monotonic()
-        shard = _write_shard(path, index, first, model, examples[first:stop], batch_size)
+        shard = _write_shard(path, index, first, model, examples[first:stop], batch_size, layers)
         meta["shards"].append(shard)
         meta["complete"] = index == len(plan) - 1
         _write_json_atomic(path / META_NAME, meta)
@@ -164,12 +180,13 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
     return path
 
 
-def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int, shard_tokens: int) -> dict:
+def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int, shard_tokens: int,
+              layers: tuple[int, ...]) -> dict:
     identity = base_identity(model)
-    bytes_per_token = 2 * identity["hidden_size"] + 2 * np.dtype(np.int32).itemsize
     return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "base": identity,
-            "max_seq_len": max_seq_len, "dtype": "bfloat16", "token_dtype": "int32",
-            "num_examples": len(examples), "num_tokens": int(sum(lengths)), "bytes_per_token": bytes_per_token,
+            "layers": list(layers), "max_seq_len": max_seq_len, "dtype": "bfloat16", "token_dtype": "int32",
+            "num_examples": len(examples), "num_tokens": int(sum(lengths)),
+            "bytes_per_token": bytes_per_token(identity["hidden_size"], layers),
             "shard_tokens": shard_tokens, "examples_sha256": examples_digest(examples), "complete": False,
             "shards": []}
 
@@ -177,6 +194,7 @@ def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int,
 def _check_same_build(path: Path, stored: dict, meta: dict, model, with_plan: bool = True) -> None:
     """Raise :class:`StoreError` when the store at ``path`` is not the one ``meta`` describes (``with_plan``: the
     shard plan too, which a partly built store must share to resume)."""
+    _check_layers(path, stored, meta["layers"], superset=not with_plan)
     keys = ("max_seq_len", "num_examples", "examples_sha256") + (("shard_tokens",) if with_plan else ())
     problems = [f"{key}: stored {stored.get(key)!r} != now {meta[key]!r}" for key in keys
                 if stored.get(key) != meta[key]]
@@ -184,6 +202,21 @@ def _check_same_build(path: Path, stored: dict, meta: dict, model, with_plan: bo
     if problems:
         raise StoreError(f"{path / META_NAME}: a different store is in this folder:\n  " + "\n  ".join(problems)
                          + "\ndelete the folder or choose another one")
+
+
+def _check_layers(path: Path, stored: dict, layers, superset: bool = True) -> None:
+    """Raise :class:`StoreError` naming both layer lists when the store at ``path`` does not hold the states of
+    ``layers``: with ``superset`` a finished store holding more layers serves (its columns are selected on read,
+    so Medusa and Hydra heads and eagle drafters of fewer layers train on one store; the base's last layer is
+    always held, its output being the last hidden state); else they must be equal (a partial store resumes only
+    with the same layers)."""
+    have, want = list(stored["layers"]), list(layers)
+    last = stored["base"]["num_hidden_layers"] - 1  # its output is the last hidden state, every store's first block
+    if have == want or (superset and set(want) <= set(have) | {last}):
+        return
+    raise StoreError(f"{path / META_NAME}: a store built with other layers: it holds the base states of layers "
+                     f"{have}, the heads read layers {want}; delete the folder or choose another one for these "
+                     "heads")
 
 
 def _identity_problems(stored: dict, model) -> list[str]:
@@ -197,30 +230,32 @@ def _identity_problems(stored: dict, model) -> list[str]:
     return problems
 
 
-def _write_shard(path: Path, index: int, first: int, model, examples: list[dict], batch_size: int) -> dict:
-    """Write one shard (hidden states and tokens) under temporary names, then rename; returns its meta entry."""
+def _write_shard(path: Path, index: int, first: int, model, examples: list[dict], batch_size: int,
+                 layers: tuple[int, ...]) -> dict:
+    """Write one shard (base states and tokens) under temporary names, then rename; returns its meta entry."""
     name = f"shard_{index:05d}"
     lengths = [len(e["input_ids"]) for e in examples]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    hidden_size = base_identity(model)["hidden_size"]
+    width = state_width(base_identity(model)["hidden_size"], layers)
     tokens = np.empty((offsets[-1], 2), dtype=np.int32)  # (N, 2)
     for e, offset, n in zip(examples, offsets, lengths, strict=False):
         tokens[offset : offset + n, 0], tokens[offset : offset + n, 1] = e["input_ids"], e["labels"]
     with (atomic_file(path / f"{name}{HIDDEN_SUFFIX}", TMP_PREFIX, sync=True) as tmp_hidden,
           atomic_file(path / f"{name}{TOKENS_SUFFIX}", TMP_PREFIX, sync=True) as tmp_tokens):
-        hidden = np.memmap(tmp_hidden, dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), hidden_size))  # (N, H)
+        hidden = np.memmap(tmp_hidden, dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), width))  # (N, W)
         device = next(model.parameters()).device
         for batch_rows in length_sorted_batches(lengths, batch_size):
             batch = collate([examples[r] for r in batch_rows], pad_id=0)
-            states = base_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            bits = states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()  # (B, T, H)
+            states = base_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                 layers)  # (B, T, W)
+            bits = states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()  # (B, T, W)
             for row, r in enumerate(batch_rows):
                 hidden[offsets[r] : offsets[r + 1]] = bits[row, : lengths[r]]
         hidden.flush()
         del hidden
         tokens.tofile(tmp_tokens)
     return {"name": name, "first_example": first, "examples": len(examples), "tokens": int(offsets[-1]),
-            "hidden_bytes": int(offsets[-1]) * hidden_size * 2, "tokens_bytes": int(tokens.nbytes),
+            "hidden_bytes": int(offsets[-1]) * width * 2, "tokens_bytes": int(tokens.nbytes),
             "lengths": lengths}
 
 
@@ -230,17 +265,17 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 def ensure_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
-                 accelerator=None) -> HiddenStateStore:
-    """Build (or resume) the store at ``path`` on the main process, then open it on every process.
+                 accelerator=None, layers: tuple[int, ...] = ()) -> HiddenStateStore:
+    """Build (or resume) the store of ``layers`` at ``path`` on the main process, then open it on every process.
 
     ``accelerator`` is an ``accelerate.Accelerator`` or ``None`` for a single process. Raises what
     :func:`build_store` and :meth:`HiddenStateStore.open` raise.
     """
     if accelerator is None or accelerator.is_main_process:
-        build_store(path, model, examples, max_seq_len, batch_size)
+        build_store(path, model, examples, max_seq_len, batch_size, layers=layers)
     if accelerator is not None:
         accelerator.wait_for_everyone()
-    return HiddenStateStore.open(path, model=model, max_seq_len=max_seq_len, examples=examples)
+    return HiddenStateStore.open(path, model=model, max_seq_len=max_seq_len, examples=examples, layers=layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,7 +283,8 @@ def ensure_store(path: str | Path, model, examples: list[dict], max_seq_len: int
 
 
 def read_meta(path: str | Path) -> dict:
-    """The ``meta.json`` of the store folder ``path``.
+    """The ``meta.json`` of the store folder ``path`` (a version 1 meta gets ``layers: []``: it holds the last
+    hidden states alone).
 
     Raises:
         StoreError: it is missing, not valid JSON, not a store's meta, or of an unknown format version.
@@ -262,10 +298,12 @@ def read_meta(path: str | Path) -> dict:
         raise StoreError(f"{meta_path} is corrupt (not valid JSON: {e}); delete the store and build it again") from e
     if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
         raise StoreError(f"{meta_path} is not the meta of a hidden-state store (format {STORE_FORMAT!r} expected)")
-    if meta.get("format_version") != STORE_FORMAT_VERSION:
+    if meta.get("format_version") not in SUPPORTED_STORE_VERSIONS:
         raise StoreError(f"{meta_path}: unknown store format version {meta.get('format_version')!r} (this code "
-                         f"reads version {STORE_FORMAT_VERSION}); rebuild the store with this version")
-    missing = {"base", "max_seq_len", "num_examples", "shards", "complete"} - set(meta)
+                         f"reads versions {list(SUPPORTED_STORE_VERSIONS)}); rebuild the store with this version")
+    if meta["format_version"] == 1:
+        meta["layers"] = []
+    missing = {"base", "layers", "max_seq_len", "num_examples", "shards", "complete"} - set(meta)
     if missing:
         raise StoreError(f"{meta_path} is corrupt: missing {sorted(missing)}")
     return meta
@@ -284,14 +322,28 @@ def _check_shard_sizes(path: Path, shards: list[dict]) -> None:
 
 
 class HiddenStateStore:
-    """Read access to a finished store: examples, their ``(T_i, H)`` bf16 states and padded batches.
+    """Read access to a finished store: examples, their ``(T_i, W)`` bf16 base states (``W`` =
+    :attr:`width`: the last hidden state, then each of :attr:`layers`) and padded batches.
 
     Shards are memory-mapped copy-on-write: reading an example touches only its pages, nothing is loaded up front.
     """
 
-    def __init__(self, path: Path, meta: dict):
+    def __init__(self, path: Path, meta: dict, layers: tuple[int, ...] | None = None):
         self.path, self.meta = path, meta
         self.hidden_size = int(meta["base"]["hidden_size"])
+        stored = tuple(meta["layers"])
+        self.layers: tuple[int, ...] = stored if layers is None else tuple(layers)
+        """The decoder layers whose outputs follow the last hidden state in the states this store returns (a subset
+        of those it holds, chosen on open)."""
+        self.width = state_width(self.hidden_size, self.layers)
+        self._stored_width = state_width(self.hidden_size, stored)  # what each position holds on disk
+        last = int(meta["base"]["num_hidden_layers"]) - 1  # its output is the last hidden state (block 0)
+        blocks = [0] + [1 + stored.index(i) if i in stored else 0 for i in self.layers]
+        if any(i not in stored and i != last for i in self.layers):
+            raise StoreError(f"{path / META_NAME}: the store holds layers {list(stored)}, asked for {list(layers)}")
+        h = self.hidden_size
+        self._columns = None if list(self.layers) == list(stored) else torch.cat(
+            [torch.arange(b * h, (b + 1) * h) for b in blocks])  # (W,) columns of the stored states returned
         lengths = [np.asarray(s["lengths"], dtype=np.int64) for s in meta["shards"]]
         self.lengths = np.concatenate(lengths)  # (N,)
         self.shard_of = np.concatenate([np.full(len(x), s, dtype=np.int64) for s, x in enumerate(lengths)])  # (N,)
@@ -301,7 +353,7 @@ class HiddenStateStore:
 
     @classmethod
     def open(cls, path: str | Path, model=None, max_seq_len: int | None = None,
-             examples: list[dict] | None = None) -> HiddenStateStore:
+             examples: list[dict] | None = None, layers: tuple[int, ...] | None = None) -> HiddenStateStore:
         """Open the store folder ``path``, checking it against what the caller is about to train with.
 
         Args:
@@ -310,10 +362,11 @@ class HiddenStateStore:
                 first tokens of example 0 give the same states again (relative L2 error below 5e-2).
             max_seq_len: when given, must equal the store's.
             examples: when given, must be exactly the stored examples (same ids and labels, same order).
+            layers: when given, must be the store's layers (the heads' ``base_layers``).
 
         Raises:
             StoreError: meta.json missing, corrupt or of an unknown version; the build is unfinished; a shard's size
-                on disk differs from meta.json; another base, ``max_seq_len`` or examples.
+                on disk differs from meta.json; another base, ``max_seq_len``, examples or layers.
         """
         path = Path(path)
         meta = read_meta(path)
@@ -324,12 +377,14 @@ class HiddenStateStore:
         _check_shard_sizes(path, meta["shards"])
         if max_seq_len is not None and meta["max_seq_len"] != max_seq_len:
             raise StoreError(f"{meta_path}: built with max_seq_len {meta['max_seq_len']}, asked for {max_seq_len}")
+        if layers is not None:
+            _check_layers(path, meta, layers)  # a store of more layers serves: the heads' are selected
         if examples is not None and (len(examples) != meta["num_examples"]
                                      or examples_digest(examples) != meta.get("examples_sha256")):
             raise StoreError(f"{meta_path}: the store holds other examples than the {len(examples)} given "
                              f"({meta['num_examples']} stored); data, split or tokenizer changed: delete the store "
                              "or choose another folder")
-        store = cls(path, meta)
+        store = cls(path, meta, layers)
         if model is not None:
             store._check_base(model)
         return store
@@ -340,8 +395,8 @@ class HiddenStateStore:
             n = min(STATE_CHECK_TOKENS, int(self.lengths[0]))
             device = next(model.parameters()).device
             ids = torch.tensor([self.example(0)["input_ids"][:n]], device=device)  # (1, n)
-            fresh = base_hidden_states(model, ids, torch.ones_like(ids))[0].float().cpu()  # (n, H)
-            stored = self.hidden(0)[:n].float()  # (n, H)
+            fresh = base_states(model, ids, torch.ones_like(ids), self.layers)[0].float().cpu()  # (n, W)
+            stored = self.hidden(0)[:n].float()  # (n, W)
             error = ((fresh - stored).norm() / stored.norm().clamp_min(1e-12)).item()
             if error > STATE_CHECK_RTOL:
                 problems.append(f"the base gives other hidden states (relative error {error:.3g} on example 0)")
@@ -360,7 +415,7 @@ class HiddenStateStore:
         if s not in self._hidden:
             shard = self.meta["shards"][s]
             self._hidden[s] = np.memmap(self.path / f"{shard['name']}{HIDDEN_SUFFIX}", dtype=np.uint16, mode="c",
-                                        shape=(shard["tokens"], self.hidden_size))  # (N_s, H)
+                                        shape=(shard["tokens"], self._stored_width))  # (N_s, W)
             self._tokens[s] = np.memmap(self.path / f"{shard['name']}{TOKENS_SUFFIX}", dtype=np.int32, mode="r",
                                         shape=(shard["tokens"], 2))  # (N_s, 2)
         return self._hidden[s], self._tokens[s]
@@ -377,20 +432,22 @@ class HiddenStateStore:
         return {"input_ids": tokens[:, 0].tolist(), "labels": tokens[:, 1].tolist()}
 
     def hidden(self, i: int) -> torch.Tensor:
-        """Example ``i``'s base hidden states ``(T_i, H)`` in bf16: a view of the memory map, not a copy."""
+        """Example ``i``'s base states ``(T_i, W)`` in bf16: a view of the memory map (a copy of the selected columns
+        when the store holds more layers than were asked for)."""
         s, offset, n = self._span(i)
-        return torch.from_numpy(self._shard_arrays(s)[0][offset : offset + n]).view(torch.bfloat16)  # (T_i, H)
+        states = torch.from_numpy(self._shard_arrays(s)[0][offset : offset + n]).view(torch.bfloat16)  # (T_i, W')
+        return states if self._columns is None else states[:, self._columns]  # (T_i, W)
 
     def hidden_batch(self, indices: list[int]) -> torch.Tensor:
-        """Right-padded float32 hidden states ``(B, T, H)`` of ``indices``, ``T`` the longest; padding is zero."""
-        width = int(max(self.lengths[i] for i in indices))
-        hidden = torch.zeros(len(indices), width, self.hidden_size)  # (B, T, H)
+        """Right-padded float32 base states ``(B, T, W)`` of ``indices``, ``T`` the longest; padding is zero."""
+        longest = int(max(self.lengths[i] for i in indices))
+        hidden = torch.zeros(len(indices), longest, self.width)  # (B, T, W)
         for row, i in enumerate(indices):
-            states = self.hidden(i)  # (T_i, H)
+            states = self.hidden(i)  # (T_i, W)
             hidden[row, : len(states)] = states.float()
         return hidden
 
     def batch(self, indices: list[int], pad_id: int = 0) -> dict:
-        """``hidden`` ``(B, T, H)`` float32 plus ``input_ids``/``attention_mask``/``labels`` ``(B, T)`` as
+        """``hidden`` ``(B, T, W)`` float32 plus ``input_ids``/``attention_mask``/``labels`` ``(B, T)`` as
         :func:`train.data.collate` makes them (padding: ``pad_id``, mask 0, label -100, zero states)."""
         return {"hidden": self.hidden_batch(indices), **collate([self.example(i) for i in indices], pad_id)}

@@ -1,4 +1,5 @@
-"""Medusa head training with Accelerate: K heads trained on the base's last hidden states.
+"""Medusa head training with Accelerate: K heads trained on the base's last hidden states (the eagle drafter,
+``head_type: eagle``, on them and the outputs of the base layers it fuses: :func:`medusa.base.base_states`).
 
 Medusa-1 (Cai et al., 2024, section 2.2.1): the base model (embeddings and lm_head included) is frozen and runs under
 ``torch.no_grad``; only the heads train, on the loss of :mod:`medusa.losses`. Medusa-2 (section 2.2.2,

@@ -166,11 +166,12 @@ def _prefill(engine, drafter, prompts: list[torch.Tensor], states: list):
     """
     caches, roots = [], []
     for ids, state in zip(prompts, states, strict=True):
-        cache, logits, hidden = engine.prefill_row(ids)  # (1, V), (T, H)
+        cache, logits, hidden, *features = engine.prefill_row(ids, drafter.base_layers)  # (1, V), (T, H)
         root = logits[-1].argmax()
         caches.append(cache)
         roots.append(root)
-        drafter.start(state, hidden, torch.cat([ids[1:], root[None]]))
+        states_in = torch.cat([hidden, *features], dim=-1)  # (T, H) or base states (medusa.decode.loop.base_forward)
+        drafter.start(state, states_in, torch.cat([ids[1:], root[None]]))
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=prompts[0].device)  # (B,)
     return engine.stack_rows(caches), torch.stack(roots), lengths
 
@@ -199,7 +200,9 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     tokens = torch.stack([d.tokens for d in drafts])  # (B, N)
     positions = valid_len[:, None] + layout.depth[None, :]  # (B, N)
     prefix_len = engine.rows_cache_length(cache)
-    hidden = engine.forward_rows(tokens, positions, valid_len, layout.ancestor_mask, cache)  # (B, N, H)
+    layers = drafter.base_layers
+    out = engine.forward_rows(tokens, positions, valid_len, layout.ancestor_mask, cache, layers)
+    hidden, drafter_in = (out, out) if not layers else (out[0], torch.cat(out, dim=-1))  # (B, N, H), (B, N, ...)
     if all_nodes:
         predicted = engine.lm_logits(hidden).argmax(dim=-1)  # (B, N)
         paths, accepted = greedy_paths(tokens, predicted, layout)
@@ -214,7 +217,7 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     valid_len = engine.keep_row_paths(cache, prefix_len, valid_len, keep)
     emitted = [torch.cat([tokens[b, k[1:]], roots[b, None]]) for b, k in enumerate(keep)]  # (A_b,) each
     for b, k in enumerate(keep):
-        drafter.update(states[b], drafts[b], k, hidden[b, k], emitted[b])
+        drafter.update(states[b], drafts[b], k, drafter_in[b, k], emitted[b])
     return roots, valid_len, [e.tolist() for e in emitted], len(layout.depth)
 
 

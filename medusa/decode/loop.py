@@ -127,12 +127,12 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
     cache = engine.new_cache(len(input_ids) + max_new_tokens + drafter.max_nodes)
     start = time.perf_counter()
     positions = torch.arange(len(input_ids), device=device)
-    logits, hidden = engine.forward(input_ids, positions, kv_cache.causal_mask(len(input_ids), device), cache,
-                                    logits_for=slice(-1, None))
+    logits, _, states = base_forward(engine, drafter.base_layers, input_ids, positions,
+                                     kv_cache.causal_mask(len(input_ids), device), cache, logits_for=slice(-1, None))
     root = rule.next_token(_processed(processors, input_ids, logits[-1]))
     sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
     state = drafter.new_state()
-    drafter.start(state, hidden, sequence[1:])
+    drafter.start(state, states, sequence[1:])
     stats.prefill_s = time.perf_counter() - start
     yield _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
     while not stats.stopped_by:
@@ -141,12 +141,13 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         draft = drafter.propose(state, root, sequence, rule.sampler)
         check_draft(drafter, draft)
         drafted = time.perf_counter()
-        result, hidden = verify(engine, draft, prefix_len, cache, rule, processors, sequence, all_nodes)
+        result, states = verify(engine, draft, prefix_len, cache, rule, processors, sequence, all_nodes,
+                                drafter.base_layers)
         verified = time.perf_counter()
         engine.keep_positions(cache, prefix_len, result.path_nodes)
         root = result.next_token
         emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
-        drafter.update(state, draft, result.path_nodes, hidden[result.path_nodes], emitted)
+        drafter.update(state, draft, result.path_nodes, states[result.path_nodes], emitted)
         _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s, draft.choose_s)
         stats.tree_nodes.append(len(draft.tokens))
         sequence = torch.cat([sequence, emitted])
@@ -199,10 +200,26 @@ def _processed(processors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Ten
     return processors(ids[None], logits[None].float().clone())[0]  # (V,)
 
 
+def base_forward(engine, layers: tuple[int, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                 tree_mask: torch.Tensor, cache, logits_for=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One engine forward (:meth:`medusa.engines.Engine.forward`) returning what the drafter reads too.
+
+    Returns:
+        ``(logits (M, V), hidden (N, H), states)``: ``states`` is ``hidden`` for a drafter that reads the last hidden
+        state only (no ``layers``), else the base states ``(N, (1 + len(layers)) H)``: the last hidden state, then
+        the outputs of decoder layers ``layers`` (:mod:`medusa.drafters.eagle`).
+    """
+    if not layers:
+        logits, hidden = engine.forward(input_ids, positions, tree_mask, cache, logits_for=logits_for)
+        return logits, hidden, hidden
+    logits, hidden, features = engine.forward_features(input_ids, positions, tree_mask, cache, layers, logits_for)
+    return logits, hidden, torch.cat([hidden, features], dim=-1)
+
+
 def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, sequence: torch.Tensor,
-           all_nodes: bool) -> tuple[Acceptance, torch.Tensor]:
-    """One forward of the base over the drafted tree, then ``rule`` accepts a path; returns ``(Acceptance, hidden
-    (N, H))``.
+           all_nodes: bool, layers: tuple[int, ...] = ()) -> tuple[Acceptance, torch.Tensor]:
+    """One forward of the base over the drafted tree, then ``rule`` accepts a path; returns ``(Acceptance, states
+    (N, ...))``: the hidden states ``(N, H)``, or with ``layers`` the base states :func:`base_forward` returns.
 
     With ``all_nodes`` every node's logits come from one lm_head product, else one row at a time as the rule walks.
     At node n the processors see ``sequence`` (prompt and emitted tokens, the root last) followed by the path below
@@ -210,8 +227,8 @@ def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, s
     """
     tokens, layout = draft.tokens, draft.layout
     rows = None if all_nodes else slice(0, 0)
-    logits, hidden = engine.forward(tokens, prefix_len + layout.depth, layout.ancestor_mask, cache,
-                                    logits_for=rows)  # (N or 0, V), (N, H)
+    logits, hidden, states = base_forward(engine, layers, tokens, prefix_len + layout.depth, layout.ancestor_mask,
+                                          cache, logits_for=rows)  # (N or 0, V), (N, H), (N, ...)
 
     def logits_at(node: int) -> torch.Tensor:
         raw = logits[node] if rows is None else engine.lm_logits_rows(hidden[node : node + 1])[0]  # (V,)
@@ -221,7 +238,7 @@ def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, s
         return _processed(processors, torch.cat([sequence, path]), raw)
 
     predicted = logits.argmax(dim=-1) if rows is None and not processors else None  # (N,)
-    return rule.accept(draft, logits_at, predicted), hidden
+    return rule.accept(draft, logits_at, predicted), states
 
 
 def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float, choose_s: float = 0.0) -> None:

@@ -169,11 +169,16 @@ class Drafter(Protocol):
         name: the registry name.
         max_nodes: the most nodes (root included) a proposed tree has: what the KV cache must hold beyond the text.
         max_depth: the deepest node a proposed tree has: the most drafts one step can accept.
+        base_layers: the base's decoder layers (0-based) whose outputs the drafter reads besides the last hidden
+            state: empty for most; a feature drafter's fused layers (:mod:`medusa.drafters.eagle`). With layers,
+            the ``hidden`` of :meth:`start` and :meth:`update` is ``(n, (1 + len(base_layers)) H)``: the last hidden
+            state, then those layers' outputs.
     """
 
     name: str
     max_nodes: int
     max_depth: int
+    base_layers: tuple[int, ...]
 
     def new_state(self):
         """A fresh per-sequence state (``None`` when the drafter keeps none)."""

@@ -62,13 +62,18 @@ class CompositeDrafter:
         priority: part indices in tie order (default: the given order).
 
     Raises:
-        ValueError: no part, or ``priority`` is not an order of the parts.
+        ValueError: no part, ``priority`` is not an order of the parts, or two parts read different base layers.
     """
 
     trainable = False
     training_objective = None
 
     def __init__(self, parts: list, priority: list[int] | None = None):
+        layered = {tuple(p.base_layers) for p in parts if p.base_layers}
+        if len(layered) > 1:
+            raise ValueError(f"the parts of a composite drafter read different base layers {sorted(layered)}: at "
+                             "most one set can be returned by a forward")
+        self.base_layers = layered.pop() if layered else ()
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
         priority = list(range(len(parts))) if priority is None else list(priority)
@@ -97,9 +102,16 @@ class CompositeDrafter:
     def new_state(self) -> list:
         return [part.new_state() for part in self.parts]
 
+    def _states_for(self, part, hidden: torch.Tensor) -> torch.Tensor:
+        """What ``part`` reads of the base states: all of them, or the last hidden state (their first ``H``
+        columns) for a part that reads no layers."""
+        if part.base_layers or not self.base_layers:
+            return hidden
+        return hidden[..., : hidden.shape[-1] // (1 + len(self.base_layers))]
+
     def start(self, state: list, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         for part, own in zip(self.parts, state, strict=True):
-            part.start(own, hidden, next_tokens)
+            part.start(own, self._states_for(part, hidden), next_tokens)
 
     def propose(self, state: list, root: torch.Tensor, sequence: torch.Tensor, sampler: DraftSampler) -> DraftTree:
         drafts = [part.propose(own, root, sequence, sampler) for part, own in zip(self.parts, state, strict=True)]
@@ -116,7 +128,7 @@ class CompositeDrafter:
         as its tree holds them (a twin in another part counts), with every accepted position's hidden state."""
         accepted = next_tokens[:-1].tolist()  # the accepted drafts' tokens (the last is the bonus token)
         for part, own, mine in zip(self.parts, state, draft.parts, strict=True):
-            part.update(own, mine, own_path(mine, accepted), hidden, next_tokens)
+            part.update(own, mine, own_path(mine, accepted), self._states_for(part, hidden), next_tokens)
 
 
 def own_path(draft: DraftTree, tokens: list[int]) -> torch.Tensor:
@@ -138,6 +150,7 @@ class NoDrafter:
     trainable = False
     training_objective = None
     max_nodes, max_depth = 1, 0
+    base_layers = ()
 
     def __init__(self):
         self._layouts: dict[torch.device, TreeBuffers] = {}

@@ -37,9 +37,9 @@ built as ``cls(config, lm_head_weight, embed_weight=..., token_map=...)`` and de
 :class:`medusa.drafters.heads_drafter.HeadsDrafter` when it has ``draft_logits``, ``new_context``, ``extend_context``
 and ``to_base_ids``."""
 # Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra). Version 3: the heads'
-# own attention layer (prefix_layers, prefix_window).
-FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+# own attention layer (prefix_layers, prefix_window). Version 4: the eagle drafter (eagle_layers, eagle_base).
+FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 
 def register_head_type(name: str):
@@ -87,6 +87,12 @@ class MedusaHeadsConfig:
     states (:mod:`medusa.drafters.prefix_layer`); 0: no such layer."""
     prefix_window: int = 64
     """Positions that layer attends over (training and decoding alike)."""
+    eagle_layers: list[int] | None = None
+    """head_type "eagle": the base's decoder layers (0-based; each one's output) fused into the drafter's input
+    (:mod:`medusa.drafters.eagle`)."""
+    eagle_base: dict | None = None
+    """head_type "eagle": what its decoder layer takes from the base's config
+    (:func:`medusa.drafters.eagle.eagle_base_settings`)."""
     model_type: str = "medusa_heads"
     format_version: int = FORMAT_VERSION
 
@@ -103,6 +109,7 @@ class MedusaHeadsConfig:
         if self.prefix_layers and self.head_type != "hydra":
             raise ValueError(f"prefix_layers needs head_type 'hydra' (it reads the next tokens' embeddings), "
                              f"got {self.head_type!r}")
+        self._check_eagle()
         for name in ("hidden_size", "vocab_size", "num_heads", "prefix_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -112,6 +119,21 @@ class MedusaHeadsConfig:
             raise ValueError(
                 f"head_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.head_vocab_size}"
             )
+
+    def _check_eagle(self) -> None:
+        if self.head_type != "eagle":
+            if self.eagle_layers is not None or self.eagle_base is not None:
+                raise ValueError(f"eagle_layers and eagle_base belong to head_type 'eagle', not {self.head_type!r}")
+            return
+        if not isinstance(self.eagle_base, dict) or "num_hidden_layers" not in self.eagle_base:
+            raise ValueError("head_type 'eagle' needs eagle_base (the base's layer settings)")
+        layers, count = self.eagle_layers, self.eagle_base["num_hidden_layers"]
+        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError(f"eagle_layers must be a non-empty list of layer indices, got {layers!r}")
+        bad = [i for i in layers if not 0 <= i < count]
+        if bad:
+            raise ValueError(f"eagle_layers {bad} are outside the base's {count} decoder layers (0 .. {count - 1})")
+        self.eagle_layers = list(layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +228,10 @@ class _HeadsBase(nn.Module):
             )
             for head in self.lm_heads:
                 head.weight.data.copy_(rows)
+
+    base_layers: tuple[int, ...] = ()
+    """The base's intermediate decoder layers the heads read besides its last hidden state (none: heads read the
+    last hidden state only; the eagle drafter reads its fused layers)."""
 
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy."""
@@ -407,14 +433,17 @@ class HydraHeads(_HeadsBase):
 
 
 def build_heads(config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None,
-                token_map: torch.Tensor | None = None) -> nn.Module:
-    """The heads ``config.head_type`` names (:data:`HEAD_TYPES`), over the base's lm_head (and, for Hydra, input
-    embeddings) ``(V, H)``.
+                token_map: torch.Tensor | None = None, position_weight: torch.Tensor | None = None) -> nn.Module:
+    """The heads ``config.head_type`` names (:data:`HEAD_TYPES`), over the base's lm_head (and, for Hydra and the
+    eagle drafter, input embeddings) ``(V, H)``; ``position_weight`` ``(P, H)`` is a learned-position base's
+    position embedding (the eagle drafter on GPT-2).
 
     Raises:
-        ValueError: Hydra heads without ``embed_weight``, or shapes that do not match the config.
+        ValueError: Hydra heads or the eagle drafter without ``embed_weight``, or shapes that do not match.
     """
-    return HEAD_TYPES[config.head_type](config, lm_head_weight, embed_weight=embed_weight, token_map=token_map)
+    extra = {} if position_weight is None else {"position_weight": position_weight}
+    return HEAD_TYPES[config.head_type](config, lm_head_weight, embed_weight=embed_weight, token_map=token_map,
+                                        **extra)
 
 
 def head_lookup_table(token_map: torch.Tensor | None, vocab_size: int,
@@ -468,3 +497,6 @@ def most_frequent_tokens(token_counts: torch.Tensor, size: int, always: list[int
     for t in always or []:
         counts[t] = float("inf")
     return torch.topk(counts, size).indices.sort().values
+
+
+from medusa.drafters import eagle as _eagle  # noqa: E402, F401 - registers head_type "eagle" (it builds on this module)

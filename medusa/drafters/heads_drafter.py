@@ -91,6 +91,7 @@ class HeadsDrafter:
         self._layouts: dict[torch.device, tuple[TreeBuffers, torch.Tensor]] = {}
         self.max_nodes = heads_tree.num_nodes
         self.max_depth = heads_tree.depth
+        self.base_layers = tuple(heads.base_layers)
 
     def _layout(self, device: torch.device) -> tuple[TreeBuffers, torch.Tensor]:
         if device not in self._layouts:
@@ -131,10 +132,9 @@ class HeadsDrafter:
         from pathlib import Path
 
         from medusa.decode.tree import load_tree
-        from medusa.io.checkpoint import load_heads
+        from medusa.io.checkpoint import load_heads_for_base
 
-        heads = load_heads(heads_dir, base.get_output_embeddings().weight,
-                           embed_weight=base.get_input_embeddings().weight)
+        heads = load_heads_for_base(heads_dir, base)
         heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
         if tree is None:
             path = Path(heads_dir) / "tree.json"

@@ -221,6 +221,7 @@ class PerStepDrafter:
         self.lookup_length, self.top_k, self.max_parents = lookup_length, min(top_k, calibration.top_k), max_parents
         self.max_nodes = max_nodes
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
+        self.base_layers = tuple(heads.base_layers)
         self.typical_nodes = min(16, max_nodes)
         """The step size an engine is chosen for (``--engine auto``)."""
         self._tables: dict[torch.device, tuple] = {}

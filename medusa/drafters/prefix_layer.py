@@ -29,11 +29,13 @@ ROPE_THETA = 10000.0
 HEAD_DIM = 64
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) of ``x`` ``(..., T, D)`` at integer ``positions`` ``(T,)``."""
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021; the half-split layout transformers uses) of ``x`` ``(..., T, D)``
+    at integer ``positions`` ``(T,)`` (or any leading shape broadcastable to ``x``'s, ``(..., T)``), base
+    ``theta``."""
     half = x.shape[-1] // 2
-    freqs = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # (D/2,)
-    angles = positions.to(torch.float32)[:, None] * freqs[None]  # (T, D/2)
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # (D/2,)
+    angles = positions.to(torch.float32)[..., None] * freqs  # (..., T, D/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -88,6 +88,7 @@ class PromptLookupDrafter:
             raise ValueError(f"prompt lookup needs length >= 1 and max_ngram >= 1, got {length} and {max_ngram}")
         self.length, self.max_ngram = length, max_ngram
         self.max_nodes, self.max_depth = length + 1, length
+        self.base_layers = ()
         self._layouts: dict[torch.device, tuple] = {}
 
     def _layout(self, device: torch.device):

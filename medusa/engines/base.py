@@ -93,6 +93,9 @@ class Engine(abc.ABC):
     engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
     supports_batch: ClassVar[bool] = True
     """Batched decoding (:mod:`medusa.decode.batch`) can run through this engine's batch operations."""
+    returns_layers: ClassVar[bool] = True
+    """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
+    drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""
 
@@ -147,9 +150,36 @@ class Engine(abc.ABC):
         self.last_forward_s = time.perf_counter() - start
         return out
 
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache,
+                         layers: tuple[int, ...], logits_for: torch.Tensor | slice | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also returns the outputs of the base's decoder layers ``layers`` (0-based).
+
+        Returns:
+            ``(logits (M, V), hidden (N, H), features (N, len(layers) * H))``.
+
+        Raises:
+            ValueError: no layer asked for, or this engine cannot return layers (:attr:`returns_layers`).
+        """
+        if not layers:
+            raise ValueError("forward_features needs at least one layer index")
+        if not self.returns_layers:
+            raise ValueError(f"the {self.name} engine cannot return the base's intermediate layers: choose another "
+                             "engine for a feature drafter")
+        start = time.perf_counter()
+        cuda = self.model.device.type == "cuda"
+        with attention_kernels(self.sdpa_backends) if cuda and self.sdpa_backends is not None else (
+                contextlib.nullcontext()):
+            out = self._forward(input_ids, positions, tree_mask, cache, logits_for, layers=tuple(layers))
+        if self.sync_timing and cuda:
+            torch.cuda.synchronize(self.model.device)
+        self.last_forward_s = time.perf_counter() - start
+        return out
+
     @abc.abstractmethod
-    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
-        """:meth:`forward` without the timing and the attention-kernel block."""
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers: tuple[int, ...] = ()):
+        """:meth:`forward` without the timing and the attention-kernel block; with ``layers`` (only engines that
+        declare :attr:`returns_layers`) it returns those layers' outputs third."""
 
     @abc.abstractmethod
     def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
@@ -180,15 +210,16 @@ class Engine(abc.ABC):
         """The decoder stack batched forwards run (``None``: the model's own)."""
         return None
 
-    def prefill_row(self, input_ids: torch.Tensor) -> tuple:
+    def prefill_row(self, input_ids: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple:
         """One prompt's own forward ``(T,)`` into a fresh single-row cache: ``(cache, logits (1, V) of its last
-        position, hidden (T, H))``."""
+        position, hidden (T, H))``; with ``layers``, also those decoder layers' outputs ``(T, len(layers) * H)``
+        (:meth:`forward_features`)."""
         cache = kv_cache.new_cache()
         n = len(input_ids)
         positions = torch.arange(n, device=input_ids.device)
-        logits, hidden = kv_cache.forward(self.model, input_ids, positions, kv_cache.causal_mask(n, input_ids.device),
-                                          cache, logits_for=slice(-1, None), decoder=self._batch_decoder())
-        return cache, logits, hidden
+        out = kv_cache.forward(self.model, input_ids, positions, kv_cache.causal_mask(n, input_ids.device), cache,
+                               logits_for=slice(-1, None), decoder=self._batch_decoder(), layers=tuple(layers))
+        return (cache, *out)
 
     def stack_rows(self, caches: list):
         """One batched cache from :meth:`prefill_row` caches of different lengths
@@ -200,12 +231,13 @@ class Engine(abc.ABC):
         return kv_cache.cache_length(cache)
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
-                     new_visible: torch.Tensor, cache) -> torch.Tensor:
+                     new_visible: torch.Tensor, cache, layers: tuple[int, ...] = ()):
         """One forward over ``(B, N)`` new tokens at ``(B, N)`` positions, rows with ``valid_len`` ``(B,)`` cached
         positions; ``new_visible`` ``(N, N)`` or ``(B, N, N)`` bool among the new tokens. Returns the hidden states
-        ``(B, N, H)`` (:func:`medusa.engines.kv_cache.forward_rows`)."""
+        ``(B, N, H)``; with ``layers``, ``(hidden, features (B, N, len(layers) * H))``
+        (:func:`medusa.engines.kv_cache.forward_rows`)."""
         return kv_cache.forward_rows(self.model, input_ids, positions, valid_len, new_visible, cache,
-                                     self._batch_decoder())
+                                     self._batch_decoder(), tuple(layers))
 
     def keep_row_paths(self, cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]
                        ) -> torch.Tensor:

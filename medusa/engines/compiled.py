@@ -55,11 +55,13 @@ class CompiledEngine(StaticEngine):
         cache.fixed_shape = self.decoder is not None
         return cache
 
-    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         n = len(input_ids)
-        if self.decoder is None or cache.length == 0:  # the prefill (any length) runs eagerly
+        if self.decoder is None or cache.length == 0 or layers:
+            # the prefill (any length) runs eagerly, and so do forwards asked for intermediate layers (the
+            # compiled graph returns the last hidden state only)
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
-                                        logits_for)
+                                        logits_for, layers)
         key = f"{n}@{cache.capacity}"  # one compilation per step size and capacity
         if key in self.compile_s:
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,

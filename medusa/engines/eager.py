@@ -26,8 +26,8 @@ class EagerEngine(Engine):
     def cache_length(self, cache) -> int:
         return kv_cache.cache_length(cache)
 
-    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
-        return kv_cache.forward(self.model, input_ids, positions, tree_mask, cache, logits_for)
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
+        return kv_cache.forward(self.model, input_ids, positions, tree_mask, cache, logits_for, layers=layers)
 
     def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
         kv_cache.keep_positions(cache, prefix_len, keep)

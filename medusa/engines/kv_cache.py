@@ -148,8 +148,20 @@ def causal_mask(n: int, device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
+def layer_features(out, layers: tuple[int, ...]) -> torch.Tensor | None:
+    """The outputs of decoder layers ``layers`` (0-based) of a decoder run with ``output_hidden_states=True``,
+    concatenated: ``(..., len(layers) * H)``; ``None`` when no layer is asked for.
+
+    transformers' ``hidden_states`` holds the embeddings first and then each layer's output, the last one after the
+    final norm (what ``last_hidden_state`` is), so layer ``i`` is entry ``i + 1``.
+    """
+    if not layers:
+        return None
+    return torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+
+
 def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Tensor | slice | None = None,
-            decoder: torch.nn.Module | None = None):
+            decoder: torch.nn.Module | None = None, layers: tuple[int, ...] = ()):
     """One forward of the stock model over new tokens at explicit positions with an explicit mask.
 
     Args:
@@ -160,18 +172,24 @@ def forward(model, input_ids, positions, tree_mask, cache, logits_for: torch.Ten
         cache: the cache; the new keys/values are appended to it.
         logits_for: which of the N positions need logits (index tensor or slice); ``None`` for all.
         decoder: runs in place of the model's decoder stack (an engine's copy of it sharing its weights).
+        layers: decoder layers (0-based) whose outputs are returned too (:func:`layer_features`).
 
     Returns:
-        ``(logits, hidden)``: ``(M, V)`` float logits for the selected positions and ``(N, H)`` last hidden states.
+        ``(logits, hidden)``: ``(M, V)`` float logits for the selected positions and ``(N, H)`` last hidden states;
+        with ``layers``, ``(logits, hidden, features (N, len(layers) * H))``.
     """
     stack = decoder_of(model)
     dtype = model.get_output_embeddings().weight.dtype
     mask = build_attention_mask(model.config, cache_length(cache), positions, tree_mask, dtype)
     kwargs = {_cache_kwarg(type(stack)): cache}
+    if layers:
+        kwargs["output_hidden_states"] = True
     run = stack if decoder is None else decoder
     out = run(input_ids=input_ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True, **kwargs)
     hidden = out.last_hidden_state[0]  # (N, H)
     selected = hidden if logits_for is None else hidden[logits_for]
+    if layers:
+        return lm_logits(model, selected), hidden, layer_features(out, layers)[0]  # (N, k*H)
     return lm_logits(model, selected), hidden
 
 
@@ -307,7 +325,8 @@ def build_rows_attention_mask(config, valid_len: torch.Tensor, cache_len: int, p
 
 
 def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
-                 new_visible: torch.Tensor, cache, decoder: torch.nn.Module | None = None) -> torch.Tensor:
+                 new_visible: torch.Tensor, cache, decoder: torch.nn.Module | None = None,
+                 layers: tuple[int, ...] = ()):
     """One forward of the stock model over ``N`` new tokens per row, rows with cached prefixes of different lengths.
 
     Args:
@@ -317,16 +336,22 @@ def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_
         new_visible: ``(N, N)`` or ``(B, N, N)`` bool mask among the new tokens.
         cache: the batched cache (``B`` rows, or empty); the new keys/values are appended to every row.
         decoder: runs in place of the model's decoder stack (as in :func:`forward`).
+        layers: decoder layers whose outputs are returned too (as in :func:`forward`).
 
     Returns:
-        ``(B, N, H)`` last hidden states (logits: :func:`lm_logits`).
+        ``(B, N, H)`` last hidden states (logits: :func:`lm_logits`); with ``layers``, ``(hidden, features
+        (B, N, len(layers) * H))``.
     """
     stack = decoder_of(model)
     dtype = model.get_output_embeddings().weight.dtype
     mask = build_rows_attention_mask(model.config, valid_len, cache_length(cache), positions, new_visible, dtype)
     kwargs = {_cache_kwarg(type(stack)): cache}
+    if layers:
+        kwargs["output_hidden_states"] = True
     run = stack if decoder is None else decoder
     out = run(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    if layers:
+        return out.last_hidden_state, layer_features(out, layers)  # (B, N, H), (B, N, k*H)
     return out.last_hidden_state  # (B, N, H)
 
 

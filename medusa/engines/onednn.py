@@ -218,14 +218,14 @@ class OneDNNEngine(StaticEngine):
         return (self.packed is not None and head is self.packed.lm_head.module
                 and head.weight.dtype == self.packed.dtype and head.weight.device.type == "cpu")
 
-    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         if not self._uses_packed():
-            return super()._forward(input_ids, positions, tree_mask, cache, logits_for)
+            return super()._forward(input_ids, positions, tree_mask, cache, logits_for, layers)
         self.packed.refresh()
-        _, hidden = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
-                                         self.packed.shadow_decoder(), slice(0, 0))
+        _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
+                                                    self.packed.shadow_decoder(), slice(0, 0), layers)
         selected = hidden if logits_for is None else hidden[logits_for]
-        return self.lm_logits_rows(selected), hidden
+        return self.lm_logits_rows(selected), hidden, *features
 
     def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._uses_packed():

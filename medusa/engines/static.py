@@ -42,9 +42,9 @@ class StaticEngine(Engine):
     def cache_length(self, cache) -> int:
         return cache.length
 
-    def _forward(self, input_ids, positions, tree_mask, cache, logits_for):
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, self.decoder,
-                                    logits_for)
+                                    logits_for, layers)
 
     def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
         cache.keep(prefix_len, keep)

@@ -180,22 +180,27 @@ def new_cache(model, capacity: int, fixed_shape: bool = False) -> SlotCache:
 
 
 def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: StaticMask, decoder=None,
-            logits_for: torch.Tensor | slice | None = None):
+            logits_for: torch.Tensor | slice | None = None, layers: tuple[int, ...] = ()):
     """:func:`medusa.engines.kv_cache.forward` through a :class:`SlotCache`; ``decoder`` replaces the model's decoder
     stack when given (a compiled one, or the onednn engine's copy on prepacked weights). The new tokens are written
     after ``cache.length`` slots and counted in it; :meth:`SlotCache.keep` then decides which stay.
 
     Returns:
-        ``(logits, hidden)``: ``(M, V)`` logits for the selected positions and ``(N, H)`` last hidden states.
+        ``(logits, hidden)``: ``(M, V)`` logits for the selected positions and ``(N, H)`` last hidden states; with
+        ``layers``, also the outputs of those decoder layers (:func:`medusa.engines.kv_cache.forward`).
     """
     stack = kv_cache.decoder_of(model)
     cache.begin_step(len(input_ids))
     attention = mask.write(cache, positions, tree_mask)
     kwargs = {kv_cache._cache_kwarg(type(stack)): cache}
+    if layers:
+        kwargs["output_hidden_states"] = True
     run = stack if decoder is None else decoder
     out = run(input_ids=input_ids[None], position_ids=positions[None], attention_mask=attention, use_cache=True,
               **kwargs)
     cache.length += len(input_ids)
     hidden = out.last_hidden_state[0]  # (N, H)
     selected = hidden if logits_for is None else hidden[logits_for]
+    if layers:
+        return kv_cache.lm_logits(model, selected), hidden, kv_cache.layer_features(out, layers)[0]  # (N, k*H)
     return kv_cache.lm_logits(model, selected), hidden

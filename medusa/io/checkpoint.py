@@ -1,12 +1,15 @@
 """Heads-only checkpoints: a folder with ``config.json`` and ``model.safetensors``.
 
 Weight keys: ``blocks.{k}.{j}.linear.{weight,bias}`` (ResBlock j of head k), ``inputs.{k}.{weight,bias}`` (Hydra
-heads' input layer), ``lm_heads.{k}.weight`` when the heads own their projection, and ``token_map`` when the head
-vocabulary is truncated. ``config.json`` names the ``head_type`` (medusa | hydra) and the ``format_version``;
-version 1 folders (Medusa heads, before ``head_type`` existed) still load. Loading checks every key and every
-shape (no ``strict=False``) and checks the heads against the base they are put on. :func:`check_heads_folder` does
-every check that needs no base (config fields and types, another project's layout, a damaged weights file, weight
-shapes against the config) from the files alone, so a caller can run it before spending time on the base.
+heads' input layer), ``fc.weight``, ``layer.*`` and ``norm.weight`` (the eagle drafter's fusion, decoder layer and
+final norm), ``lm_heads.{k}.weight`` when the heads own their projection, and ``token_map`` when the head
+vocabulary is truncated. ``config.json`` names the ``head_type`` (medusa | hydra | eagle) and the
+``format_version``; version 1 folders (Medusa heads, before ``head_type`` existed) still load, an eagle folder is
+version 4 or later. Loading checks every key and every shape (no ``strict=False``) and checks the heads against the
+base they are put on (hidden size, vocabulary, lm_head, and for the eagle drafter the base's decoder layer count).
+:func:`check_heads_folder` does every check that needs no base (config fields and types, another project's layout, a
+damaged weights file, weight shapes against the config) from the files alone, so a caller can run it before spending
+time on the base.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from medusa.drafters.heads import (
 from medusa.io.files import atomic_folder
 
 logger = logging.getLogger(__name__)
+
+EAGLE_FORMAT_VERSION = 4
+"""The first heads format version that holds the eagle drafter."""
 
 HEADS_CONFIG_NAME = "config.json"
 HEADS_WEIGHTS_NAME = "model.safetensors"
@@ -111,6 +117,10 @@ def read_heads_config(heads_dir: str | Path) -> MedusaHeadsConfig:
         raise ValueError(f"Medusa heads config {path} must be a JSON object, got {type(data).__name__}")
     data.pop("training", None)
     _check_config_fields(data, path)
+    if data.get("head_type") == "eagle" and data.get("format_version", 1) < EAGLE_FORMAT_VERSION:
+        raise ValueError(f"Medusa heads config {path}: head_type 'eagle' in format_version "
+                         f"{data.get('format_version', 1)}; the eagle drafter exists from version "
+                         f"{EAGLE_FORMAT_VERSION} on (a damaged or hand-edited config?)")
     try:
         return MedusaHeadsConfig.from_dict(data)
     except ValueError as e:
@@ -205,8 +215,12 @@ def expected_shapes(config: MedusaHeadsConfig) -> dict[str, tuple[int, ...]]:
     """Key -> shape of the weights file of heads with ``config`` (built on the meta device: nothing allocated)."""
     lm_head = torch.empty(config.vocab_size, config.hidden_size, device="meta")
     token_map = None if config.head_vocab_size is None else torch.arange(config.head_vocab_size)
+    position = None  # the eagle drafter on a learned-position base needs one; it is never saved
+    if config.eagle_base is not None and config.eagle_base.get("positions") == "learned":
+        position = torch.empty(config.eagle_base.get("max_position_embeddings") or 1, config.hidden_size,
+                               device="meta")
     with torch.device("meta"):
-        heads = build_heads(config, lm_head, lm_head, token_map)
+        heads = build_heads(config, lm_head, lm_head, token_map, position_weight=position)
     return {key: tuple(value.shape) for key, value in heads.state_dict().items()}
 
 
@@ -222,25 +236,29 @@ def _check_shapes(shapes: dict[str, tuple], expected: dict[str, tuple], path: Pa
 
 
 def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_fingerprint: bool = True,
-               embed_weight: torch.Tensor | None = None) -> MedusaHeads | HydraHeads:
+               embed_weight: torch.Tensor | None = None, position_weight: torch.Tensor | None = None,
+               num_base_layers: int | None = None) -> torch.nn.Module:
     """Load heads from a folder onto a base whose lm_head weight is ``lm_head_weight`` ``(V, H)``.
 
-    ``embed_weight`` is the base's input embedding weight ``(V, H)``, needed by Hydra heads.
+    ``embed_weight`` is the base's input embedding weight ``(V, H)``, needed by Hydra heads and the eagle drafter;
+    ``position_weight`` ``(P, H)`` its learned position embedding, needed by the eagle drafter on such a base
+    (GPT-2); ``num_base_layers`` its decoder layer count, checked against an eagle drafter's (which reads the
+    outputs of some of those layers). :func:`load_heads_for_base` passes all of them from a loaded base.
 
     Raises:
         FileNotFoundError: the folder, config or weights file is missing.
         ValueError: the folder is damaged or in another format (see :func:`check_heads_folder`), or a weight holds
             NaN or infinity.
-        HeadsMismatchError: the base's hidden size, vocabulary size or lm_head differ from the ones the heads were
-            trained on, or the weights file has missing, unexpected or mis-shaped keys.
+        HeadsMismatchError: the base's hidden size, vocabulary size, lm_head or (eagle) decoder layer count differ
+            from the ones the heads were trained on, or the weights file has missing, unexpected or mis-shaped keys.
     """
     heads_dir = Path(heads_dir)
     config = check_heads_folder(heads_dir)
-    vocab, hidden = lm_head_weight.shape
-    if hidden != config.hidden_size:
-        raise HeadsMismatchError(f"heads expect hidden size {config.hidden_size}, base has {hidden} ({heads_dir})")
-    if vocab != config.vocab_size:
-        raise HeadsMismatchError(f"heads expect vocabulary size {config.vocab_size}, base has {vocab} ({heads_dir})")
+    if problems := base_problems(config, lm_head_weight, num_base_layers):
+        raise HeadsMismatchError(f"heads in {heads_dir} do not fit this base: " + "; ".join(problems))
+    if config.head_type == "eagle" and num_base_layers is None:
+        logger.warning("%s: the base's layer count was not given: cannot check the eagle drafter's layers fit it",
+                       heads_dir)
     if check_fingerprint and not config.lm_head_fingerprint:
         logger.warning("%s has no lm_head fingerprint: cannot check the heads were trained for this base", heads_dir)
     if check_fingerprint and (problem := fingerprint_mismatch(config.lm_head_fingerprint, lm_head_weight)):
@@ -255,8 +273,39 @@ def load_heads(heads_dir: str | Path, lm_head_weight: torch.Tensor, check_finger
             raise ValueError(f"Medusa heads weights {weights_path}: {key} holds NaN or infinite values")
     token_map = state.get("token_map")
     try:
-        heads = build_heads(config, lm_head_weight, embed_weight, token_map)
+        heads = build_heads(config, lm_head_weight, embed_weight, token_map, position_weight=position_weight)
     except ValueError as e:
         raise HeadsMismatchError(f"{heads_dir}: {e}") from e
     heads.load_state_dict(state, strict=True)
     return heads.to(device=lm_head_weight.device)
+
+
+def base_problems(config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, num_base_layers: int | None) -> list[str]:
+    """How a base (its lm_head ``(V, H)`` and decoder layer count) differs from the one heads of ``config`` were
+    trained on, in words: hidden size, vocabulary size and, for the eagle drafter, decoder layer count (empty when
+    they fit; ``num_base_layers`` ``None`` skips the layer count)."""
+    vocab, hidden = lm_head_weight.shape
+    problems = []
+    if hidden != config.hidden_size:
+        problems.append(f"heads expect hidden size {config.hidden_size}, base has {hidden}")
+    if vocab != config.vocab_size:
+        problems.append(f"heads expect vocabulary size {config.vocab_size}, base has {vocab}")
+    trained = (config.eagle_base or {}).get("num_hidden_layers")
+    if trained is not None and num_base_layers is not None and trained != num_base_layers:
+        problems.append(f"the eagle drafter reads layers {config.eagle_layers} of a base with {trained} decoder "
+                        f"layers, base has {num_base_layers}")
+    return problems
+
+
+def load_heads_for_base(heads_dir: str | Path, base, check_fingerprint: bool = True) -> torch.nn.Module:
+    """:func:`load_heads` onto a loaded base causal LM ``base``: its lm_head, input embeddings, decoder layer count
+    and (for the eagle drafter on a base with learned positions) its position embedding. Raises what
+    :func:`load_heads` raises."""
+    from medusa.base import learned_position_weight
+
+    config = check_heads_folder(heads_dir)
+    learned = config.eagle_base is not None and config.eagle_base.get("positions") == "learned"
+    return load_heads(heads_dir, base.get_output_embeddings().weight, check_fingerprint,
+                      embed_weight=base.get_input_embeddings().weight,
+                      position_weight=learned_position_weight(base) if learned else None,
+                      num_base_layers=base.config.get_text_config(decoder=True).num_hidden_layers)

@@ -19,22 +19,24 @@ from pathlib import Path
 
 import torch
 
+from medusa.base import base_states
 from medusa.decode.tree import Tree, expected_acceptance, grow_tree
 from medusa.drafters.calibration import Calibration
 from medusa.drafters.heads import HydraHeads, MedusaHeads, head_target_offset
 from medusa.drafters.prompt_lookup import lookup_draft
-from medusa.engines import kv_cache
 from medusa.profile import interpolate
 
 
 @torch.inference_mode()
-def sequence_states(model, sequences: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    """The base's last hidden states of each sequence: ``(token_ids (T,), response_start, hidden (T, H))``."""
-    decoder = kv_cache.decoder_of(model)
+def sequence_states(model, sequences: list[tuple[list[int], int]],
+                    layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The base states the heads read of each sequence (:func:`medusa.base.base_states`: the last hidden state, then
+    the outputs of decoder layers ``layers``, the heads' ``base_layers``): ``(token_ids (T,), response_start,
+    hidden (T, (1 + len(layers)) H))``."""
     out = []
     for ids, start in sequences:
         tokens = torch.tensor(ids, device=model.device)
-        out.append((tokens, start, decoder(input_ids=tokens[None]).last_hidden_state[0]))  # (T, H)
+        out.append((tokens, start, base_states(model, tokens[None], None, layers)[0]))  # (T, S)
     return out
 
 
@@ -60,7 +62,7 @@ def rank_accuracy(model, heads: MedusaHeads | HydraHeads, sequences: list[tuple[
     Raises:
         ValueError: no sequence has a response long enough to give a target.
     """
-    return rank_accuracy_from_states(heads, sequence_states(model, sequences), top_k)
+    return rank_accuracy_from_states(heads, sequence_states(model, sequences, heads.base_layers), top_k)
 
 
 @torch.inference_mode()
@@ -80,10 +82,11 @@ def rank_accuracy_from_replays(replays: list[Replay], top_k: int = 10) -> torch.
 def true_ranks(heads: MedusaHeads | HydraHeads, tokens: torch.Tensor, hidden: torch.Tensor,
                top_k: int) -> torch.Tensor:
     """``(T, K)`` long: [t, k] = rank of the true token t + k + 2 among head k's ``top_k`` candidates at position t
-    (on the true path, for Hydra heads); ``top_k`` when it is not among them or lies past the end.
+    (on the true path, for Hydra heads and the eagle drafter); ``top_k`` when it is not among them or lies past the
+    end.
 
     Args:
-        tokens: ``(T,)`` long token ids; hidden: ``(T, H)`` the base's last hidden states over them.
+        tokens: ``(T,)`` long token ids; hidden: ``(T, S)`` the base states over them (:func:`sequence_states`).
     """
     ranked = heads.to_base_ids(heads(hidden, tokens).topk(top_k, dim=-1).indices)  # (K, T, top_k)
     num_heads, length = ranked.shape[:2]
@@ -242,8 +245,8 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
     from medusa.profile import ensure_engine, heads_level_s, load_profile, stderr_progress
 
     lookup_lengths = tuple(sorted(set(lookup_lengths)))
-    replays = replay_data(model.heads, sequence_states(model.base, sequences), top_k, max(lookup_lengths),
-                          lookup_max_ngram)
+    states = sequence_states(model.base, sequences, model.heads.base_layers)
+    replays = replay_data(model.heads, states, top_k, max(lookup_lengths), lookup_max_ngram)
     accuracy = rank_accuracy_from_replays(replays, top_k)
     engine = model.engine.name
     profile = profile if profile is not None else load_profile(model.base, progress=stderr_progress)
@@ -299,6 +302,6 @@ def calibrate_heads(base, heads, heads_dir, sequences: list[tuple[list[int], int
 
     heads_dir = Path(heads_dir)
     identity = heads_identity(heads, heads_dir / HEADS_WEIGHTS_NAME)
-    calibration = measure_calibration(heads, sequence_states(base, sequences), top_k, lookup_length,
-                                      lookup_max_ngram, identity, source)
+    states = sequence_states(base, sequences, heads.base_layers)
+    calibration = measure_calibration(heads, states, top_k, lookup_length, lookup_max_ngram, identity, source)
     return calibration, save_calibration(calibration, out or heads_dir / CALIBRATION_FILE_NAME)
