@@ -97,11 +97,20 @@ def export_vllm(heads: MedusaHeads, out_dir: str | Path, lm_head_weight: torch.T
         EXPORT_INFO_KEY: {"layout": VLLM_LAYOUT, "lm_head_fingerprint": config.lm_head_fingerprint},
     }
     _check_same_logits(heads, vllm_config, state)
+    return write_export_folder(out_dir, state, VLLM_WEIGHTS_NAME, vllm_config, VLLM_CONFIG_NAME)
 
+
+def write_export_folder(out_dir: str | Path, state: dict, weights_name: str, config: dict, config_name: str) -> Path:
+    """Write ``state`` (safetensors) and ``config`` (JSON) into the new folder ``out_dir``, atomically (nothing is
+    left behind on failure); returns the folder.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty (:func:`_check_new_folder`).
+    """
     out_dir = _check_new_folder(out_dir)
     with atomic_folder(out_dir) as tmp:
-        save_file(state, str(tmp / VLLM_WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / VLLM_CONFIG_NAME).write_text(json.dumps(vllm_config, indent=2) + "\n")
+        save_file(state, str(tmp / weights_name), metadata={"format": "pt"})
+        (tmp / config_name).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
 

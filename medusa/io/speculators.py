@@ -55,18 +55,15 @@ written out here (:func:`speculators_eagle3_logits`), refusing them unless they 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from medusa.drafters.eagle import EagleDrafterHeads, eagle_base_settings
 from medusa.drafters.heads import MedusaHeadsConfig, fingerprint_mismatch
-from medusa.io.files import atomic_folder
-from medusa.io.interop import EXPORT_INFO_KEY, FormatError, _check_new_folder
+from medusa.io.interop import EXPORT_INFO_KEY, FormatError, write_export_folder
 
 SPECULATORS_CONFIG_NAME = "config.json"
 SPECULATORS_WEIGHTS_NAME = "model.safetensors"
@@ -200,11 +197,7 @@ def export_speculators_eagle3(heads: EagleDrafterHeads, out_dir: str | Path, bas
     config = speculators_eagle3_config(heads, base_config, verifier_name_or_path)
     state = _eagle3_state(heads, lm_head_weight, embed_weight)
     _check_same_logits(heads, config, state)
-    out_dir = _check_new_folder(out_dir)
-    with atomic_folder(out_dir) as tmp:
-        save_file(state, str(tmp / SPECULATORS_WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / SPECULATORS_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+    return write_export_folder(out_dir, state, SPECULATORS_WEIGHTS_NAME, config, SPECULATORS_CONFIG_NAME)
 
 
 def speculators_eagle3_config(heads: EagleDrafterHeads, base_config=None, verifier_name_or_path: str = "") -> dict:
