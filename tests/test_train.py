@@ -227,8 +227,10 @@ def test_loss_and_heads_do_not_depend_on_the_batch_split(base_dir, tmp_path, var
         runs[batch, accum] = losses, {k: v.detach().clone() for k, v in run.heads.state_dict().items()}
     losses, heads = runs[8, 1]
     # With windows some heads see only a few targets per step: Adam's normalised step turns float-summation noise in
-    # their near-zero gradients into visible (still small) weight differences, while the losses stay equal.
-    tolerance = 1e-3 if "train_window" in variant else 1e-5
+    # their near-zero gradients into visible (still small) weight differences, while the losses stay equal. The eagle
+    # drafter's zero-initialised o_proj and down_proj give its attention and MLP inputs zero gradients at step 1 and
+    # near-zero ones at step 2: the same effect, smaller (4.4e-5 measured on CI's machine, 1e-5 not on ours).
+    tolerance = 1e-3 if "train_window" in variant else 2e-4 if variant.get("head_type") == "eagle" else 1e-5
     for split, (other_losses, other_heads) in runs.items():
         assert other_losses == pytest.approx(losses, rel=1e-5), split
         assert max_relative_difference(heads, other_heads) < tolerance, split

@@ -156,6 +156,11 @@ class TrainConfig:
     distill_turns: str = "all"
     """Self-distillation: answer a turn drawn from all of each conversation's turns ("all", with the dataset's own
     earlier turns as context) or only the first ("first")."""
+    distill_prefix_lengths: list[int] | None = None
+    """Self-distillation of plain-text documents: the base continues each document's first n tokens, n drawn (by a
+    hash of its id) from these lengths shorter than the document; null: 16, 32, 64, 128."""
+    text_prefix_tokens: int = 0
+    """Plain-text documents: the first this many tokens of each are context only, not supervised."""
     self_distill: bool = False
     """Regenerate the answers with the base itself before training (ignored for data already self-distilled)."""
     distill_max_new_tokens: int = 256
@@ -220,6 +225,11 @@ class TrainConfig:
             raise ValueError("cache_hidden_states and hidden_state_store both keep hidden states: choose one")
         if self.num_layers == 0 and self.share_lm_head:
             raise ValueError("num_layers=0 with share_lm_head=true leaves the heads nothing to train")
+        if self.distill_prefix_lengths is not None and (not self.distill_prefix_lengths
+                                                        or min(self.distill_prefix_lengths) < 1):
+            raise ValueError(f"distill_prefix_lengths must be token counts >= 1, got {self.distill_prefix_lengths}")
+        if self.text_prefix_tokens < 0:
+            raise ValueError(f"text_prefix_tokens must be >= 0, got {self.text_prefix_tokens}")
         if self.max_seq_len < 3:
             raise ValueError(f"max_seq_len must be >= 3 (head 0 predicts 2 tokens ahead), got {self.max_seq_len}")
         if not 0 < self.loss_decay <= 1:

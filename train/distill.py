@@ -1,4 +1,5 @@
-"""Self-distillation: regenerate the assistant turns of a chat dataset with the base model itself.
+"""Self-distillation: regenerate the assistant turns of a chat dataset, or continue the documents of a plain-text
+corpus, with the base model itself.
 
 Medusa heads must predict the base model's own continuations, not the text another model (ChatGPT, for ShareGPT)
 wrote: at decoding time the verified tokens are the base's greedy tokens. This module takes the prompt of each
@@ -9,12 +10,18 @@ line per conversation with the messages and the exact token ids (Medusa report, 
 The output file is appended batch by batch and read back on restart, so an interrupted run resumes where it stopped.
 Prompts are batched by length within windows of file order (little padding, yet a time-limited run keeps prompts of
 every length, not only the shortest ones), and each batch logs answers/s and generated tokens/s.
+A plain-text document gives one prompt: its first ``n`` tokens, ``n`` drawn by a hash of its id from
+``prefix_lengths`` (those shorter than the document), and the base continues it greedily; its record holds the
+prefix and continuation ids and their text (a pretrained base, with no chat template, is distilled this way). Chats
+for a tokenizer without a chat template are rendered as plain role-labelled text
+(:func:`medusa.base.render_plain_chat`).
 ``medusa distill`` (:func:`distill_splits`) writes a dataset's validation split first (what trees are fitted on), then
 its held-out split, then its training split.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -22,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.base import hf_greedy_batch, stop_token_ids
+from medusa.base import hf_greedy_batch, render_plain_chat, stop_token_ids
 from train.data import Conversation, turn_prompts
 
 logger = logging.getLogger(__name__)
@@ -30,6 +37,8 @@ logger = logging.getLogger(__name__)
 DISTILLED_TRAIN_NAME = "distilled_train.jsonl"
 DISTILLED_HELD_OUT_NAME = "distilled_held_out.jsonl"
 DISTILLED_VALIDATION_NAME = "distilled_validation.jsonl"
+DEFAULT_PREFIX_LENGTHS = (16, 32, 64, 128)
+"""Document prefix lengths (tokens) distillation draws from: short and long contexts both."""
 WINDOW_BATCHES = 8
 """Prompts are sorted by length within windows of this many batches, taken in file order."""
 
@@ -60,12 +69,14 @@ def distill(
     time_limit_s: float | None = None,
     turns: str = "all",
     seed: int = 0,
+    prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS,
 ) -> int:
-    """Answer one prompt of each conversation with the base model (greedy) and append the results as JSON lines.
+    """Answer one prompt of each conversation (or continue a prefix of each document) with the base model (greedy)
+    and append the results as JSON lines.
 
     Args:
         model: the base causal LM (eval mode, on its device).
-        tokenizer: its tokenizer; must have a chat template.
+        tokenizer: its tokenizer. Chats use its chat template, or plain role-labelled text when it has none.
         conversations: source conversations; of each, the messages before one assistant turn are the prompt
             (:func:`train.data.turn_prompts`: a turn drawn from all of them, or the first; the latest that fits
             ``max_prompt_tokens``).
@@ -76,32 +87,42 @@ def distill(
             :data:`WINDOW_BATCHES` batches in file order, to limit padding).
         time_limit_s: stop after the batch that crosses this wall-clock budget (seconds); ``None`` for no limit.
         turns: ``"all"`` or ``"first"`` (:data:`train.data.TURN_CHOICES`).
-        seed: seeds the drawn turn.
+        seed: seeds the drawn turn and the drawn document prefix length.
+        prefix_lengths: documents: the prefix lengths (tokens) one is drawn from.
 
     Returns:
         Number of new records written.
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ValueError: ``prefix_lengths`` is empty or holds a length < 1.
     """
-    if not tokenizer.chat_template:
-        raise ValueError("self-distillation needs a tokenizer with a chat template")
+    if not prefix_lengths or min(prefix_lengths) < 1:
+        raise ValueError(f"prefix_lengths must be lengths >= 1, got {list(prefix_lengths)}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = jsonl_ids(out_path)
-    todo, too_long = [], 0
+    todo, too_long, too_short = [], 0, 0
     for conv in conversations:
         if conv.id in done:
             continue
+        if conv.is_document:
+            ids = document_prefix(tokenizer, conv, prefix_lengths, seed)
+            if ids is None:
+                too_short += 1
+            elif len(ids) > max_prompt_tokens:
+                too_long += 1
+            else:
+                todo.append((conv.id, None, ids))
+            continue
         for prompt in turn_prompts(conv, turns, seed):
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = chat_prompt_ids(tokenizer, prompt)
             if len(ids) <= max_prompt_tokens:
                 todo.append((conv.id, prompt, list(ids)))
                 break
         else:
             too_long += 1
-    logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped)",
-                len(todo), len(done), too_long, max_prompt_tokens)
+    logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped, %d documents no longer "
+                "than the shortest prefix skipped)", len(todo), len(done), too_long, max_prompt_tokens, too_short)
     todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
@@ -112,9 +133,13 @@ def distill(
             batch_start = time.monotonic()
             responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
             for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
-                text = tokenizer.decode(response, skip_special_tokens=True)
-                record = {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}],
-                          "prompt_ids": ids, "response_ids": response}
+                if prompt is None:  # a document prefix and its continuation
+                    record = {"id": conv_id, "text": tokenizer.decode(ids + response, skip_special_tokens=True),
+                              "prompt_ids": ids, "response_ids": response}
+                else:
+                    text = tokenizer.decode(response, skip_special_tokens=True)
+                    record = {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}],
+                              "prompt_ids": ids, "response_ids": response}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             written += len(batch)
@@ -129,6 +154,26 @@ def distill(
     return written
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a generation prompt: the chat template with its generation prompt, or, for a tokenizer without
+    one, plain role-labelled text ending in ``"Assistant:"`` (:func:`medusa.base.render_plain_chat`)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(render_plain_chat(messages, add_generation_prompt=True)[0])["input_ids"])
+
+
+def document_prefix(tokenizer, conv: Conversation, prefix_lengths, seed: int) -> list[int] | None:
+    """The first ``n`` token ids of a document (encoded as the tokenizer encodes any text), ``n`` drawn by a hash of
+    ``(seed, id)`` from the ``prefix_lengths`` shorter than the document; ``None`` when none is."""
+    ids = list(tokenizer(conv.text, add_special_tokens=True)["input_ids"])
+    usable = sorted(n for n in set(prefix_lengths) if n < len(ids))
+    if not usable:
+        return None
+    digest = hashlib.sha256(f"{seed}:prefix:{conv.id}".encode()).digest()
+    return ids[: usable[int.from_bytes(digest[:8], "big") % len(usable)]]
+
+
 def window_sorted(items: list, key, window: int) -> list:
     """``items`` cut into consecutive windows of ``window`` (their file order kept), each sorted by ``key``."""
     return [item for w in range(0, len(items), window) for item in sorted(items[w : w + window], key=key)]
@@ -136,7 +181,7 @@ def window_sorted(items: list, key, window: int) -> list:
 
 def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str | Path]], max_new_tokens: int,
                    max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None, turns: str = "all",
-                   seed: int = 0) -> list[Path]:
+                   seed: int = 0, prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS) -> list[Path]:
     """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`); ``medusa
     distill`` passes validation, held-out, training.
 
@@ -151,5 +196,6 @@ def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str 
         if left is not None and left <= 0:
             logger.info("time limit reached: %s waits for the next run", Path(path).name)
             continue
-        distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left, turns, seed)
+        distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left, turns, seed,
+                prefix_lengths)
     return paths

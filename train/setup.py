@@ -18,6 +18,7 @@ from medusa.drafters.eagle import default_eagle_layers, eagle_base_settings
 from medusa.drafters.heads import (
     MedusaHeadsConfig,
     build_heads,
+    head_target_offset,
     lm_head_fingerprint,
     most_frequent_tokens,
 )
@@ -69,9 +70,12 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     base_config = model.config.get_text_config(decoder=True)
     layers = heads_base_layers(config, base_config)  # a bad eagle layer is refused before any data work
     train_convs, val_convs, held_convs = prepare_conversations(config, accelerator, model, tokenizer)
+    # A document shorter than the last head's offset + 1 gives that head no target: counted and dropped.
+    min_tokens = head_target_offset(config.num_heads - 1) + 1
     train_examples, _ = tokenize_conversations(train_convs, tokenizer, config.max_seq_len, config.num_proc,
-                                               default_tokenize_cache_dir())
-    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len, config.held_out_fraction)
+                                               default_tokenize_cache_dir(), config.text_prefix_tokens, min_tokens)
+    held_examples = tokenize_held_out(held_convs, tokenizer, config.max_seq_len, config.held_out_fraction,
+                                      config.text_prefix_tokens, min_tokens)
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} exposes no lm_head (get_output_embeddings() is None): the heads "
                          "project with it and the teacher loss needs it")

@@ -33,7 +33,8 @@ the top logit's magnitude (``eps * |logit|``): bf16 rounds at about 2**-8 relati
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """Read a JSON-lines file of ``{"prompt": str}`` or ``{"messages": [...]}`` records.
+    """Read a JSON-lines file of ``{"prompt": str}``, ``{"messages": [...]}`` or ``{"text": str}`` (a document
+    prefix to continue) records (see :func:`encode_prompt`).
 
     Raises:
         FileNotFoundError: no such file.
@@ -50,8 +51,8 @@ def read_prompts(path: str | Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n} is not JSON: {e}") from e
-        if "prompt" not in record and "messages" not in record:
-            raise ValueError(f"{path}:{n} has neither 'prompt' nor 'messages'")
+        if not isinstance(record, dict) or not {"prompt", "messages", "text"} & set(record):
+            raise ValueError(f"{path}:{n} has none of 'prompt', 'messages', 'text'")
         prompts.append(record)
     if not prompts:
         raise ValueError(f"{path} holds no prompt")
@@ -77,13 +78,31 @@ def read_distilled_sequences(path: str | Path, limit: int | None = None) -> list
 
 
 def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> torch.Tensor:
-    """``(T,)`` prompt ids: chat template (with generation prompt) when the tokenizer has one, else plain text."""
+    """``(T,)`` prompt ids of one prompt record.
+
+    - ``{"text": ...}``: a document prefix to continue, encoded as plain text (as the tokenizer encodes any text,
+      a base model's BOS included) whatever the tokenizer;
+    - ``{"messages": [...]}`` or ``{"prompt": ...}`` (one user message): the chat template with its generation
+      prompt when the tokenizer has one (and ``use_chat_template``); else a ``prompt`` is encoded as plain text and
+      ``messages`` are rendered as plain role-labelled text ending in ``"Assistant:"``
+      (:func:`medusa.base.render_plain_chat`, as training renders chats for such a tokenizer).
+
+    Raises:
+        ValueError: the record has none of ``text``, ``messages``, ``prompt``.
+    """
+    from medusa.base import render_plain_chat
+
+    if record.get("text") is not None:
+        return torch.tensor(tokenizer(record["text"])["input_ids"], dtype=torch.long)
+    if record.get("messages") is None and record.get("prompt") is None:
+        raise ValueError(f"a prompt record needs 'text', 'messages' or 'prompt', got keys {sorted(record)}")
     messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
     if use_chat_template and tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    elif record.get("messages"):
+        ids = tokenizer(render_plain_chat(messages, add_generation_prompt=True)[0])["input_ids"]
     else:
-        text = record.get("prompt") or "\n".join(m["content"] for m in messages)
-        ids = tokenizer(text)["input_ids"]
+        ids = tokenizer(record["prompt"])["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 
