@@ -67,6 +67,16 @@ def render_plain_chat(messages: list[dict], add_generation_prompt: bool = False)
     return "".join(parts), spans
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a generation prompt: the tokenizer's chat template with its generation prompt, or, for a
+    tokenizer without one, plain role-labelled text ending in ``"Assistant:"`` (:func:`render_plain_chat`). What
+    self-distillation, ``bench`` and ``generate`` all prompt with."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(render_plain_chat(messages, add_generation_prompt=True)[0])["input_ids"])
+
+
 def stop_token_ids(generation_config, tokenizer=None) -> set[int]:
     """The end-of-sequence ids of ``generation_config`` (one id, a list or ``None``) and of ``tokenizer`` when given.
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.base import hf_greedy_batch, render_plain_chat, stop_token_ids
+from medusa.base import chat_prompt_ids, hf_greedy_batch, stop_token_ids
 from train.data import Conversation, turn_prompts
 
 logger = logging.getLogger(__name__)
@@ -152,15 +152,6 @@ def distill(
             if time_limit_s is not None and elapsed > time_limit_s:
                 break
     return written
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a generation prompt: the chat template with its generation prompt, or, for a tokenizer without
-    one, plain role-labelled text ending in ``"Assistant:"`` (:func:`medusa.base.render_plain_chat`)."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return list(tokenizer(render_plain_chat(messages, add_generation_prompt=True)[0])["input_ids"])
 
 
 def document_prefix(tokenizer, conv: Conversation, prefix_lengths, seed: int) -> list[int] | None:

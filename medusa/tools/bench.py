@@ -90,7 +90,7 @@ def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> to
     Raises:
         ValueError: the record has none of ``text``, ``messages``, ``prompt``.
     """
-    from medusa.base import render_plain_chat
+    from medusa.base import chat_prompt_ids, render_plain_chat
 
     if record.get("text") is not None:
         return torch.tensor(tokenizer(record["text"])["input_ids"], dtype=torch.long)
@@ -98,7 +98,7 @@ def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> to
         raise ValueError(f"a prompt record needs 'text', 'messages' or 'prompt', got keys {sorted(record)}")
     messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
     if use_chat_template and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = chat_prompt_ids(tokenizer, messages)
     elif record.get("messages"):
         ids = tokenizer(render_plain_chat(messages, add_generation_prompt=True)[0])["input_ids"]
     else:
