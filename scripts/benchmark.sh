@@ -12,6 +12,8 @@ BASE=${BASE:-models/smollm2-135m-instruct}
 HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
 OUT_DIR=${OUT_DIR:-outputs/bench}
 NAME=${NAME:-smollm2-135m-hydra-cpu}
+# The frozen sets benched; a base model's meaningful one is documents-held-out (SETS="documents-held-out ...").
+SETS=${SETS:-sharegpt-held-out mt-bench-style}
 mkdir -p "$OUT_DIR"
 settle() {  # wait (3 min at most) until the 1-minute load average, which lags, has let go of the last job
     for _ in $(seq 36); do
@@ -19,7 +21,7 @@ settle() {  # wait (3 min at most) until the 1-minute load average, which lags, 
         sleep 5
     done
 }
-for SET in sharegpt-held-out mt-bench-style; do
+for SET in $SETS; do
     settle
     medusa bench --base "$BASE" --heads "$HEADS" --prompts "benchmarks/prompts/$SET.jsonl" \
         --max-new-tokens 128 --out "$OUT_DIR/bench-$NAME-$SET.json" --plot "$@" | tee "$OUT_DIR/bench-$NAME-$SET.txt"

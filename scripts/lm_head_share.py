@@ -1,6 +1,8 @@
 """The lm_head's share of one base forward: a forward over n new tokens after a cached prompt, timed with the
 full lm_head, with no lm_head (hidden states only), and with the lm_head on one position only (path-only scoring's
-floor), fp32, in one process.
+floor), fp32, in one process. Then the drafting side: the heads' vocabulary projection per step (``--heads`` rows,
+one per head, through the shared lm_head) over the full vocabulary and over a truncated head vocabulary of each
+``--head-vocab`` size (the rows of the most frequent targets: the same product over fewer rows).
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/lm_head_share.py --base models/gemma3-270m
 """
@@ -22,6 +24,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sizes", default="1,8,16")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--heads", type=int, default=4, help="rows projected per drafting step (one per head)")
+    parser.add_argument("--head-vocab", default="4096,8192,16384", help="truncated head vocabulary sizes timed")
     args = parser.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
     vocab, hidden = model.get_output_embeddings().weight.shape
@@ -47,6 +51,25 @@ def main() -> None:
         med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
         print(f"n={n:3d}: full {med['full']:.1f} ms, no lm_head {med['no lm_head']:.1f} ms, lm_head on 1 position "
               f"{med['lm_head on 1 position']:.1f} ms; lm_head share {1 - med['no lm_head'] / med['full']:.0%}")
+    weight = model.get_output_embeddings().weight  # (V, H)
+    rows = torch.randn(args.heads, hidden)
+    full = median_ms(lambda: rows @ weight.T, args.repeats)
+    print(f"heads' projection, {args.heads} rows: full vocabulary ({vocab}) {full:.2f} ms")
+    for size in (int(s) for s in args.head_vocab.split(",")):
+        sub = weight[:size].contiguous()  # any `size` rows cost the same: a truncated vocabulary is a row subset
+        cut = median_ms(lambda sub=sub: rows @ sub.T, args.repeats)
+        print(f"  truncated to {size}: {cut:.2f} ms ({cut / full:.1%} of full, saves {full - cut:.2f} ms per step)")
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls after one warm-up, in ms."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 if __name__ == "__main__":

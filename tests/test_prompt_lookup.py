@@ -175,6 +175,20 @@ def test_lookup_accepts_a_repeating_answer():
     out, stats = medusa_generate(model, random_heads(model), ids, Tree.chain(0).with_lookup(6), 40)
     assert out == reference
     assert stats.accepted_per_step[1:-1] == [6] * (len(stats.accepted_per_step) - 2)
+    # With only a lookup chain, every accepted draft kept was copied (the last step's are cut at the budget).
+    assert 0 < sum(stats.accepted_per_step[:-1]) <= stats.copied_tokens <= sum(stats.accepted_per_step)
+
+
+def test_the_lookup_chains_share_counts_only_copied_drafts():
+    """A tree of heads and a lookup chain on a repeating answer: some copied drafts are counted, never more than
+    were accepted; a tree without a chain counts none."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(3))
+    heads = random_heads(model)
+    _, with_chain = medusa_generate(model, heads, ids, Tree.chain(2).with_lookup(6), 40)
+    assert 0 < with_chain.copied_tokens <= sum(with_chain.accepted_per_step)
+    _, heads_only = medusa_generate(model, heads, ids, Tree.chain(2), 40)
+    assert heads_only.copied_tokens == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])

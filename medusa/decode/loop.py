@@ -50,6 +50,9 @@ class GenerationStats:
     decode_tokens: int = 0
     """Tokens emitted by the verify forwards (prefill token excluded)."""
     accepted_per_step: list[int] = field(default_factory=list)
+    copied_tokens: int = 0
+    """Accepted drafts that were copied nodes (the prompt-lookup chain, :attr:`DraftTree.copied`), of
+    ``decode_tokens``: the lookup chain's share of the output is ``copied_tokens / new_tokens``."""
     tree_nodes: list[int] = field(default_factory=list)
     """Nodes of each step's tree, root included (1: a plain step)."""
     prefill_s: float = 0.0
@@ -152,7 +155,16 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
         stats.tree_nodes.append(len(draft.tokens))
         sequence = torch.cat([sequence, emitted])
         stats.decode_s += time.perf_counter() - start
-        yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop)
+        yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop,
+                    copied=copied_on_path(draft, result.path_nodes))
+
+
+def copied_on_path(draft: DraftTree, path_nodes: torch.Tensor) -> int:
+    """Accepted drafts of ``path_nodes`` (``(1 + accepted,)`` node indices, the root first) that are copied nodes
+    of ``draft`` (prompt lookup); 0 when the draft copied none."""
+    if draft.copied is None or not len(draft.copied) or len(path_nodes) < 2:
+        return 0
+    return int(torch.isin(path_nodes[1:], draft.copied).sum())
 
 
 def check_draft(drafter, draft: DraftTree) -> None:
@@ -252,8 +264,9 @@ def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s:
 
 
 def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int, stop: set[int],
-          is_prefill: bool = False) -> Step:
-    """Cut ``tokens`` at the first stop token and at the budget, and account for them in ``stats``."""
+          is_prefill: bool = False, copied: int = 0) -> Step:
+    """Cut ``tokens`` at the first stop token and at the budget, and account for them in ``stats`` (``copied``: how
+    many of the accepted drafts were copied nodes; counted among the tokens kept)."""
     for i, t in enumerate(tokens):
         if t in stop:
             tokens, stats.stopped_by = tokens[: i + 1], "stop_token"
@@ -267,6 +280,7 @@ def _emit(tokens: list[int], accepted: int, stats: GenerationStats, budget: int,
         stats.decode_steps += 1
         stats.decode_tokens += len(tokens)
         stats.accepted_per_step.append(accepted)
+        stats.copied_tokens += min(copied, accepted, len(tokens))  # the drafts kept come first
     return Step(tokens, accepted, is_prefill)
 
 

@@ -184,6 +184,8 @@ class BenchResult:
     medusa_s: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0
+    copied_tokens: int = 0
+    """Emitted tokens that were accepted prompt-lookup drafts (copied nodes)."""
     accepted_hist: list[int] = field(default_factory=list)
     divergences: list[dict] = field(default_factory=list)
     per_prompt: list[dict] = field(default_factory=list)
@@ -217,6 +219,8 @@ class BenchResult:
         ties = sum(d.get("tie", False) for d in self.divergences)
         return {
             "tau": self.decode_tokens / steps,
+            "lookup_share": self.copied_tokens / max(self.medusa_tokens, 1),
+            "tau_without_lookup_tokens": (self.decode_tokens - self.copied_tokens) / steps,
             "speedup": medusa_tps / base_tps,
             "speedup_vs_plain": medusa_tps / plain_tps if self.plain_s else None,
             "step_ms": step_ms,
@@ -368,7 +372,8 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
             runs[method + "_s"] = time.perf_counter() - start
         reference, (tokens, stats), (plain, plain_stats) = runs["hf"][0], runs["medusa"], runs["plain"]
         _add_prompt(result, runs, reference, tokens, stats, plain, plain_stats)
-        record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau, "hf_s": runs["hf_s"],
+        record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau,
+                  "lookup_share": stats.copied_tokens / max(len(tokens), 1), "hf_s": runs["hf_s"],
                   "medusa_s": runs["medusa_s"], "plain_s": runs["plain_s"],
                   "hf_tokens_per_s": len(reference) / runs["hf_s"],
                   "medusa_tokens_per_s": len(tokens) / runs["medusa_s"],
@@ -412,6 +417,7 @@ def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain
     result.medusa_s += runs["medusa_s"]
     result.decode_steps += stats.decode_steps
     result.decode_tokens += stats.decode_tokens
+    result.copied_tokens += stats.copied_tokens
     result.medusa_decode_s += stats.decode_s
     for part, seconds in stats.step_s.items():
         result.step_s[part] += seconds

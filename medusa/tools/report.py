@@ -14,11 +14,19 @@ def speedup_text(value) -> str:
     return f"{value:.3f}x" if isinstance(value, float) else fmt(value)
 
 
+def lookup_text(r: dict) -> str:
+    """The share of emitted tokens that were accepted prompt-lookup drafts, and tau counting only the rest."""
+    if "lookup_share" not in r:
+        return "not recorded"
+    return f"{100 * r['lookup_share']:.1f}%, {r['tau_without_lookup_tokens']:.3f}"
+
+
 def bench_table(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
     """The bench figures as aligned text; with ``reference``, a second column holds that earlier result's."""
     def rows(r: dict) -> list[tuple[str, str]]:
         return [("prompts x max new tokens", f"{r['prompts']} x {r.get('max_new_tokens', '?')}"),
                 ("tau (tokens / verify forward)", f"{r['tau']:.3f}"),
+                ("lookup chain's share of tokens, tau less them", lookup_text(r)),
                 ("HF generate tokens/s", f"{r['baseline_tokens_per_s']:.2f}"),
                 ("Medusa tokens/s", f"{r['medusa_tokens_per_s']:.2f}"), ("speedup", f"{r['speedup']:.3f}x"),
                 ("plain tokens/s (same engine)", fmt(r.get("plain_tokens_per_s"))),
