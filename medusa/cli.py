@@ -283,6 +283,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
                    "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
                    + f"; default: {AUTO}")
+    p.add_argument("--verify-logits", choices=("auto", "all", "path"), default="auto",
+                   help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
+                        "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
+                        "is matrix-vector bound); auto: the engine's own choice (default)")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
                         "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
@@ -347,7 +351,9 @@ def _load(args, per_step_allowed: bool = True):
             model.heads.to(chosen)
     if model.dtype_reason:
         print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
-    model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len)
+    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
+    model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len,
+                     scores_all_nodes=scores_all)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
     if per_step:
@@ -570,6 +576,11 @@ def cmd_generate(args) -> int:
         print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
               f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {_tree_text(model, stats)}",
               file=sys.stderr)
+        if stats.copied_tokens:
+            share = stats.copied_tokens / max(stats.new_tokens, 1)
+            own = (stats.decode_tokens - stats.copied_tokens) / max(stats.decode_steps, 1)
+            print(f"lookup chain: {share:.0%} of the tokens copied from the context; tau without them {own:.2f}",
+                  file=sys.stderr)
     return 0
 
 

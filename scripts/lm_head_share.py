@@ -51,13 +51,17 @@ def main() -> None:
         med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
         print(f"n={n:3d}: full {med['full']:.1f} ms, no lm_head {med['no lm_head']:.1f} ms, lm_head on 1 position "
               f"{med['lm_head on 1 position']:.1f} ms; lm_head share {1 - med['no lm_head'] / med['full']:.0%}")
-    weight = model.get_output_embeddings().weight  # (V, H)
+    # The heads keep their shared projection transposed, (H, Vh) contiguous (medusa/drafters/heads.py): time that.
+    weight_t = model.get_output_embeddings().weight.T.contiguous()  # (H, V)
     rows = torch.randn(args.heads, hidden)
-    full = median_ms(lambda: rows @ weight.T, args.repeats)
-    print(f"heads' projection, {args.heads} rows: full vocabulary ({vocab}) {full:.2f} ms")
+    full = median_ms(lambda: rows @ weight_t, args.repeats)
+    weight = model.get_output_embeddings().weight  # (V, H): the base's own layout, for comparison
+    base_layout = median_ms(lambda: torch.nn.functional.linear(rows, weight), args.repeats)
+    print(f"heads' projection, {args.heads} rows: full vocabulary ({vocab}) {full:.2f} ms ((V, H) layout, as the "
+          f"base's lm_head: {base_layout:.2f} ms)")
     for size in (int(s) for s in args.head_vocab.split(",")):
-        sub = weight[:size].contiguous()  # any `size` rows cost the same: a truncated vocabulary is a row subset
-        cut = median_ms(lambda sub=sub: rows @ sub.T, args.repeats)
+        sub = weight_t[:, :size].contiguous()  # any `size` columns cost the same: a truncated vocabulary's rows
+        cut = median_ms(lambda sub=sub: rows @ sub, args.repeats)
         print(f"  truncated to {size}: {cut:.2f} ms ({cut / full:.1%} of full, saves {full - cut:.2f} ms per step)")
 
 

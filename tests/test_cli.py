@@ -48,6 +48,17 @@ def test_bench_writes_required_fields_and_matches_hf(setup, tmp_path):
     assert {"load_1min", "cores", "threads", "warning"} <= set(result["load"])
 
 
+def test_verify_logits_flag_reaches_the_engine_and_keeps_the_tokens(setup, tmp_path):
+    root, base, prompts = setup
+    for choice, recorded in (("all", "all"), ("path", "path")):
+        out = tmp_path / f"bench-{choice}.json"
+        assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
+                     "--limit", "2", "--max-new-tokens", "12", "--engine", "onednn", "--verify-logits", choice,
+                     "--out", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["verify_logits"] == recorded and result["identical"] == 1.0
+
+
 def test_bench_with_engine_auto_tells_the_truth_per_prompt(setup, tmp_path, capsys):
     root, base, _ = setup
     prompts = tmp_path / "set.jsonl"

@@ -58,3 +58,24 @@ def test_prepared_model_matches_the_gguf(base_dir):
     ids = torch.tensor([[1, 4093, 314, 253, 1345]])
     with torch.no_grad():
         assert torch.allclose(direct(ids).logits, prepared(ids).logits, atol=1e-5)
+
+
+def test_shipped_gemma_heads_continue_documents_exactly_like_hf_greedy():
+    """The second family (issue 23): the shipped Gemma 3 270M heads on two frozen document prefixes, no template."""
+    import json
+
+    from medusa.model import MedusaModel
+    from medusa.tools.bench import encode_prompt, hf_greedy
+
+    base = REPO / "models" / "gemma3-270m"
+    if not (base / "config.json").is_file():
+        pytest.skip("models/gemma3-270m is not prepared (install.sh --gemma; prepare-model --preset gemma3-270m)")
+    model = MedusaModel.from_pretrained(base, REPO / "checkpoints" / "gemma3-270m-hydra")
+    assert model.tokenizer.chat_template is None
+    lines = (REPO / "benchmarks" / "prompts" / "documents-held-out.jsonl").read_text().splitlines()[:2]
+    for record in map(json.loads, lines):
+        ids = encode_prompt(model.tokenizer, record)
+        reference = hf_greedy(model.base, ids, 48, model.stop_token_ids())
+        tokens, stats = model.generate(ids, max_new_tokens=48)
+        assert tokens == reference
+        assert stats.tau > 1.0

@@ -42,7 +42,8 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("fixed tree tokens/s", fmt(r.get("fixed_tokens_per_s", "not timed"))),
                 ("speedup vs fixed tree", speedup_text(r.get("speedup_vs_fixed", "not timed"))),
                 ("step cost / plain step", fmt(r.get("step_cost_vs_plain"))),
-                ("engine, dtype", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}"),
+                ("engine, dtype, verify logits", f"{engine_text(r.get('engine'))}, {r.get('dtype', '?')}, "
+                                                  f"{r.get('verify_logits', '?')}"),
                 ("machine", machine_text(r)),
                 ("machine profile", Path((r.get("profile") or {}).get("path", "not recorded")).name),
                 ("identical prompts", fmt(r["identical"])),
