@@ -160,6 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON result here")
     p.set_defaults(func=cmd_eval_heads)
 
+    p = add_command("plan", "speculative decoding's expected tokens, cost and speedup per draft length K "
+                    "(Leviathan et al. 2023), the optimal K, and a tree's paths")
+    p.add_argument("--alpha", type=float, nargs="+", required=True,
+                   help="acceptance rate in [0, 1], or per-depth rates alpha_1 .. alpha_K (each given the ones above)")
+    p.add_argument("--cost-ratio", type=float, required=True,
+                   help="c_q/c_p: one draft step's cost over one base forward's (> 0)")
+    p.add_argument("--k", type=int, default=None, help="also print this K's figures alone")
+    p.add_argument("--k-max", type=int, default=16, help="the table's largest K (default: 16)")
+    p.add_argument("--branching", type=int, help="a full tree's children per node (with --depth)")
+    p.add_argument("--depth", type=int, help="a full tree's levels (with --branching)")
+    p.add_argument("--profile", metavar="BASE",
+                   help="a base model folder: read the verify forward's cost over K + 1 tokens from this machine's "
+                        "profile of it (medusa profile; measured once) instead of counting it as one forward")
+    p.add_argument("--engine", default=None, help="with --profile: the engine whose costs are read (default: auto's "
+                                                  "pick for each step size)")
+    p.set_defaults(func=cmd_plan)
+
     p = add_command("profile", "measure (once, cached) and print this machine's profile: forward cost by engine and "
                     "step size, plain decoding and HF generate per token, and what --engine auto picks")
     p.add_argument("--base", required=True, help="base model folder")
@@ -771,6 +788,51 @@ def cmd_eval_heads(args) -> int:
     if args.out:
         result = {"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from medusa.tools import plan
+
+    alpha = args.alpha[0] if len(args.alpha) == 1 else args.alpha
+    plan.expected_tokens(alpha, 0)  # alpha's range checked before any model is read
+    plan.round_cost(0, args.cost_ratio)
+    if (args.branching is None) != (args.depth is None):
+        raise ValueError("--branching and --depth go together")
+    verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
+    if args.profile:
+        import torch
+
+        from medusa.base import load_base
+        from medusa.profile import load_profile
+
+        base, _ = load_base(args.profile, torch.float32, "cpu")
+        profile = load_profile(base, progress=lambda text: print(text, file=sys.stderr, flush=True))
+
+        def verify_cost(k):
+            engine = args.engine or profile.choose_engine(k + 1).engine
+            return profile.forward_s(engine, k + 1) / profile.forward_s(engine, 1)
+
+        source = f"the verify forward's cost over K + 1 tokens from the machine profile {profile.path}"
+    rows = plan.plan_table(alpha, args.cost_ratio, args.k_max, verify_cost)
+    print(f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p {args.cost_ratio}; {source}")
+    print(f"{'K':>3} {'tokens/round':>13} {'cost/round':>11} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['k']:>3} {r['tokens']:>13.3f} {r['cost']:>11.3f} {r['speedup']:>7.2f}x")
+    best = max(rows, key=lambda r: r["speedup"])
+    print(f"optimal K: {best['k']} ({best['speedup']:.2f}x, {best['tokens']:.2f} tokens per round)")
+    if args.k is not None:
+        verify = 1.0 if verify_cost is None else verify_cost(args.k)
+        print(f"K={args.k}: {plan.expected_tokens(alpha, args.k):.3f} tokens, cost "
+              f"{plan.round_cost(args.k, args.cost_ratio, verify):.3f}, "
+              f"{plan.speedup(alpha, args.k, args.cost_ratio, verify):.2f}x")
+    if args.branching is not None:
+        if isinstance(alpha, list):
+            raise ValueError("--branching/--depth take a single --alpha")
+        print(f"tree of branching {args.branching}, depth {args.depth}: {plan.tree_paths(args.branching, args.depth)} "
+              f"candidate paths, {plan.tree_nodes(args.branching, args.depth)} draft nodes, "
+              f"{plan.tree_expected_tokens(alpha, args.branching, args.depth):.3f} expected tokens per round if "
+              f"each sibling were accepted independently (an upper bound: a greedy base accepts one sibling)")
     return 0
 
 

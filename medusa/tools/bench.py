@@ -309,11 +309,13 @@ def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -
         ``{"alpha", "predicted_tau", "predicted_speedup"}``; alpha is accepted drafts over drafts tried (a step that
         accepted a < D drafts tried a + 1 of them, one that accepted all tried D).
     """
+    from medusa.tools.plan import expected_tokens
+
     depth = len(accepted_hist) - 1
     accepted = sum(a * c for a, c in enumerate(accepted_hist))
     tried = sum((a + 1 if a < depth else a) * c for a, c in enumerate(accepted_hist))
     alpha = accepted / tried if tried else 0.0
-    tau = float(depth + 1) if alpha == 1 else (1 - alpha ** (depth + 1)) / (1 - alpha)
+    tau = expected_tokens(alpha, depth)  # medusa plan's formula
     return {"alpha": alpha, "predicted_tau": tau,
             "predicted_speedup": None if step_cost is None else tau / step_cost}
 
