@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON result here")
     p.set_defaults(func=cmd_eval_heads)
 
+    p = add_command("make-draft", "a draft model cut from the base (its embeddings, first N layers, final norm and "
+                    "lm_head: layer-skip self-drafting), saved as an ordinary Hugging Face folder")
+    p.add_argument("--base", required=True, help="base model folder")
+    p.add_argument("--layers", type=int, required=True, help="decoder layers kept (below the base's count)")
+    p.add_argument("--out", required=True, help="folder written (replaced atomically)")
+    p.set_defaults(func=cmd_make_draft)
+
     p = add_command("plan", "speculative decoding's expected tokens, cost and speedup per draft length K "
                     "(Leviathan et al. 2023), the optimal K, and a tree's paths")
     p.add_argument("--alpha", type=float, nargs="+", required=True,
@@ -788,6 +795,14 @@ def cmd_eval_heads(args) -> int:
     if args.out:
         result = {"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_make_draft(args) -> int:
+    from medusa.tools.make_draft import make_draft
+
+    out = make_draft(args.base, args.layers, args.out)
+    print(f"draft of {args.layers} layers written to {out}")
     return 0
 
 
