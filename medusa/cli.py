@@ -601,10 +601,8 @@ def cmd_generate(args) -> int:
               f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {_tree_text(model, stats)}",
               file=sys.stderr)
         if stats.copied_tokens:
-            share = stats.copied_tokens / max(stats.new_tokens, 1)
-            own = (stats.decode_tokens - stats.copied_tokens) / max(stats.decode_steps, 1)
-            print(f"lookup chain: {share:.0%} of the tokens copied from the context; tau without them {own:.2f}",
-                  file=sys.stderr)
+            print(f"lookup chain: {stats.lookup_share:.0%} of the tokens copied from the context; tau without them "
+                  f"{stats.tau_without_lookup:.2f}", file=sys.stderr)
     return 0
 
 

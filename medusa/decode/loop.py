@@ -67,6 +67,16 @@ class GenerationStats:
         return self.decode_tokens / self.decode_steps if self.decode_steps else float("nan")
 
     @property
+    def lookup_share(self) -> float:
+        """Share of the new tokens that were accepted prompt-lookup drafts (copied from the context)."""
+        return self.copied_tokens / max(self.new_tokens, 1)
+
+    @property
+    def tau_without_lookup(self) -> float:
+        """Tokens per verify forward not counting the copied ones: the other drafters' and the base's own."""
+        return (self.decode_tokens - self.copied_tokens) / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
     def tokens_per_s(self) -> float:
         total = self.prefill_s + self.decode_s
         return self.new_tokens / total if total else float("nan")

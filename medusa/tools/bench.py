@@ -24,6 +24,7 @@ from medusa.decode.logits_process import resolve_decoding
 from medusa.decode.loop import STEP_PARTS
 from medusa.decode.tree import Tree
 from medusa.model import MedusaModel
+from medusa.tools.plan import expected_tokens
 
 PLAIN = Tree.chain(0)
 """A tree of one node (the root): plain decoding, one token per forward, through the same engine."""
@@ -309,8 +310,6 @@ def chain_prediction(accepted_hist: list[int], step_cost: float | None = None) -
         ``{"alpha", "predicted_tau", "predicted_speedup"}``; alpha is accepted drafts over drafts tried (a step that
         accepted a < D drafts tried a + 1 of them, one that accepted all tried D).
     """
-    from medusa.tools.plan import expected_tokens
-
     depth = len(accepted_hist) - 1
     accepted = sum(a * c for a, c in enumerate(accepted_hist))
     tried = sum((a + 1 if a < depth else a) * c for a, c in enumerate(accepted_hist))
@@ -375,7 +374,7 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         reference, (tokens, stats), (plain, plain_stats) = runs["hf"][0], runs["medusa"], runs["plain"]
         _add_prompt(result, runs, reference, tokens, stats, plain, plain_stats)
         record = {"prompt": i, "tokens": len(tokens), "tau": stats.tau,
-                  "lookup_share": stats.copied_tokens / max(len(tokens), 1), "hf_s": runs["hf_s"],
+                  "lookup_share": stats.lookup_share, "hf_s": runs["hf_s"],
                   "medusa_s": runs["medusa_s"], "plain_s": runs["plain_s"],
                   "hf_tokens_per_s": len(reference) / runs["hf_s"],
                   "medusa_tokens_per_s": len(tokens) / runs["medusa_s"],
