@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_held_out_prompts)
 
     p = add_command("generate", "generate with Medusa decoding and print the text (stdout)")
-    _model_args(p)
+    _model_args(p, draft_model=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
-    _model_args(p)
+    _model_args(p, draft_model=True)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
@@ -278,9 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
     p.add_argument("--base", required=True, help="base model folder (or hub id)")
-    p.add_argument("--heads", required=True, help="Medusa heads folder")
+    p.add_argument("--heads", required=not draft_model,
+                   help="Medusa heads folder" + (" (or --draft-model)" if draft_model else ""))
+    if draft_model:
+        g = p.add_argument_group("a separate draft model (classic speculative decoding, instead of --heads)")
+        g.add_argument("--draft-model", metavar="DIR",
+                       help="a causal-LM folder sharing the base's tokenizer (a smaller sibling, or make-draft)")
+        g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="drafts per step: the tree's depth")
+        g.add_argument("--draft-width", type=int, default=1, metavar="W",
+                       help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
+        g.add_argument("--draft-engine", default=None,
+                       help="the draft's own engine (default: the base's, after --engine auto chose it)")
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
                                   "folder holds calibration.json, else its tree.json, else the top-1 chain)")
@@ -355,6 +365,10 @@ def _load(args, per_step_allowed: bool = True):
         (dtype, reason), measure_dtype = cuda_dtype(device), False
     check_dtype(dtype, device)
     _check_lookup_flags(args)
+    if getattr(args, "draft_model", None) is not None:
+        return _load_draft_model(args, dtype, device)
+    if args.heads is None:
+        raise ValueError("pass --heads (Medusa, Hydra or eagle heads) or --draft-model (a separate draft model)")
     per_step = _per_step_choice(args) if per_step_allowed else False
     # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
     # for is made: `auto` reads the profile for this tree's step size and this dtype.
@@ -390,6 +404,36 @@ def _load(args, per_step_allowed: bool = True):
               f"and this machine's profile", file=sys.stderr)
     elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
         print(f"note: {CALIBRATION_NOTE}", file=sys.stderr)
+    return model
+
+
+def _load_draft_model(args, dtype, device):
+    """:func:`_load` for ``--draft-model``: the base, the draft on its chain (or top-W tree), the prompt-lookup chain
+    when ``--lookup`` asks for one, the base's engine, then the draft's own (``--draft-engine``, default the
+    base's)."""
+    from medusa.model import MedusaModel
+
+    given = [f for f, v in (("--heads", args.heads), ("--tree", args.tree), ("--adapter", args.adapter),
+                            ("--max-tree-nodes", getattr(args, "max_tree_nodes", None))) if v is not None]
+    if getattr(args, "per_step_tree", "auto") == "on":
+        given.append("--per-step-tree on")
+    if given:
+        raise ValueError(f"--draft-model drafts with a separate model on a chain or a full tree: drop "
+                         f"{', '.join(given)}")
+    if args.dtype == "auto":
+        raise ValueError("--dtype auto is measured for heads; with --draft-model pass float32 or bfloat16")
+    for flag, value in (("--draft-tokens", args.draft_tokens), ("--draft-width", args.draft_width)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    model = MedusaModel.from_draft_model(args.base, args.draft_model, args.draft_tokens, args.draft_width,
+                                         args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager")
+    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
+    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all)
+    if model.engine.choice is not None:
+        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
+    model.heads.use_engine(args.draft_engine or model.engine.name)
+    print(f"draft model {args.draft_model}: {model.tree.name} ({model.tree.num_nodes - 1} nodes + root), its own "
+          f"{model.heads.engine.name} engine", file=sys.stderr)
     return model
 
 

@@ -14,6 +14,9 @@ OUT_DIR=${OUT_DIR:-outputs/bench}
 NAME=${NAME:-smollm2-135m-hydra-cpu}
 # The frozen sets benched; a base model's meaningful one is documents-held-out (SETS="documents-held-out ...").
 SETS=${SETS:-sharegpt-held-out mt-bench-style}
+# DRAFT=DIR benches a separate draft model instead of the heads (classic speculative decoding; extra flags such as
+# --draft-tokens 3 go after the script's name).
+if [ -n "${DRAFT:-}" ]; then DRAFTER=(--draft-model "$DRAFT"); else DRAFTER=(--heads "$HEADS"); fi
 mkdir -p "$OUT_DIR"
 settle() {  # wait (3 min at most) until the 1-minute load average, which lags, has let go of the last job
     for _ in $(seq 36); do
@@ -23,6 +26,6 @@ settle() {  # wait (3 min at most) until the 1-minute load average, which lags, 
 }
 for SET in $SETS; do
     settle
-    medusa bench --base "$BASE" --heads "$HEADS" --prompts "benchmarks/prompts/$SET.jsonl" \
+    medusa bench --base "$BASE" "${DRAFTER[@]}" --prompts "benchmarks/prompts/$SET.jsonl" \
         --max-new-tokens 128 --out "$OUT_DIR/bench-$NAME-$SET.json" --plot "$@" | tee "$OUT_DIR/bench-$NAME-$SET.txt"
 done

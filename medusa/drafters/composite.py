@@ -186,7 +186,9 @@ def tree_drafter(heads, tree: Tree):
         if heads is None:
             raise ValueError(f"tree {tree.name!r} has heads' nodes down to depth {tree.head_depth}: drafting needs "
                              "heads")
-        parts.append(HeadsDrafter(heads, tree))
+        # A draft model (medusa.drafters.draft_model) drafts through the heads' interface with a drafter of its own.
+        make = getattr(heads, "make_drafter", None)
+        parts.append(make(tree) if make is not None else HeadsDrafter(heads, tree))
     if tree.lookup_length:
         parts.append(PromptLookupDrafter(tree.lookup_length, tree.lookup_max_ngram))
     if len(parts) == 1:

@@ -459,11 +459,40 @@ def predict(model: MedusaModel, result: dict) -> dict:
         nodes = max(1, round(result["tree_sizes"]["mean"]))
     profile = load_profile(model.base, progress=stderr_progress)
     if "forward_s" in profile.engines.get(name, {}):
-        cost = profile.forward_s(name, nodes) / profile.forward_s(name, 1)
+        one, verify_s = profile.forward_s(name, 1), profile.forward_s(name, nodes)
     else:  # not in the profile (compiled: each size compiles): the two sizes this bench ran, on its own engine
         times = time_forwards(model.engine, model.base, sizes=(1, nodes))
-        cost = times[nodes] / times[1]
-    return {**chain_prediction(result["accepted_histogram"], cost), "step_cost": cost}
+        one, verify_s = times[1], times[nodes]
+    out = {**chain_prediction(result["accepted_histogram"], verify_s / one), "step_cost": verify_s / one}
+    if hasattr(model.heads, "catch_up"):  # a draft model: its K forwards a step add K c_q / c_p
+        out.update(draft_prediction(model, out["alpha"], one, verify_s))
+    return out
+
+
+def draft_prediction(model: MedusaModel, alpha: float, base_one_s: float, verify_s: float) -> dict:
+    """The seed's analysis for a draft-model run: a step costs one verify forward over the tree plus the draft's
+    forwards (the catch-up over the tokens emitted since the last step, about tau of them, then one per deeper
+    level over that level's parents), each from single-forward timings, never from the run's step times.
+
+    Returns:
+        ``{"cost_ratio", "draft_forward_s", "step_cost", "predicted_tau", "predicted_speedup"}``: ``cost_ratio`` is
+        c_q / c_p (one draft token against one base token), ``step_cost`` relative to one plain base step.
+    """
+    from medusa.drafters.draft_model import draft_forward_s
+
+    paths = set(model.tree.paths)
+    depth = max(len(p) for p in paths)
+    tau = expected_tokens(alpha, depth)
+    parents = [sum(1 for p in paths if len(p) == d and any(q[:d] == p for q in paths if len(q) == d + 1))
+               for d in range(1, depth)]  # the parents each deeper level's forward feeds
+    sizes = sorted({max(1, round(tau)), *parents})
+    times = draft_forward_s(model.heads, sizes=sizes)
+    draft_s = times[max(1, round(tau))] + sum(times[p] for p in parents)
+    cost = (verify_s + draft_s) / base_one_s
+    if 1 not in times:
+        times |= draft_forward_s(model.heads, sizes=(1,))
+    return {"cost_ratio": times[1] / base_one_s, "draft_forward_s": times, "step_cost": cost,
+            "predicted_tau": tau, "predicted_speedup": tau / cost}
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -611,6 +640,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "head_type": model.heads.config.head_type,
         "num_heads": model.heads.config.num_heads,
         "head_vocab_size": model.heads.head_vocab_size,
+        **({"draft": model.heads.settings()} if hasattr(model.heads, "catch_up") else {}),
         "dtype": str(model.base.dtype),
         "dtype_reason": model.dtype_reason,
         "device": str(model.device),

@@ -54,7 +54,8 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                          f"{r['tree_nodes'] if 'tree_nodes' in r else '?'} nodes, root included)"),
                 ("torch threads", f"{r.get('torch_threads', '?')}"),
                 ("load average (1 min) / cores", load_text(r.get("load"))),
-                ("predicted tau / speedup (chain)", prediction_text(r.get("prediction")))] + [
+                ("predicted tau / speedup (chain)", prediction_text(r.get("prediction"))),
+                ("predicted vs measured: tau, speedup vs plain", predicted_vs_measured(r))] + [
                 (f"{m} mean log-prob/token",
                  f"{r[f'{m}_mean_logprob']:.4f} (+- {fmt(r[f'{m}_mean_logprob_stderr'])})")
                 for m in ("hf", "medusa") if f"{m}_mean_logprob" in r]
@@ -128,13 +129,24 @@ def machine_text(result: dict) -> str:
     return f"{cpu['model']} ({' '.join(cpu['flags']) or 'no AVX2/AVX-512/AMX'})"
 
 
+def predicted_vs_measured(r: dict) -> str:
+    """The seed's prediction beside the run's measured tau and speedup over plain decoding, with the gap."""
+    prediction = r.get("prediction") or {}
+    predicted, measured = prediction.get("predicted_speedup"), r.get("speedup_vs_plain")
+    if predicted is None or measured is None:
+        return "not recorded"
+    return (f"{prediction['predicted_tau']:.2f} vs {r['tau']:.2f}, {predicted:.2f}x vs {measured:.2f}x "
+            f"(measured {100 * (measured / predicted - 1):+.1f}%)")
+
+
 def prediction_text(prediction: dict | None) -> str:
     """A bench's chain prediction (:func:`medusa.tools.bench.chain_prediction`) as text."""
     if not prediction:
         return "not recorded"
     speedup = prediction.get("predicted_speedup")
+    draft = "" if "cost_ratio" not in prediction else f", c_q/c_p {prediction['cost_ratio']:.3f}"
     return (f"{prediction['predicted_tau']:.2f} / {'?' if speedup is None else f'{speedup:.2f}x'} (alpha "
-            f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token)")
+            f"{prediction['alpha']:.2f}, step {prediction.get('step_cost', float('nan')):.2f}x one token{draft})")
 
 
 def tree_sizes_text(sizes: dict | None) -> str:
