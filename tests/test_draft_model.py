@@ -11,8 +11,8 @@ import torch
 from test_sampling import (
     PROMPT,
     ROOT,
-    V,
     TopKClaimingSoftmax,
+    V,
     chi_square_p,
     processed,
     rejection_rule,
