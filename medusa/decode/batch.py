@@ -4,7 +4,8 @@ Each step drafts a tree for every row, verifies all ``B x N`` tree tokens in one
 positions and a 4D additive mask), and lets each row accept its own path. The rows' caches then differ in length;
 they share one cache with holes (:mod:`medusa.engines.kv_cache`, "batched decoding"): row b's slot s holds its
 position s up to its own length, the slots beyond are hidden by the mask and overwritten as the row advances, and no
-row's prefix is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards.
+row's prefix is ever moved. A row that stops (stop token or budget) leaves the batch, so it costs nothing afterwards,
+and a new prompt joins between two steps (:class:`RunningBatch`: continuous batching, as a server needs).
 Heads that keep per-sequence state (an attention layer of their own) keep one state per row. Acceptance is
 :mod:`medusa.decode.greedy`'s, row by row in one set of tensor operations.
 
@@ -22,9 +23,9 @@ import torch
 
 from medusa.decode.greedy import greedy_paths, greedy_walk
 from medusa.decode.loop import GenerationStats, Step, _emit, check_context, check_draft, legacy_scores_all_nodes
-from medusa.decode.tree import Tree, TreeBuffers
-from medusa.drafters.base import RowsDrafter, TopK
-from medusa.drafters.composite import tree_drafter
+from medusa.decode.tree import Tree, TreeBuffers, tree_buffers
+from medusa.drafters.base import DraftTree, RowsDrafter, TopK
+from medusa.drafters.composite import CompositeDrafter, tree_drafter
 from medusa.engines import EagerEngine
 
 GREEDY = TopK()
@@ -71,7 +72,7 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
                        stop_token_ids: set[int] | None = None, stats: BatchStats | None = None,
                        scores_all_nodes: bool | None = None, engine=None) -> Iterator[list[tuple[int, Step]]]:
     """Batched greedy speculative decoding; yields, per base forward, ``(prompt index, Step)`` for each row still
-    running.
+    running (all prompts join a :class:`RunningBatch` at once, then it steps until every row has left).
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
@@ -92,49 +93,142 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
             batched decoding, or rows drafted with different tree layouts in one step.
     """
     stats = stats if stats is not None else BatchStats()
-    stop = stop_token_ids or set()
-    if engine is None:
-        engine = EagerEngine(model)
-    if not engine.supports_batch:
-        raise ValueError(f"engine {engine.name!r} does not run batched decoding")
     check_prompts(prompts)
     for ids in prompts:
         check_context(model, len(ids), max_new_tokens, drafter.max_depth)
-    all_nodes = model.device.type != "cpu" if scores_all_nodes is None else scores_all_nodes
+    batch = RunningBatch(model, drafter, engine, scores_all_nodes)
     stats.rows = [GenerationStats() for _ in prompts]
     start = time.perf_counter()
-    states = [drafter.new_state() for _ in prompts]  # the drafter's per-sequence state, one per row
-    cache, roots, valid_len = _prefill(engine, drafter, prompts, states)
+    first = [(i, batch.join(i, ids, max_new_tokens, stop_token_ids, stats.rows[i])) for i, ids in enumerate(prompts)]
     stats.prefill_s = time.perf_counter() - start
     for row in stats.rows:
         row.prefill_s = stats.prefill_s
-    rows = list(range(len(prompts)))  # prompt index of each cache row
-    emitted = [[int(r)] for r in roots]
-    sequences = [torch.cat([ids, r[None]]) for ids, r in zip(prompts, roots, strict=True)]  # what lookup copies from
-    while True:
-        out = [(i, _emit(tokens, len(tokens) - 1, stats.rows[i], max_new_tokens, stop, is_prefill=not stats.forwards))
-               for i, tokens in zip(rows, emitted, strict=True)]
-        yield out
-        running = [j for j, i in enumerate(rows) if not stats.rows[i].stopped_by]
-        if not running:
-            break
-        if len(running) < len(rows):
-            keep = torch.tensor(running, dtype=torch.long, device=roots.device)
-            valid_len, roots = valid_len[keep], roots[keep]
-            engine.select_rows(cache, keep, int(valid_len.max()))
-            rows, states = [rows[j] for j in running], [states[j] for j in running]
-            sequences = [sequences[j] for j in running]
+    yield first
+    while batch.keys:
         start = time.perf_counter()
-        roots, valid_len, emitted, nodes = _step(engine, drafter, states, sequences, cache, roots, valid_len,
-                                                 all_nodes)
-        sequences = [torch.cat([seq, seq.new_tensor(e)]) for seq, e in zip(sequences, emitted, strict=True)]
-        elapsed = time.perf_counter() - start
-        stats.decode_s += elapsed
+        out = batch.step()
+        stats.decode_s += time.perf_counter() - start
         stats.forwards += 1
-        stats.row_forwards += len(rows)
-        for i in rows:
-            stats.rows[i].decode_s += elapsed
-            stats.rows[i].tree_nodes.append(nodes)
+        stats.row_forwards += len(out)
+        yield out
+
+
+@dataclass
+class _Row:
+    """One sequence of a :class:`RunningBatch`."""
+
+    key: object
+    state: object
+    """The drafter's per-sequence state."""
+    sequence: torch.Tensor
+    """``(S,)`` the prompt and the emitted tokens, the root last (what prompt lookup copies from)."""
+    budget: int
+    stop: set[int]
+    stats: GenerationStats
+
+
+class RunningBatch:
+    """Continuous batching: a batched greedy decode whose rows join and leave between steps.
+
+    :meth:`join` prefills one prompt on its own (no padding computed) and appends its cache as one more row of the
+    batched cache (:func:`medusa.engines.kv_cache.stack_rows`: no other row's prefix moves); :meth:`step` runs one
+    batched verify forward for every row; a row leaves when it stops (stop token, budget) or is asked to
+    (:meth:`leave`), so it costs nothing afterwards. Each row's tokens are exactly the base's greedy tokens, as when
+    its prompt is decoded alone, whenever it joined and whoever shares its steps.
+
+    Args:
+        model: the base ``*ForCausalLM`` (eval mode).
+        drafter: proposes each row's tree (as in :func:`batch_decode_steps`).
+        engine: as in :func:`batch_decode_steps` (``None``: the eager engine).
+        scores_all_nodes: as in :func:`batch_decode_steps`.
+
+    Raises:
+        ValueError: an engine without batched decoding.
+    """
+
+    def __init__(self, model, drafter, engine=None, scores_all_nodes: bool | None = None):
+        engine = engine if engine is not None else EagerEngine(model)
+        if not engine.supports_batch:
+            raise ValueError(f"engine {engine.name!r} does not run batched decoding")
+        self.model, self.drafter, self.engine = model, drafter, engine
+        self.all_nodes = model.device.type != "cpu" if scores_all_nodes is None else scores_all_nodes
+        self.rows: list[_Row] = []
+        self.cache = None
+        self.roots = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) each row's latest token
+        self.valid_len = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) each row's cached positions
+        self.forwards = 0
+        """Batched verify forwards run."""
+        self.rows_per_forward: list[int] = []
+        """Rows each verify forward held, in order."""
+
+    @property
+    def keys(self) -> list:
+        """The keys of the rows running, in cache order."""
+        return [r.key for r in self.rows]
+
+    def join(self, key, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int] | None = None,
+             stats: GenerationStats | None = None) -> Step:
+        """Prefill ``prompt`` ``(T,)`` as a new row ``key`` and return its first token's :class:`Step`; a row that
+        stops on it (a stop token, a budget of 1) does not join.
+
+        Raises:
+            ValueError: the prompt is empty or does not fit the context.
+        """
+        check_context(self.model, len(prompt), max_new_tokens, self.drafter.max_depth)
+        stats = stats if stats is not None else GenerationStats()
+        state = self.drafter.new_state()
+        cache, root, length = _prefill_row(self.engine, self.drafter, prompt, state)
+        stop = stop_token_ids or set()
+        step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
+        if stats.stopped_by:
+            return step
+        self.cache = cache if self.cache is None else self.engine.stack_rows([self.cache, cache])
+        self.roots = torch.cat([self.roots, root[None]])
+        self.valid_len = torch.cat([self.valid_len, length[None]])
+        self.rows.append(_Row(key, state, torch.cat([prompt, root[None]]), max_new_tokens, stop, stats))
+        return step
+
+    def leave(self, keys) -> None:
+        """Drop the rows ``keys`` (unknown keys are ignored): one copy of the rows that stay."""
+        gone = set(keys)
+        stay = [j for j, r in enumerate(self.rows) if r.key not in gone]
+        if len(stay) == len(self.rows):
+            return
+        self.rows = [self.rows[j] for j in stay]
+        if not stay:
+            self.cache, self.roots, self.valid_len = None, self.roots[:0], self.valid_len[:0]
+            return
+        keep = torch.tensor(stay, dtype=torch.long, device=self.roots.device)
+        self.roots, self.valid_len = self.roots[keep], self.valid_len[keep]
+        self.engine.select_rows(self.cache, keep, int(self.valid_len.max()))
+
+    @torch.inference_mode()
+    def step(self, plain: bool = False) -> list[tuple[object, Step]]:
+        """One batched verify forward for every row; returns ``(key, Step)`` per row, in cache order. Rows that stop
+        leave the batch. ``plain``: each tree is the root alone (a plain batched decoding step; the drafter's state
+        still sees the accepted token), whatever the drafter would propose.
+
+        Raises:
+            ValueError: no row is running, or rows drafted with different tree layouts.
+        """
+        if not self.rows:
+            raise ValueError("the batch holds no running row")
+        start = time.perf_counter()
+        states, sequences = [r.state for r in self.rows], [r.sequence for r in self.rows]
+        drafts = _root_drafts(self.drafter, self.roots) if plain else None
+        self.roots, self.valid_len, emitted, nodes = _step(self.engine, self.drafter, states, sequences, self.cache,
+                                                           self.roots, self.valid_len, self.all_nodes, drafts)
+        elapsed = time.perf_counter() - start
+        self.forwards += 1
+        self.rows_per_forward.append(len(self.rows))
+        out = []
+        for row, tokens in zip(self.rows, emitted, strict=True):
+            row.sequence = torch.cat([row.sequence, row.sequence.new_tensor(tokens)])
+            row.stats.decode_s += elapsed
+            row.stats.tree_nodes.append(nodes)
+            out.append((row.key, _emit(tokens, len(tokens) - 1, row.stats, row.budget, row.stop)))
+        self.leave([r.key for r in self.rows if r.stats.stopped_by])
+        return out
 
 
 def batch_steps(model, heads, prompts: list[torch.Tensor], tree: Tree, max_new_tokens: int,
@@ -158,37 +252,42 @@ def same_shape(a: TreeBuffers, b: TreeBuffers) -> bool:
     return a.children == b.children and torch.equal(a.parents, b.parents)
 
 
-def _prefill(engine, drafter, prompts: list[torch.Tensor], states: list):
-    """Each prompt's own forward (as when decoded alone: no padding computed), then one batched cache.
+def _prefill_row(engine, drafter, prompt: torch.Tensor, state):
+    """One prompt's own forward (as when decoded alone: no padding computed), the drafter told its states.
 
     Returns:
-        ``(cache, roots (B,), valid_len (B,))``.
+        ``(single-row cache, root (), length ())``.
     """
-    caches, roots = [], []
-    for ids, state in zip(prompts, states, strict=True):
-        cache, logits, hidden, *features = engine.prefill_row(ids, drafter.base_layers)  # (1, V), (T, H)
-        root = logits[-1].argmax()
-        caches.append(cache)
-        roots.append(root)
-        states_in = torch.cat([hidden, *features], dim=-1)  # (T, H) or base states (medusa.decode.loop.base_forward)
-        drafter.start(state, states_in, torch.cat([ids[1:], root[None]]))
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=prompts[0].device)  # (B,)
-    return engine.stack_rows(caches), torch.stack(roots), lengths
+    cache, logits, hidden, *features = engine.prefill_row(prompt, drafter.base_layers)  # (1, V), (T, H)
+    root = logits[-1].argmax()
+    states_in = torch.cat([hidden, *features], dim=-1)  # (T, H) or base states (medusa.decode.loop.base_forward)
+    drafter.start(state, states_in, torch.cat([prompt[1:], root[None]]))
+    return cache, root, torch.tensor(len(prompt), dtype=torch.long, device=prompt.device)
+
+
+def _root_drafts(drafter, roots: torch.Tensor) -> list[DraftTree]:
+    """Trees of the root alone for rows ``roots`` ``(B,)``: a plain step through ``drafter``'s states. A composite
+    drafter's update reads each part's own draft, so each part gets the root alone too."""
+    layout = tree_buffers(Tree.chain(0), roots.device)
+    parts = len(drafter.parts) if isinstance(drafter, CompositeDrafter) else 0
+    return [DraftTree(r[None], layout, parts=[DraftTree(r[None], layout) for _ in range(parts)] or None)
+            for r in roots]
 
 
 def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, roots: torch.Tensor,
-          valid_len: torch.Tensor, all_nodes: bool):
+          valid_len: torch.Tensor, all_nodes: bool, drafts: list[DraftTree] | None = None):
     """Draft, verify and accept one tree per row (``sequences[b]``: row b's prompt and emitted tokens, root last).
 
     Returns:
         ``(roots (B,), valid_len (B,), emitted, nodes)``; ``emitted[b]``: row b's accepted draft tokens then its bonus
         token (the new root); ``nodes``: the step's tree size. A drafter with ``propose_rows`` (the per-step tree)
-        grows one tree shape for all rows at once; any other proposes row by row.
+        grows one tree shape for all rows at once; any other proposes row by row. ``drafts`` given: these trees
+        instead of the drafter's.
     """
     batch = len(roots)
-    if isinstance(drafter, RowsDrafter):  # one tree shape grown for all rows (medusa.drafters.per_step)
+    if drafts is None and isinstance(drafter, RowsDrafter):  # one tree shape for all rows (medusa.drafters.per_step)
         drafts = drafter.propose_rows(states, roots, sequences, GREEDY)
-    else:
+    elif drafts is None:
         drafts = [drafter.propose(states[b], roots[b], sequences[b], GREEDY) for b in range(batch)]
     layout = drafts[0].layout
     for b, draft in enumerate(drafts):

@@ -1,0 +1,369 @@
+"""The HTTP side of ``medusa serve``: an OpenAI-compatible API on Starlette, run by uvicorn.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or server-sent events with ``stream``), ``GET
+/v1/models`` and ``GET /health``. Requests are validated (:mod:`medusa.serve.protocol`), turned into prompt ids and
+decoding settings here, and decoded by the scheduler thread (:mod:`medusa.serve.scheduler`); its tokens come back
+through an asyncio queue and are turned into text by :class:`medusa.serve.text.TextStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+
+from medusa.decode.logits_process import resolve_decoding
+from medusa.serve.protocol import CHAT, COMPLETION, ApiError, Request, bad, parse_body
+from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler
+from medusa.serve.text import TextStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeConfig:
+    """What ``medusa serve`` is configured with (its flags)."""
+
+    served_model_name: str
+    """The name ``/v1/models`` lists and requests must ask for."""
+    api_key: str | None = None
+    """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>``."""
+    max_running: int = 16
+    """Requests decoding at once (rows of the batch plus sampling requests)."""
+    max_waiting: int = 64
+    """Requests queued beyond those running; more get 429."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted (413 beyond)."""
+    request_timeout_s: float = 600.0
+    """A request not finished by then is cancelled (504, or an error event when streaming)."""
+    default_max_tokens: int = 512
+    """New tokens when a request sets no ``max_tokens`` (less when the context has less room)."""
+    speculation: str = "auto"
+    """One of :data:`medusa.serve.scheduler.SPECULATION`."""
+
+    def __post_init__(self):
+        if self.speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
+        for name in ("max_running", "max_body_bytes", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or not self.request_timeout_s > 0:
+            raise ValueError(f"max_waiting must be >= 0 and request_timeout_s > 0, got {self.max_waiting}, "
+                             f"{self.request_timeout_s}")
+
+
+class Server:
+    """The model, its scheduler and the request handling shared by the routes.
+
+    Args:
+        model: a :class:`medusa.model.MedusaModel` with a tokenizer.
+        config: the :class:`ServeConfig`.
+    """
+
+    def __init__(self, model, config: ServeConfig):
+        if model.tokenizer is None:
+            raise ValueError("serving needs the base's tokenizer (MedusaModel.tokenizer is None)")
+        self.model, self.config = model, config
+        self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation)
+        self.drain_deadline: float | None = None
+        """Set on SIGTERM (:meth:`drain`): requests still running then end with an error."""
+        text_config = model.base.config.get_text_config(decoder=True)
+        self.context = (getattr(text_config, "max_position_embeddings", None)
+                        or getattr(text_config, "n_positions", None))
+        self.vocab_size = text_config.vocab_size
+        self.special_ids = set(model.tokenizer.all_special_ids)
+        self.created = int(time.time())
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests; those in flight get ``seconds`` to finish."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + seconds
+
+    # -- one request --------------------------------------------------------------------------------------------------
+    def check_key(self, authorization: str | None) -> None:
+        """Raises ``ApiError`` 401 when an API key is set and ``authorization`` does not carry it."""
+        key = self.config.api_key
+        if key is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith(
+            "Bearer ") else None
+        if given is None or not secrets.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", kind="authentication_error")
+
+    def prepare(self, request: Request) -> tuple[torch.Tensor, int, object]:
+        """``(prompt ids (T,), max new tokens, Decoding)`` of a validated request.
+
+        Raises:
+            ApiError: 404 for another model's name; 400 for messages the chat template rejects, a prompt of only
+                special tokens or out-of-vocabulary ids, a prompt or ``max_tokens`` beyond the context, or settings
+                the base cannot honour (named).
+        """
+        if request.model != self.config.served_model_name:
+            raise ApiError(404, f"The model '{request.model}' does not exist: this server serves "
+                                f"'{self.config.served_model_name}'", "model", "model_not_found")
+        ids = self.prompt_ids(request)
+        return ids, self.budget(request, len(ids)), self.decoding(request)
+
+    def prompt_ids(self, request: Request) -> torch.Tensor:
+        from medusa.base import chat_prompt_ids
+
+        tokenizer, param = self.model.tokenizer, "messages" if request.kind == CHAT else "prompt"
+        if request.kind == CHAT:
+            try:
+                ids = chat_prompt_ids(tokenizer, request.messages)
+            except Exception as e:  # jinja2's TemplateError, or what a template raises itself
+                raise bad(f"the chat template rejected the messages: {e}", "messages") from None
+        elif isinstance(request.prompt, str):
+            ids = tokenizer(request.prompt)["input_ids"]
+        else:
+            ids = request.prompt
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise bad(f"token id {outside[0]} of the prompt is outside the vocabulary [0, {self.vocab_size})",
+                          "prompt")
+        if not ids or all(t in self.special_ids for t in ids):
+            raise bad(f"the {param} holds only special tokens ({len(ids)}): there is no text to continue", param)
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device)
+
+    def budget(self, request: Request, prompt_len: int) -> int:
+        """New tokens for the request: its ``max_tokens``, else the server's default, within the context."""
+        depth = self.scheduler.batch.drafter.max_depth
+        room = math.inf if self.context is None else self.context - prompt_len - depth - 1
+        param = "messages" if request.kind == CHAT else "prompt"
+        if room < 1:
+            raise bad(f"the prompt is {prompt_len} tokens: with the tree's depth {depth} it leaves no room in the "
+                      f"model's context of {self.context} tokens", param, "context_length_exceeded")
+        if request.max_tokens is None:
+            return int(min(self.config.default_max_tokens, room))
+        if request.max_tokens > room:
+            raise bad(f"max_tokens {request.max_tokens} + the prompt's {prompt_len} tokens (+ the tree's depth "
+                      f"{depth} + 1) exceed the model's context of {self.context} tokens: at most {int(room)} new "
+                      f"tokens fit", "max_tokens", "context_length_exceeded")
+        return request.max_tokens
+
+    def decoding(self, request: Request):
+        """The library's decoding settings: ``temperature`` 0 is greedy, > 0 samples at it, unset takes the base's
+        generation_config (as ``MedusaModel.generate`` does); ``top_p`` applies when sampling."""
+        do_sample = None if request.temperature is None else request.temperature > 0
+        try:
+            decoding = resolve_decoding(self.model.base.generation_config, do_sample,
+                                        request.temperature if do_sample else None, seed=request.seed)
+            if decoding.do_sample and request.top_p is not None:
+                decoding = resolve_decoding(self.model.base.generation_config, True, request.temperature,
+                                            top_p=request.top_p, seed=request.seed)
+        except ValueError as e:
+            raise bad(f"these decoding settings cannot be honoured: {e}", "temperature") from None
+        return decoding
+
+    def submit(self, ids: torch.Tensor, max_new: int, decoding) -> tuple[Job, asyncio.Queue]:
+        """Queue a job whose events arrive on the returned queue (from the scheduler thread).
+
+        Raises:
+            ApiError: 429 when the waiting queue is full, 503 while draining.
+        """
+        if self.drain_deadline is not None:
+            raise ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(event: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        job = Job(ids, max_new, decoding, deliver)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_exceeded") from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), code="server_shutting_down", kind="server_error") from None
+        return job, events
+
+    async def events(self, job: Job, events: asyncio.Queue, started: float):
+        """The job's events until it is done; ends with ``("error", ...)`` at its deadline or the drain's."""
+        while True:
+            deadline = started + self.config.request_timeout_s
+            if self.drain_deadline is not None:
+                deadline = min(deadline, self.drain_deadline)
+            try:
+                event = await asyncio.wait_for(events.get(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                job.cancelled = True
+                why = ("the server is shutting down" if self.drain_deadline is not None
+                       and time.monotonic() >= self.drain_deadline else
+                       f"the request timed out after {self.config.request_timeout_s:g} s")
+                yield ("error", why)
+                return
+            yield event
+            if event[0] in ("done", "error"):
+                return
+
+    def usage(self, job: Job, prompt_len: int, completion: int) -> dict:
+        tau = job.stats.tau
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                "total_tokens": prompt_len + completion,
+                "medusa_tau": None if math.isnan(tau) else round(tau, 4)}
+
+
+def chunk_body(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
+               first: bool = False) -> dict:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    if kind == CHAT:
+        delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": COMPLETION, "created": created, "model": model, "choices": [choice]}
+
+
+def response_body(kind: str, rid: str, created: int, model: str, text: str, finish: str, usage: dict) -> dict:
+    if kind == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
+
+
+def sse(data) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+async def complete(server: Server, request, kind: str):
+    """``POST /v1/chat/completions`` (``kind`` :data:`CHAT`) or ``/v1/completions``."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    started = time.monotonic()
+    server.check_key(request.headers.get("authorization"))
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > server.config.max_body_bytes:
+        raise ApiError(413, f"the request body is {declared} bytes, over the server's limit of "
+                            f"{server.config.max_body_bytes}", code="request_too_large")
+    body = parse_body(await request.body(), kind, server.config.max_body_bytes)
+    ids, max_new, decoding = server.prepare(body)
+    job, events = server.submit(ids, max_new, decoding)
+    rid = ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
+    created, model = int(time.time()), server.config.served_model_name
+    text = TextStream(server.model.tokenizer, body.stop)
+    if body.stream:
+        return StreamingResponse(stream(server, job, events, started, body, rid, created, text, len(ids)),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    pieces, finish = [], None
+    try:
+        async for event in server.events(job, events, started):
+            if event[0] == "tokens":
+                pieces.append(text.add(event[1]))
+            elif event[0] == "done":
+                pieces.append(text.finish())
+                finish = event[1]
+            else:
+                raise ApiError(504 if "timed out" in event[1] else 503, event[1], code="decoding_ended",
+                               kind="server_error")
+            if text.stopped:
+                finish = "stop"
+                break
+    finally:
+        job.cancelled = True  # a no-op once done; frees the slot when the client went away or a stop string matched
+    completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+    usage = server.usage(job, len(ids), completion)
+    return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+
+
+async def stream(server: Server, job: Job, events: asyncio.Queue, started: float, body: Request, rid: str,
+                 created: int, text: TextStream, prompt_len: int):
+    """Server-sent events: one chunk per accepted group of tokens that adds text, the finish reason, the usage when
+    asked (``stream_options.include_usage``), then ``[DONE]``; an error ends the stream with an error event."""
+    model, kind = server.config.served_model_name, body.kind
+    try:
+        if kind == CHAT:
+            yield sse(chunk_body(kind, rid, created, model, None, None, first=True))
+        finish = None
+        async for event in server.events(job, events, started):
+            if event[0] == "error":
+                yield sse({"error": {"message": event[1], "type": "server_error", "param": None,
+                                     "code": "decoding_ended"}})
+                yield sse("[DONE]")
+                return
+            piece = text.add(event[1]) if event[0] == "tokens" else text.finish()
+            finish = "stop" if text.stopped else (event[1] if event[0] == "done" else None)
+            if piece or finish:
+                yield sse(chunk_body(kind, rid, created, model, piece, None))
+            if finish:
+                break
+        if kind == CHAT:
+            yield sse(chunk_body(kind, rid, created, model, None, finish))
+        else:
+            yield sse(chunk_body(kind, rid, created, model, "", finish))
+        if body.include_usage:
+            completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+            usage = server.usage(job, prompt_len, completion)
+            yield sse({"id": rid, "object": "chat.completion.chunk" if kind == CHAT else COMPLETION,
+                       "created": created, "model": model, "choices": [], "usage": usage})
+        yield sse("[DONE]")
+    finally:
+        job.cancelled = True  # the client went away, or a stop string ended the text: the slot is freed
+
+
+def build_app(server: Server):
+    """The Starlette application serving ``server``; the scheduler thread runs while the app does."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def chat(request: HttpRequest):
+        return await complete(server, request, CHAT)
+
+    async def completions(request: HttpRequest):
+        return await complete(server, request, COMPLETION)
+
+    async def models(request: HttpRequest):
+        server.check_key(request.headers.get("authorization"))
+        entry = {"id": server.config.served_model_name, "object": "model", "created": server.created,
+                 "owned_by": "medusa"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: HttpRequest):
+        state = "draining" if server.drain_deadline is not None else "ok"
+        return JSONResponse({"status": state, **server.scheduler.snapshot()}, status_code=200 if state == "ok"
+                            else 503)
+
+    async def api_error(request: HttpRequest, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request: HttpRequest, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code)
+
+    async def internal_error(request: HttpRequest, exc: Exception):
+        logger.exception("request failed")
+        body = {"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
+                          "param": None, "code": None}}
+        return JSONResponse(body, status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            server.scheduler.stop(timeout=60)
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+    handlers = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -1,0 +1,276 @@
+"""Continuous batching: one thread owns the model and runs every request's decode steps.
+
+Greedy requests (no logits processor) are rows of one :class:`medusa.decode.batch.RunningBatch`: a request joins at
+the next step (its prompt prefilled on its own), shares every verify forward with the rows running, and leaves when
+it stops, is cancelled (the client went away, a stop string matched, its deadline passed) or fails. Requests that
+sample, or whose settings need a logits processor, run their own one-sequence step
+(:func:`medusa.decode.loop.decode_steps`, whose rejection sampling batched decoding does not have) between two batched
+steps. Every running request advances once per round of the loop, and a round runs at most one batched step and one
+step per sampling request (at most ``max_running`` of them): no request waits more than a bounded number of steps.
+
+Each batched step is speculative or plain (the root alone) as :class:`StepChoice` decides for the batch size at hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa.decode.batch import RunningBatch
+from medusa.decode.logits_process import Decoding
+from medusa.decode.loop import GenerationStats, Step, decode_steps
+from medusa.drafters.composite import NoDrafter
+
+logger = logging.getLogger(__name__)
+
+SPECULATION = ("auto", "on", "off")
+"""``auto``: each batched step speculative or plain, whichever measured faster at that batch size; ``on``: always
+speculative; ``off``: plain decoding throughout (sampling requests included)."""
+
+
+class QueueFull(Exception):
+    """The scheduler's waiting queue is full (the server answers 429)."""
+
+
+@dataclass
+class Job:
+    """One request on its way through the scheduler.
+
+    ``deliver`` is called from the scheduler thread with ``("tokens", list[int])``, then ``("done", finish_reason)``
+    (``"stop"``: a stop token; ``"length"``: the budget) or ``("error", message)``; it must not block.
+    """
+
+    ids: torch.Tensor
+    """``(T,)`` long prompt ids, on the model's device."""
+    max_new_tokens: int
+    decoding: Decoding
+    deliver: Callable[[tuple], None]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: bool = False
+    """Set from any thread: the scheduler drops the job before its next step."""
+    rows_seen: int = 0
+    """The most rows a verify forward of this job held (1 for a job that ran alone)."""
+
+
+class StepChoice:
+    """Speculative or plain batched decoding, per step, for the current batch size: whichever gave more tokens per
+    second in the steps measured at that size (a decayed mean of each), so that speculation never costs throughput
+    for long. Each mode is tried ``warm`` times at a size first, and the losing mode again every ``explore_every``
+    steps, as acceptance and costs drift.
+
+    Args:
+        mode: one of :data:`SPECULATION`.
+    """
+
+    def __init__(self, mode: str = "auto", warm: int = 2, explore_every: int = 16, decay: float = 0.8):
+        if mode not in SPECULATION:
+            raise ValueError(f"speculation must be one of {SPECULATION}, got {mode!r}")
+        self.mode, self.warm, self.explore_every, self.decay = mode, warm, explore_every, decay
+        self.rate: dict[tuple[int, bool], float] = {}
+        """``(batch size, plain)`` -> decayed tokens per second."""
+        self.count: dict[tuple[int, bool], int] = {}
+
+    def plain(self, batch: int) -> bool:
+        """Whether the next step at ``batch`` rows should be plain."""
+        if self.mode != "auto":
+            return self.mode == "off"
+        spec, plain = self.count.get((batch, False), 0), self.count.get((batch, True), 0)
+        if spec < self.warm or plain < self.warm:
+            return spec >= self.warm
+        best_plain = self.rate[(batch, True)] > self.rate[(batch, False)]
+        explore = (spec + plain) % self.explore_every == 0
+        return best_plain != explore
+
+    def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
+        """One step's ``tokens`` emitted over all rows in ``seconds``."""
+        key = (batch, plain)
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        self.count[key] = self.count.get(key, 0) + 1
+
+
+class Scheduler:
+    """The thread that owns the model (see module docstring).
+
+    Args:
+        model: a :class:`medusa.model.MedusaModel`.
+        max_running: the most requests decoding at once (rows of the batch plus sampling requests).
+        max_waiting: the most requests waiting to start; :meth:`submit` raises :class:`QueueFull` beyond.
+        speculation: one of :data:`SPECULATION`.
+    """
+
+    def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto"):
+        if max_running < 1 or max_waiting < 0:
+            raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
+        self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
+        self.choice = StepChoice(speculation)
+        drafter = NoDrafter() if speculation == "off" else model.drafter
+        self.batch = RunningBatch(model.base, drafter, model.engine)
+        self.solo: dict[int, tuple[Job, Iterator[Step]]] = {}  # sampling jobs, each its own decode_steps
+        self.jobs: dict[int, Job] = {}  # the batch's rows by key
+        self.waiting: deque[Job] = deque()
+        self.stop_ids = model.stop_token_ids()
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.plain_steps = 0
+        """Batched steps run plain (the root alone)."""
+        self.solo_steps = 0
+        """One-sequence steps of sampling requests."""
+
+    # -- from other threads -------------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; it starts at the scheduler's next round with a free slot.
+
+        Raises:
+            QueueFull: ``max_waiting`` jobs are already waiting.
+            RuntimeError: the scheduler is stopping.
+        """
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (the server's limit): retry later")
+            self.waiting.append(job)
+            self._lock.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="medusa-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current step; jobs still waiting or running get an error."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        """Counters for ``/health``: requests running and waiting, verify forwards and the rows they held."""
+        rows = self.batch.rows_per_forward
+        with self._lock:
+            waiting = len(self.waiting)
+        return {"running": len(self.jobs) + len(self.solo), "waiting": waiting, "batched_forwards": len(rows),
+                "max_rows_per_forward": max(rows, default=0), "row_forwards": sum(rows),
+                "plain_steps": self.plain_steps, "solo_steps": self.solo_steps}
+
+    # -- the scheduler thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    break
+                if not self.waiting and not self.jobs and not self.solo:
+                    self._lock.wait(0.05)
+                    continue
+            self._admit()
+            self._drop_cancelled()
+            if self.jobs:
+                self._batched_step()
+            for key in list(self.solo):
+                self._solo_step(key)
+        self._fail_all("the server is shutting down")
+
+    def _admit(self) -> None:
+        """Start waiting jobs while slots are free (each prefilled now: it joins the batch's next step)."""
+        while len(self.jobs) + len(self.solo) < self.max_running:
+            with self._lock:
+                if not self.waiting:
+                    return
+                job = self.waiting.popleft()
+            if job.cancelled:
+                continue
+            key = id(job)
+            try:
+                if self._batched(job):
+                    self._deliver(job, self.batch.join(key, job.ids, job.max_new_tokens, self.stop_ids, job.stats))
+                    if not job.stats.stopped_by:
+                        self.jobs[key] = job
+                else:
+                    steps = self._solo_steps(job)
+                    self._deliver(job, next(steps))
+                    if not job.stats.stopped_by:
+                        self.solo[key] = (job, steps)
+            except Exception as e:  # one bad request must not stop the others
+                logger.exception("prefill failed")
+                job.deliver(("error", f"decoding failed: {e}"))
+
+    def _batched(self, job: Job) -> bool:
+        """Whether ``job`` runs as a row of the batched greedy decode (no sampling, no logits processor)."""
+        return not job.decoding.do_sample and not job.decoding.processors(len(job.ids), job.max_new_tokens,
+                                                                          self.stop_ids, job.ids.device)
+
+    def _solo_steps(self, job: Job) -> Iterator[Step]:
+        drafter = self.batch.drafter if self.choice.mode != "off" else NoDrafter()
+        return decode_steps(self.model.base, drafter, job.ids, job.max_new_tokens, self.stop_ids, job.stats,
+                            job.decoding, self.model.engine)
+
+    def _drop_cancelled(self) -> None:
+        gone = [key for key, job in self.jobs.items() if job.cancelled]
+        if gone:
+            self.batch.leave(gone)
+            for key in gone:
+                del self.jobs[key]
+        for key in [k for k, (job, _) in self.solo.items() if job.cancelled]:
+            del self.solo[key]
+
+    def _batched_step(self) -> None:
+        size = len(self.jobs)
+        plain = self.choice.plain(size)
+        start = time.perf_counter()
+        try:
+            out = self.batch.step(plain)
+        except Exception as e:
+            logger.exception("batched step failed")
+            self.batch.leave(list(self.jobs))
+            for job in self.jobs.values():
+                job.deliver(("error", f"decoding failed: {e}"))
+            self.jobs.clear()
+            return
+        self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start)
+        self.plain_steps += plain
+        for key, step in out:
+            job = self.jobs[key]
+            job.rows_seen = max(job.rows_seen, size)
+            self._deliver(job, step)
+            if job.stats.stopped_by:
+                del self.jobs[key]
+
+    def _solo_step(self, key: int) -> None:
+        job, steps = self.solo[key]
+        try:
+            step = next(steps)
+        except Exception as e:
+            logger.exception("sampling step failed")
+            del self.solo[key]
+            job.deliver(("error", f"decoding failed: {e}"))
+            return
+        self.solo_steps += 1
+        job.rows_seen = max(job.rows_seen, 1)
+        self._deliver(job, step)
+        if job.stats.stopped_by:
+            del self.solo[key]
+
+    @staticmethod
+    def _deliver(job: Job, step: Step) -> None:
+        if step.tokens:
+            job.deliver(("tokens", list(step.tokens)))
+        if job.stats.stopped_by:
+            job.deliver(("done", "stop" if job.stats.stopped_by == "stop_token" else "length"))
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            left = [*self.waiting, *self.jobs.values(), *(job for job, _ in self.solo.values())]
+            self.waiting.clear()
+        for job in left:
+            job.deliver(("error", message))
+        self.jobs.clear()
+        self.solo.clear()
