@@ -124,6 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
+    p = add_command("serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions) decoding with the "
+                             "heads, with continuous batching")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default: only this machine)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--max-running", type=int, default=16, help="requests decoding at once (rows of the batch)")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those running; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still running then is ended")
+    p.add_argument("--default-max-tokens", type=int, default=512,
+                   help="new tokens when a request sets no max_tokens (less when the context has less room)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, requests in flight get this long to finish, then end with an error")
+    p.add_argument("--speculation", choices=("auto", "on", "off"), default="auto",
+                   help="auto: each batched step speculative or plain, whichever measured faster at that batch "
+                        "size; on: always speculative; off: plain decoding only")
+    p.set_defaults(func=cmd_serve)
+
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
     _model_args(p, draft_model=True)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
@@ -290,7 +310,11 @@ def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
         g.add_argument("--draft-width", type=int, default=1, metavar="W",
                        help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
         g.add_argument("--draft-engine", default=None,
-                       help="the draft's own engine (default: the base's, after --engine auto chose it)")
+                       help="the draft's own engine (default: the base's, after --engine auto chose it; eager "
+                            "for a quantized draft)")
+        g.add_argument("--draft-quantize", choices=["int8"], default=None,
+                       help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
+                            "the base's own folder: a quantized copy of the target)")
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
                                   "folder holds calibration.json, else its tree.json, else the top-1 chain)")
@@ -425,13 +449,18 @@ def _load_draft_model(args, dtype, device):
     for flag, value in (("--draft-tokens", args.draft_tokens), ("--draft-width", args.draft_width)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    quantize = getattr(args, "draft_quantize", None)
+    if quantize and args.draft_engine not in (None, "eager", "static"):
+        raise ValueError(f"--draft-quantize {quantize} runs the draft's own quantized modules: --draft-engine must be "
+                         f"eager or static, got {args.draft_engine}")
     model = MedusaModel.from_draft_model(args.base, args.draft_model, args.draft_tokens, args.draft_width,
-                                         args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager")
+                                         args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager",
+                                         draft_quantize=quantize)
     scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
     model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
-    model.heads.use_engine(args.draft_engine or model.engine.name)
+    model.heads.use_engine(args.draft_engine or ("eager" if quantize else model.engine.name))
     print(f"draft model {args.draft_model}: {model.tree.name} ({model.tree.num_nodes - 1} nodes + root), its own "
           f"{model.heads.engine.name} engine", file=sys.stderr)
     return model
@@ -890,6 +919,19 @@ def cmd_plan(args) -> int:
               f"candidate paths, {plan.tree_nodes(args.branching, args.depth)} draft nodes, "
               f"{plan.tree_expected_tokens(alpha, args.branching, args.depth):.3f} expected tokens per round if "
               f"each sibling were accepted independently (an upper bound: a greedy base accepts one sibling)")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from medusa.serve.app import ServeConfig
+    from medusa.serve.run import serve
+
+    config = ServeConfig(args.served_model_name or Path(args.heads).resolve().name, args.api_key, args.max_running,
+                         args.max_waiting, args.max_body_bytes, args.request_timeout_s, args.default_max_tokens,
+                         args.speculation)
+    model = _load(args)
+    print(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")
     return 0
 
 

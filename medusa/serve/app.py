@@ -77,7 +77,8 @@ class Server:
         self.context = (getattr(text_config, "max_position_embeddings", None)
                         or getattr(text_config, "n_positions", None))
         self.vocab_size = text_config.vocab_size
-        self.special_ids = set(model.tokenizer.all_special_ids)
+        added = getattr(model.tokenizer, "added_tokens_decoder", {})  # special tokens outside the named roles too
+        self.special_ids = set(model.tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         self.created = int(time.time())
 
     def drain(self, seconds: float) -> None:

@@ -1,0 +1,381 @@
+"""``medusa serve``: the OpenAI-compatible server, talked to with the official ``openai`` client on a loopback port,
+and its parts (continuous batching, the scheduler, streamed text, request validation) on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from test_decoding import WIDE_TREE, random_heads
+from tiny import tiny_model, tiny_tokenizer
+
+from medusa.decode.batch import RunningBatch
+from medusa.drafters.composite import tree_drafter
+from medusa.model import MedusaModel
+from medusa.serve.app import ServeConfig, Server
+from medusa.serve.protocol import ApiError, parse_body
+from medusa.serve.run import make_uvicorn_server
+from medusa.serve.scheduler import Job, QueueFull, Scheduler, StepChoice
+from medusa.serve.text import TextStream, decode
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+KEY = "test-key"
+NAME = "tiny-heads"
+
+
+def tiny_medusa(seed: int = 0) -> MedusaModel:
+    base = tiny_model("llama", seed)
+    return MedusaModel(base, random_heads(base), WIDE_TREE, tiny_tokenizer(), engine="eager")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server on a free loopback port, in a thread of this process."""
+
+    def __init__(self, model, **config):
+        self.model, self.port = model, free_port()
+        self.server = Server(model, ServeConfig(NAME, **config))
+        self.uvicorn = make_uvicorn_server(self.server, port=self.port, drain_timeout_s=1)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started:
+            assert self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=config.get("api_key") or "none",
+                                    max_retries=0)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health").json()
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served():
+    running = Running(tiny_medusa(), api_key=KEY, max_running=8, max_waiting=16)
+    yield running
+    running.close()
+
+
+def chat_ids(model, messages) -> torch.Tensor:
+    from medusa.base import chat_prompt_ids
+
+    return torch.tensor(chat_prompt_ids(model.tokenizer, messages))
+
+
+def generated_text(model, ids: torch.Tensor, max_new: int, **settings) -> str:
+    tokens, _ = model.generate(ids, max_new, **settings)
+    return decode(model.tokenizer, tokens)
+
+
+MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]
+
+
+# -- end to end, with the openai client ------------------------------------------------------------------------------
+def test_chat_plain_and_streamed_give_the_text_generate_gives(served):
+    expected = generated_text(served.model, chat_ids(served.model, MESSAGES), 24, do_sample=False)
+    r = served.client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(chat_ids(served.model, MESSAGES))
+    assert r.usage.model_extra["medusa_tau"] >= 1.0
+    chunks = list(served.client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens and not chunks[-1].choices
+
+
+def test_completions_continue_raw_text_as_generate_does(served):
+    prompt = "the quick brown fox"
+    ids = torch.tensor(served.model.tokenizer(prompt)["input_ids"])
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+    assert r.choices[0].text == generated_text(served.model, ids, 16, do_sample=False)
+    streamed = "".join(c.choices[0].text for c in served.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_stop_sequence_ends_the_text_before_it(served):
+    full = served.client.completions.create(model=NAME, prompt="hello world", max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    printable = [i for i in range(2, len(text) - 2) if text[i:i + 2].isprintable() and text[i:i + 2].strip()]
+    assert printable, f"no printable pair in {text!r}"
+    stop = text[printable[len(printable) // 2]: printable[len(printable) // 2] + 2]
+    expected = text[: text.find(stop)]
+    r = served.client.completions.create(model=NAME, prompt="hello world", max_tokens=30, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = list(served.client.completions.create(model=NAME, prompt="hello world", max_tokens=30, temperature=0,
+                                                     stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_same_seed_same_text_as_generate_samples(served):
+    def ask():
+        return served.client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0.9,
+                                                     top_p=0.95, seed=7).choices[0].message.content
+
+    first, second = ask(), ask()
+    assert first == second
+    expected = generated_text(served.model, chat_ids(served.model, MESSAGES), 20, do_sample=True, temperature=0.9,
+                              top_p=0.95, seed=7)
+    assert first == expected
+
+
+def test_two_requests_sent_together_share_verify_forwards(served):
+    before = served.health()["max_rows_per_forward"]
+    assert before <= 1, "an earlier test already batched"
+    prompts = ["the lazy dog", "Medusa heads predict"]
+    barrier, out = threading.Barrier(2), {}
+
+    def ask(p):
+        barrier.wait()
+        out[p] = served.client.completions.create(model=NAME, prompt=p, max_tokens=120, temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert served.health()["max_rows_per_forward"] >= 2
+    for p in prompts:  # each row still gets exactly its own greedy text
+        ids = torch.tensor(served.model.tokenizer(p)["input_ids"])
+        assert out[p].choices[0].text == generated_text(served.model, ids, 120, do_sample=False)
+
+
+def test_disconnected_stream_frees_its_slot_and_the_server_goes_on(served):
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    for _ in range(500):  # the scheduler drops the row at its next step
+        if served.health()["running"] == 0:
+            break
+        time.sleep(0.01)
+    assert served.health()["running"] == 0
+    assert served.client.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0).choices
+
+
+BAD = [
+    ({"prompt": "hi", "max_tokens": 4, "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "<|im_end|><|im_start|>"}, 400, "prompt"),
+    ({"prompt": "hi " * 600}, 400, "prompt"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_bad_requests_get_the_status_and_the_field_named(served, body, status, param):
+    r = httpx.post(served.url + "/v1/completions", json={"model": NAME} | body,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_bodies_keys_and_content_are_refused_and_the_server_goes_on(served):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    cases = [(b'{"model": "tiny-heads", "prompt": "hi"', auth, 400, "not valid JSON"),
+             (b'{"model": "tiny-heads", "prompt": "\xff\xfe"}', auth, 400, "UTF-8"),
+             (b"[1, 2]", auth, 400, "JSON object"),
+             (json.dumps({"model": NAME, "prompt": "x" * (2 << 20)}).encode(), auth, 413, "limit"),
+             (json.dumps({"model": NAME, "prompt": "hi"}).encode(), {"Authorization": "Bearer wrong"}, 401, "API key"),
+             (json.dumps({"model": NAME, "prompt": "hi"}).encode(), {}, 401, "API key")]
+    for raw, headers, status, words in cases:
+        r = httpx.post(served.url + "/v1/completions", content=raw, headers=headers)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    r = httpx.post(served.url + "/v1/chat/completions", headers=auth, json={
+        "model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in served.client.models.list().data] == [NAME]
+    assert served.client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0).choices
+
+
+def test_messages_the_chat_template_rejects_are_a_400():
+    model = tiny_medusa()
+    model.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                     "{{ raise_exception('system messages are not supported') }}{% endif %}"
+                                     "{{ m['content'] }}{% endfor %}")
+    server = Server(model, ServeConfig(NAME))
+    body = json.dumps({"model": NAME, "messages": [{"role": "system", "content": "x"}]}).encode()
+    with pytest.raises(ApiError, match="system messages are not supported") as e:
+        server.prepare(parse_body(body, "chat.completion", 1 << 20))
+    assert (e.value.status, e.value.param) == (400, "messages")
+
+
+def test_a_flood_beyond_the_queue_gets_429_and_the_rest_is_answered():
+    running = Running(tiny_medusa(seed=1), max_running=1, max_waiting=1)
+    try:
+        statuses = []
+
+        def ask():
+            r = httpx.post(running.url + "/v1/completions", timeout=60,
+                           json={"model": NAME, "prompt": "hello", "max_tokens": 60, "temperature": 0})
+            statuses.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(s for s, _ in statuses)
+        assert len(codes) == 8 and set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        assert all(b["error"]["code"] == "queue_full" for s, b in statuses if s == 429)
+        assert running.client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0).choices
+    finally:
+        running.close()
+
+
+# -- the parts --------------------------------------------------------------------------------------------------------
+def alone(model, heads, ids, max_new):
+    from medusa.decode.loop import medusa_generate
+
+    return medusa_generate(model, heads, ids, WIDE_TREE, max_new)[0]
+
+
+def test_rows_join_a_running_batch_and_each_stays_exact():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (7, 19, 12)]
+    batch = RunningBatch(model, tree_drafter(heads, WIDE_TREE))
+    out = {k: [] for k in range(3)}
+    budgets = {0: 30, 1: 12, 2: 25}
+    out[0] += batch.join(0, prompts[0], budgets[0], set()).tokens
+    for step in range(60):
+        if step == 3:
+            out[1] += batch.join(1, prompts[1], budgets[1], set()).tokens
+        if step == 5:
+            out[2] += batch.join(2, prompts[2], budgets[2], set()).tokens
+        if not batch.keys:
+            break
+        for key, s in batch.step(plain=step % 3 == 1):  # plain steps between speculative ones
+            out[key] += s.tokens
+    assert max(batch.rows_per_forward) == 3 and not batch.keys
+    for k, ids in enumerate(prompts):
+        assert out[k] == alone(model, heads, ids, budgets[k])
+
+
+def test_a_row_that_leaves_does_not_disturb_the_others():
+    model = tiny_model("qwen2")
+    heads = random_heads(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (9, 15)]
+    batch = RunningBatch(model, tree_drafter(heads, WIDE_TREE))
+    tokens = [batch.join(k, p, 20, set()).tokens for k, p in enumerate(prompts)]
+    for _ in range(2):
+        for key, s in batch.step():
+            tokens[key] += s.tokens
+    batch.leave([0])
+    while batch.keys:
+        for key, s in batch.step():
+            tokens[key] += s.tokens
+    assert tokens[1] == alone(model, heads, prompts[1], 20)
+
+
+def test_sampling_and_greedy_requests_all_advance_every_round():
+    from medusa.decode.logits_process import resolve_decoding
+
+    model = tiny_medusa()
+    scheduler = Scheduler(model, max_running=8, max_waiting=8)
+    rounds, jobs, events = [], [], {}
+    g = torch.Generator().manual_seed(2)
+    for i, sample in enumerate([False, True, False, True, False]):
+        decoding = resolve_decoding(None, do_sample=sample, temperature=0.8 if sample else None, seed=i)
+        events[i] = []
+        job = Job(torch.randint(3, 300, (8 + i,), generator=g), 20, decoding, events[i].append)
+        jobs.append(job)
+        scheduler.submit(job)
+    scheduler._admit()
+    while scheduler.jobs or scheduler.solo:
+        before = [len(events[i]) for i in range(len(jobs))]
+        running = [i for i, j in enumerate(jobs) if not j.stats.stopped_by]
+        scheduler._drop_cancelled()
+        if scheduler.jobs:
+            scheduler._batched_step()
+        for key in list(scheduler.solo):
+            scheduler._solo_step(key)
+        rounds.append(all(len(events[i]) > before[i] for i in running))
+    assert all(rounds) and len(scheduler.solo) == 0
+    assert scheduler.solo_steps > 0 and max(scheduler.batch.rows_per_forward) == 3
+    assert all(e[-1] == ("done", "length") for e in events.values())
+
+
+def test_the_waiting_queue_is_bounded():
+    model = tiny_medusa()
+    scheduler = Scheduler(model, max_running=1, max_waiting=2)
+    from medusa.decode.logits_process import resolve_decoding
+
+    job = Job(torch.tensor([5, 6, 7]), 4, resolve_decoding(), lambda e: None)
+    scheduler.submit(job)
+    scheduler.submit(job)
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        scheduler.submit(job)
+
+
+def test_step_choice_steps_aside_where_plain_is_faster():
+    choice = StepChoice("auto", warm=2, explore_every=8)
+    for _ in range(40):
+        for batch, spec_rate, plain_rate in ((1, 30.0, 20.0), (8, 40.0, 80.0)):
+            plain = choice.plain(batch)
+            choice.record(batch, plain, 100, 100 / (plain_rate if plain else spec_rate))
+    assert choice.count[(8, True)] > 3 * choice.count[(8, False)]
+    assert choice.count[(1, False)] > 3 * choice.count[(1, True)]
+    assert StepChoice("off").plain(1) and not StepChoice("on").plain(64)
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        StepChoice("sometimes")
+
+
+def test_streamed_text_never_splits_a_character_and_holds_back_a_partial_stop():
+    tokenizer = tiny_tokenizer()
+    text = "héllo wörld, 日本語 😀 done"
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer)
+    pieces = [stream.add([t]) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    stream = TextStream(tokenizer, stop=["wörld", "zzz"])
+    pieces, sent = [], ""
+    for t in ids:
+        pieces.append(stream.add([t]))
+        sent += pieces[-1]
+        assert not sent.endswith(("w", "wö")) or stream.stopped
+    assert sent + stream.finish() == "héllo " and stream.stopped
+    stream = TextStream(tokenizer, stop=["wörx"])  # a partial match that never resolves is sent in the end
+    assert "".join([stream.add([t]) for t in ids] + [stream.finish()]) == text
+
+
+def test_server_refuses_a_model_without_tokenizer_and_bad_config():
+    model = tiny_medusa()
+    model.tokenizer = None
+    with pytest.raises(ValueError, match="tokenizer"):
+        Server(model, ServeConfig(NAME))
+    with pytest.raises(ValueError, match="speculation"):
+        ServeConfig(NAME, speculation="maybe")
+
