@@ -379,3 +379,62 @@ def test_server_refuses_a_model_without_tokenizer_and_bad_config():
     with pytest.raises(ValueError, match="speculation"):
         ServeConfig(NAME, speculation="maybe")
 
+
+
+def test_a_request_past_its_timeout_or_the_drain_ends_with_an_error():
+    running = Running(tiny_medusa(seed=2), request_timeout_s=0.05)
+    try:
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 400, "temperature": 0}
+        r = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+        running.server.config.request_timeout_s = 600.0
+        with httpx.stream("POST", running.url + "/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            running.server.drain(0.0)  # as SIGTERM does: what is still running ends now, with an error event
+            lines += [line for line in it if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in lines[-2] or json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(running.url + "/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    finally:
+        running.close()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_and_exits(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tiny import save_cli_files
+
+    base, _ = save_cli_files(tmp_path, [{"prompt": "hi"}])
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from medusa.cli import main; sys.exit(main())", "serve", "--base",
+           str(base), "--heads", str(tmp_path / "heads"), "--engine", "eager", "--threads", "1", "--port", str(port),
+           "--drain-timeout-s", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "heads", "prompt": "hello", "max_tokens": 480, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"  # finished within the drain, or ended with an error event
+        assert proc.wait(120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
