@@ -175,28 +175,33 @@ class MedusaModel(nn.Module):
     def from_draft_model(cls, base: str | Path, draft: str | Path, draft_tokens: int = 4, draft_width: int = 1,
                          lookup: int = 0, lookup_ngram: int = 3, dtype: torch.dtype = torch.float32,
                          device: str | torch.device = "cpu", engine: str | None = None,
-                         draft_engine: str | None = "eager", **engine_options) -> MedusaModel:
+                         draft_engine: str | None = "eager", draft_quantize: str | None = None,
+                         **engine_options) -> MedusaModel:
         """Classic speculative decoding: a base and a separate draft model folder sharing its tokenizer
         (:mod:`medusa.drafters.draft_model`), the draft filling a chain of ``draft_tokens`` (``draft_width`` 1) or
         the full top-``draft_width`` tree of that depth, optionally beside a prompt-lookup chain of ``lookup``
         tokens. Greedy: exactly the base's tokens; rejection sampling: exactly its distribution.
 
-        ``draft_engine`` is the draft's own engine (:func:`medusa.engines.make_engine`), ``engine`` the base's.
+        ``draft_engine`` is the draft's own engine (:func:`medusa.engines.make_engine`), ``engine`` the base's;
+        ``draft_quantize="int8"`` quantizes the draft's decoder layers (:func:`medusa.drafters.draft_model.
+        quantize_draft`: the base's own folder as the draft is then a quantized copy of the target).
 
         Raises:
             FileNotFoundError: a folder is missing.
             ValueError: the draft's vocabulary differs from the base's (the first differing id named),
-                ``draft_tokens`` or ``draft_width`` below 1, or ``lookup`` below 0.
+                ``draft_tokens`` or ``draft_width`` below 1, ``lookup`` below 0, or a quantization that cannot run
+                on this device and dtype.
         """
-        from medusa.drafters.draft_model import draft_tree_shape, load_draft_model
+        from medusa.drafters.draft_model import check_quantize, draft_tree_shape, load_draft_model
 
         tree = draft_tree_shape(draft_tokens, draft_width)  # bad counts are refused before anything loads
         if not isinstance(lookup, int) or lookup < 0:
             raise ValueError(f"lookup must be an int >= 0, got {lookup!r}")
         if lookup:
             tree = tree.with_lookup(lookup, lookup_ngram)
+        check_quantize(draft_quantize, torch.device(device), dtype)  # before the models load
         model, tokenizer = load_base(base, dtype, device)
-        heads = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine)
+        heads = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine, quantize=draft_quantize)
         return cls(model, heads, tree, tokenizer, engine, **engine_options)
 
     @property

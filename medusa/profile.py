@@ -627,6 +627,36 @@ def heads_level_s(profile: MachineProfile, heads) -> list[float]:
     return profile.drafter_cost(heads_key(heads), lambda: time_heads_levels(heads))
 
 
+DRAFT_SIZES = tuple(range(1, 9))
+"""New-token counts at which a draft model's single forward is timed (a chain level feeds 1; a catch-up feeds the
+tokens emitted since the last step, up to K + 1)."""
+
+
+def draft_model_key(heads) -> str:
+    """The drafter key of a separate draft model in a profile: what its forward cost depends on (architecture,
+    layers, width, the lm_head rows it drafts from, quantization, engine, dtype), not its weights' values."""
+    config = heads.model.config.get_text_config(decoder=True)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    dtype = str(heads.model.get_output_embeddings().weight.dtype).replace("torch.", "")
+    return (f"draft_model:{config.model_type}:{layers}x{hidden}:vocab{heads.head_vocab_size}"
+            f":{heads.quantized or dtype}:{heads.engine.name}")
+
+
+def draft_forward_costs(profile: MachineProfile, heads) -> dict[int, float]:
+    """``{n: seconds}`` of one draft-model forward over n new tokens after :data:`PREFIX_LEN` cached ones, its
+    logits of one row included, for n in :data:`DRAFT_SIZES`: c_q of the seed's analysis, from ``profile`` (measured
+    with :func:`medusa.drafters.draft_model.draft_forward_s` and stored there the first time this kind of draft
+    asks, :meth:`MachineProfile.drafter_cost`)."""
+    from medusa.drafters.draft_model import draft_forward_s
+
+    def measure() -> list[float]:
+        times = draft_forward_s(heads, sizes=DRAFT_SIZES, prefix_len=PREFIX_LEN)
+        return [times[n] for n in DRAFT_SIZES]
+
+    return dict(zip(DRAFT_SIZES, profile.drafter_cost(draft_model_key(heads), measure), strict=True))
+
+
 # -- dtype ----------------------------------------------------------------------------------------------------------
 BF16_PAYS = 0.10
 """``--dtype auto`` takes bf16 on a CPU when its best forward at the decoding step is at least this fraction cheaper

@@ -267,6 +267,10 @@ def test_cli_bench_and_generate_with_a_made_draft(tmp_path, capsys):
     assert result["draft"]["draft_layers"] == 1 and result["tree"] == "draft-chain-2"
     prediction = result["prediction"]
     assert prediction["cost_ratio"] > 0 and prediction["step_cost"] > 1 and 1 <= prediction["predicted_tau"] <= 3
+    stored = json.loads(open(result["profile"]["path"]).read())["drafters"]  # c_q read from the machine profile
+    draft_costs = [v["per_depth_s"] for k, v in stored.items() if k.startswith("draft_model:llama:1x")]
+    assert len(draft_costs) == 1 and len(prediction["draft_forward_s"]) == len(draft_costs[0]) == 8
+    assert prediction["draft_forward_s"]["1"] == draft_costs[0][0]
     assert "predicted vs measured" in capsys.readouterr().out
     assert main(["generate", "--base", str(base), "--draft-model", str(base), "--draft-tokens", "3", "--draft-width",
                  "2", "--prompt", "hello world", "--max-new-tokens", "8", "--stats"]) == 0
@@ -279,3 +283,24 @@ def test_cli_bench_and_generate_with_a_made_draft(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert main(["generate", "--base", str(base), "--prompt", "hi"]) == 2
     assert "or --draft-model (a separate draft model)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_a_quantized_copy_of_the_base_drafts_mostly_accepted_tokens_and_greedy_stays_exact(tmp_path, engine):
+    """The base's own folder with --draft-quantize int8 (a quantized copy of the target): its decoder layers hold
+    int8 weights, its drafts mostly agree with the base (alpha well above a random draft's), and the output is
+    still exactly HF's greedy tokens; a bf16 base refuses it, naming the setting."""
+    from medusa.drafters.draft_model import check_quantize
+
+    folder = save_tiny(tmp_path / "base", "llama", seed=0)
+    base = tiny_model("llama", seed=0)
+    heads = load_draft_model(folder, base, tiny_tokenizer(), depth=3, engine=engine, quantize="int8")
+    assert heads.quantized == "int8" and heads.engine.name == engine
+    assert isinstance(heads.model.model.layers[0].mlp.up_proj, torch.ao.nn.quantized.dynamic.Linear)
+    tokens, stats = decode(base, tree_drafter(heads, draft_tree_shape(3)), prompt(), 40)
+    assert tokens == hf_greedy(base, prompt(), 40)
+    assert sum(stats.accepted_per_step) / (3 * stats.decode_steps) > 0.6
+    with pytest.raises(ValueError, match="--draft-quantize int8 runs on the CPU in float32"):
+        check_quantize("int8", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of"):
+        check_quantize("int4", torch.device("cpu"), torch.float32)

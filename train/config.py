@@ -18,6 +18,8 @@ MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 LOSS_CHOICES = ("hard", "teacher", "mixed")
 TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 TRAINING_MODE_CHOICES = ("medusa1", "medusa2")
+DRAFT_MODEL = "draft_model"
+"""The head type that trains a separate draft model (:mod:`train.draft_model`) rather than heads."""
 
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
 RESUMABLE_FIELDS = frozenset(
@@ -68,7 +70,14 @@ class TrainConfig:
     """"medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
     tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024) or "eagle" (an EAGLE-3-style drafter:
     one decoder layer over fused base layers, drafting each deeper token from its own output, Li et al. 2025;
-    :mod:`medusa.drafters.eagle`)."""
+    :mod:`medusa.drafters.eagle`) or "draft_model" (a separate draft model for classic speculative decoding,
+    distilled toward the base's distribution, :mod:`train.draft_model`; written to output_dir/draft)."""
+    draft_layers: int = 6
+    """head_type draft_model: the draft starts as the base's first this many decoder layers (its embeddings, final
+    norm and lm_head kept: LayerSkip-style self-drafting), unless draft_init names a folder."""
+    draft_init: str | None = None
+    """head_type draft_model: a draft model folder to start from instead (a smaller sibling sharing the base's
+    tokenizer, or one made by `medusa make-draft`); its vocabulary is checked against the base's."""
     num_heads: int = 4
     """K: number of Medusa heads; head k predicts the token k + 2 positions ahead. For the eagle drafter: its
     drafting depth (the outputs evaluated, calibrated and drafted; output k predicts token k + 2 ahead)."""
@@ -194,11 +203,12 @@ class TrainConfig:
             HEAD_TYPES,  # here, not at the top: flag parsing (train.cli) stays free of torch
         )
 
-        _check_choice("head_type", self.head_type, HEAD_TYPES)
+        _check_choice("head_type", self.head_type, (*HEAD_TYPES, DRAFT_MODEL))
         _check_choice("loss", self.loss, LOSS_CHOICES)
         _check_choice("training_mode", self.training_mode, TRAINING_MODE_CHOICES)
         self._check_medusa2()
         self._check_eagle()
+        self._check_draft_model()
         if self.head_type == "hydra" and self.num_layers < 1:
             raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
         if self.prefix_layers not in (0, 1):
@@ -279,6 +289,24 @@ class TrainConfig:
         if self.training_mode == "medusa2":
             raise ValueError("head_type eagle reads intermediate base layers, which training_mode medusa2's joint "
                              "stage does not pass through; use training_mode medusa1")
+
+    def _check_draft_model(self) -> None:
+        _check_min("draft_layers", self.draft_layers, 1)
+        if self.head_type != DRAFT_MODEL:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [name for name in ("draft_layers", "draft_init") if getattr(self, name) != defaults[name]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} belong to head_type draft_model, not {self.head_type!r}")
+            return
+        refused = {"training_mode medusa2": self.training_mode == "medusa2",
+                   "hidden_state_store": bool(self.hidden_state_store), "train_window": bool(self.train_window),
+                   "init_heads (use draft_init)": bool(self.init_heads),
+                   "share_lm_head false (the draft projects with its own lm_head, the base's, frozen)":
+                       not self.share_lm_head}
+        bad = [name for name, on in refused.items() if on]
+        if bad:
+            raise ValueError(f"head_type draft_model trains a separate model on the base's distribution: "
+                             f"{', '.join(bad)} cannot be used with it")
 
     def to_dict(self) -> dict:
         # Tuples as lists: the dict is stored as JSON and compared with what JSON gives back.

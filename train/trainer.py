@@ -45,7 +45,7 @@ from train.checkpoints import (  # noqa: F401 (public names, importable from her
     rng_state,
     save_checkpoint,
 )
-from train.config import TrainConfig
+from train.config import DRAFT_MODEL, TrainConfig
 from train.conversations import (  # noqa: F401
     head_target_totals,
     prepare_conversations,
@@ -111,12 +111,17 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         tokenizer: its tokenizer; loaded from ``config.base`` when ``None``.
 
     Returns:
-        The heads folder (loadable with :func:`medusa.io.checkpoint.load_heads`).
+        The heads folder (loadable with :func:`medusa.io.checkpoint.load_heads`); with ``head_type: draft_model``
+        the distilled draft model's folder (:func:`train.draft_model.train_draft_model`).
 
     Raises:
         ValueError: the data holds nothing to train on, or ``output_dir`` holds a checkpoint written with a
             different config (the message names the differing fields).
     """
+    if config.head_type == DRAFT_MODEL:  # a separate draft model, not heads: its own loop
+        from train.draft_model import train_draft_model
+
+        return train_draft_model(config, model, tokenizer)
     run = setup(config, model, tokenizer)
     fit(run)
     metrics = evaluate(run) if any_held_out(run) else {}

@@ -171,11 +171,15 @@ class DraftModelHeads(nn.Module):
         self.engine_name, self.engine_options = engine, engine_options
         self.capacity = capacity or min(self.limit or 8192, 8192)
         self._engine = None
+        self._head: torch.Tensor | None = None  # (Vd, H) the truncated lm_head rows, gathered once
+        self.quantized: str | None = None
+        """``"int8"`` when the draft's decoder layers were quantized at load (:func:`quantize_draft`)."""
         self.source: str | None = None
         """The folder the draft was loaded from (:func:`load_draft_model`)."""
 
     def _apply(self, fn, recurse=True):
         self._engine = None  # a moved or cast model: its engine (and any packed weight copies) is made again
+        self._head = None
         return super()._apply(fn, recurse)
 
     def use_engine(self, name: str | None, **options) -> None:
@@ -185,7 +189,7 @@ class DraftModelHeads(nn.Module):
     def settings(self) -> dict:
         """What the bench records about the draft."""
         return {"draft_model": self.source, "draft_engine": self.engine.name, "draft_tokens": self.config.num_heads,
-                "draft_vocab": self.config.head_vocab_size,
+                "draft_vocab": self.config.head_vocab_size, "draft_quantized": self.quantized,
                 "draft_layers": getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
                 or getattr(self.model.config, "n_layer", None)}
 
@@ -210,8 +214,9 @@ class DraftModelHeads(nn.Module):
         """Draft logits ``(M, Vd)`` of the draft's last hidden states ``(M, H)`` (its soft-capping included)."""
         if self.token_map is None:
             return self.engine.lm_logits(hidden)[..., : self.rows]
-        weight = self.model.get_output_embeddings().weight[self.token_map]  # (Vd, H)
-        return kv_cache.soft_cap(self.model, hidden @ weight.t().to(hidden.dtype))
+        if self._head is None:  # gathered once, not per draft forward (a copy of Vd x H)
+            self._head = self.model.get_output_embeddings().weight[self.token_map].detach()  # (Vd, H)
+        return kv_cache.soft_cap(self.model, hidden @ self._head.t().to(hidden.dtype))
 
     # -- the heads' decoding interface ---------------------------------------------------------------------------
     def new_context(self) -> DraftContext:
@@ -330,14 +335,16 @@ class DraftModelDrafter(HeadsDrafter):
 
 
 def load_draft_model(folder: str | Path, base, base_tokenizer=None, depth: int = 4, engine: str | None = "eager",
-                     **options) -> DraftModelHeads:
+                     quantize: str | None = None, **options) -> DraftModelHeads:
     """A draft model folder made ready to draft for ``base``: loaded, its vocabulary checked against the base's,
     moved to the base's device and dtype (with a note when it was stored otherwise), its ``draft_vocab.json``
-    read when present.
+    read when present, its decoder layers quantized when ``quantize`` says so (:func:`quantize_draft`; the base's
+    own folder then makes "a quantized copy of the target").
 
     Raises:
         FileNotFoundError: no folder with a ``config.json``.
-        ValueError: another vocabulary (the first differing id named), ``depth`` < 1, or a bad token map.
+        ValueError: another vocabulary (the first differing id named), ``depth`` < 1, a bad token map, or a
+            quantization that cannot run here (named).
     """
     import json
 
@@ -363,9 +370,51 @@ def load_draft_model(folder: str | Path, base, base_tokenizer=None, depth: int =
     token_map = None
     if (folder / DRAFT_VOCAB_FILE).is_file():
         token_map = torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_map"], dtype=torch.long)
+    check_quantize(quantize, base.device, dtype)
     heads = DraftModelHeads(model, depth, base_vocab, engine, token_map, **options)
     heads.source = str(folder)
-    return heads.to(device=base.device, dtype=dtype)
+    heads = heads.to(device=base.device, dtype=dtype)
+    if quantize is not None:
+        quantize_draft(heads)
+    return heads
+
+
+QUANTIZE_CHOICES = ("int8",)
+
+
+def check_quantize(quantize: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` for a ``quantize`` that is not one of :data:`QUANTIZE_CHOICES`, or int8 on a device or
+    dtype it cannot run on (PyTorch's dynamic int8 linear layers run on the CPU, from fp32 inputs)."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"draft quantization must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"--draft-quantize int8 runs on the CPU in float32 (dynamic int8 linear layers); the base "
+                         f"is {dtype} on {device}")
+
+
+def quantize_draft(heads: DraftModelHeads) -> None:
+    """Quantize the draft's decoder layers' linear layers to int8 weights with dynamic activation scales
+    (``torch.ao.quantization.quantize_dynamic``, per-tensor), in place; its embeddings and lm_head stay as they are
+    (the lm_head is tied to the embeddings, and the drafts' q is read from it). A quantized copy of the target is
+    the draft option of Leviathan et al. (2023, section 4) that needs no training: its q is close to p (high
+    alpha), and on a CPU its forward reads a quarter of the weight bytes. Its engine must run the model's own
+    modules (eager or static); the draft is never trained after this."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    from medusa.tools.make_draft import decoder_layers
+
+    layers, _ = decoder_layers(heads.model)
+    with warnings.catch_warnings():  # torch marks torch.ao quantization deprecated; it still runs
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        quantize_dynamic(layers, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    heads.quantized = "int8"
+    heads.use_engine(heads.engine_name if heads.engine_name in ("eager", "static") else "eager",
+                     **heads.engine_options)
 
 
 @torch.inference_mode()

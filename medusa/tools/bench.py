@@ -465,32 +465,30 @@ def predict(model: MedusaModel, result: dict) -> dict:
         one, verify_s = times[1], times[nodes]
     out = {**chain_prediction(result["accepted_histogram"], verify_s / one), "step_cost": verify_s / one}
     if hasattr(model.heads, "catch_up"):  # a draft model: its K forwards a step add K c_q / c_p
-        out.update(draft_prediction(model, out["alpha"], one, verify_s))
+        out.update(draft_prediction(model, out["alpha"], one, verify_s, profile))
     return out
 
 
-def draft_prediction(model: MedusaModel, alpha: float, base_one_s: float, verify_s: float) -> dict:
+def draft_prediction(model: MedusaModel, alpha: float, base_one_s: float, verify_s: float, profile) -> dict:
     """The seed's analysis for a draft-model run: a step costs one verify forward over the tree plus the draft's
     forwards (the catch-up over the tokens emitted since the last step, about tau of them, then one per deeper
-    level over that level's parents), each from single-forward timings, never from the run's step times.
+    level over that level's parents), each from the machine profile's single-forward timings of the base and of
+    this kind of draft (:func:`medusa.profile.draft_forward_costs`), never from the run's step times.
 
     Returns:
         ``{"cost_ratio", "draft_forward_s", "step_cost", "predicted_tau", "predicted_speedup"}``: ``cost_ratio`` is
         c_q / c_p (one draft token against one base token), ``step_cost`` relative to one plain base step.
     """
-    from medusa.drafters.draft_model import draft_forward_s
+    from medusa.profile import draft_forward_costs, interpolate
 
     paths = set(model.tree.paths)
     depth = max(len(p) for p in paths)
     tau = expected_tokens(alpha, depth)
     parents = [sum(1 for p in paths if len(p) == d and any(q[:d] == p for q in paths if len(q) == d + 1))
                for d in range(1, depth)]  # the parents each deeper level's forward feeds
-    sizes = sorted({max(1, round(tau)), *parents})
-    times = draft_forward_s(model.heads, sizes=sizes)
-    draft_s = times[max(1, round(tau))] + sum(times[p] for p in parents)
+    times = draft_forward_costs(profile, model.heads)  # {n: s}
+    draft_s = interpolate(times, max(1, round(tau))) + sum(interpolate(times, p) for p in parents)
     cost = (verify_s + draft_s) / base_one_s
-    if 1 not in times:
-        times |= draft_forward_s(model.heads, sizes=(1,))
     return {"cost_ratio": times[1] / base_one_s, "draft_forward_s": times, "step_cost": cost,
             "predicted_tau": tau, "predicted_speedup": tau / cost}
 

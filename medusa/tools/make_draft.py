@@ -36,6 +36,29 @@ def decoder_layers(model) -> tuple[torch.nn.ModuleList, str]:
                      "(expected model.layers or transformer.h)")
 
 
+def cut_layers(model, layers: int, name: str = "--layers"):
+    """Keep the first ``layers`` decoder layers of ``model`` (in place; its config follows) and return it: the
+    base's early exit after layer ``layers``, through its final norm and lm_head.
+
+    Raises:
+        ValueError: ``layers`` not in [1, the model's layer count) (``name`` names the setting), or layers that
+            cannot be found.
+    """
+    blocks, key = decoder_layers(model)
+    total = len(blocks)
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers < total:
+        raise ValueError(f"{name} must be in [1, {total - 1}] (below the base's {total} decoder layers), got "
+                         f"{layers!r}")
+    del blocks[layers:]
+    config = model.config.get_text_config(decoder=True)
+    setattr(config, key, layers)
+    for name in _PER_LAYER_KEYS:
+        values = getattr(config, name, None)
+        if isinstance(values, list) and len(values) == total:
+            setattr(config, name, values[:layers])
+    return model
+
+
 def make_draft(base_dir: str | Path, layers: int, out_dir: str | Path) -> Path:
     """Write a draft of the base's first ``layers`` decoder layers (plus embeddings, final norm, lm_head) to
     ``out_dir``, atomically (a failed write leaves any earlier folder there as it was).
@@ -53,19 +76,7 @@ def make_draft(base_dir: str | Path, layers: int, out_dir: str | Path) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    blocks, key = decoder_layers(model)
-    total = len(blocks)
-    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers < total:
-        raise ValueError(f"--layers must be in [1, {total - 1}] (below the base's {total} decoder layers), got "
-                         f"{layers!r}")
-    del blocks[layers:]
-    config = model.config
-    setattr(config, key, layers)
-    for name in _PER_LAYER_KEYS:
-        values = getattr(config, name, None)
-        if isinstance(values, list) and len(values) == total:
-            setattr(config, name, values[:layers])
+    model = cut_layers(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), layers)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     with atomic_folder(out_dir) as tmp:
         model.save_pretrained(tmp)
