@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculation", choices=("auto", "on", "off"), default="auto",
                    help="auto: each batched step speculative or plain, whichever measured faster at that batch "
                         "size; on: always speculative; off: plain decoding only")
+    p.add_argument("--acceptance", default="rejection",
+                   help="sampling requests: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
     p.set_defaults(func=cmd_serve)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
@@ -928,7 +930,7 @@ def cmd_serve(args) -> int:
 
     config = ServeConfig(args.served_model_name or Path(args.heads).resolve().name, args.api_key, args.max_running,
                          args.max_waiting, args.max_body_bytes, args.request_timeout_s, args.default_max_tokens,
-                         args.speculation)
+                         args.speculation, args.acceptance)
     model = _load(args)
     print(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")

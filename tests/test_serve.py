@@ -371,6 +371,23 @@ def test_streamed_text_never_splits_a_character_and_holds_back_a_partial_stop():
     assert "".join([stream.add([t]) for t in ids] + [stream.finish()]) == text
 
 
+def test_the_base_generation_config_is_honoured_as_generate_honours_it():
+    model = tiny_medusa(seed=3)
+    model.base.generation_config.repetition_penalty = 1.5  # a logits processor: the request runs its own steps
+    running = Running(model)
+    try:
+        ids = torch.tensor(model.tokenizer("hello world")["input_ids"])
+        r = running.client.completions.create(model=NAME, prompt="hello world", max_tokens=30, temperature=0)
+        assert r.choices[0].text == generated_text(model, ids, 30, do_sample=False)
+        assert r.choices[0].text != decode(model.tokenizer, alone(model.base, model.heads, ids, 30))
+        assert running.health()["solo_steps"] > 0
+    finally:
+        running.close()
+    model.base.generation_config.num_beams = 2
+    with pytest.raises(ValueError, match="num_beams=2"):
+        Server(model, ServeConfig(NAME))
+
+
 def test_server_refuses_a_model_without_tokenizer_and_bad_config():
     model = tiny_medusa()
     model.tokenizer = None

@@ -46,6 +46,9 @@ class ServeConfig:
     """New tokens when a request sets no ``max_tokens`` (less when the context has less room)."""
     speculation: str = "auto"
     """One of :data:`medusa.serve.scheduler.SPECULATION`."""
+    acceptance: str = "rejection"
+    """How sampling requests accept drafts: ``rejection`` (lossless) or ``typical`` (Medusa's typical acceptance,
+    lossy), or a rule registered with :func:`medusa.register_acceptance`."""
 
     def __post_init__(self):
         if self.speculation not in SPECULATION:
@@ -67,8 +70,11 @@ class Server:
     """
 
     def __init__(self, model, config: ServeConfig):
+        """Raises ``ValueError``: no tokenizer, or a setting of the base's generation_config (or ``acceptance``)
+        that Medusa cannot honour, named: every request would be refused."""
         if model.tokenizer is None:
             raise ValueError("serving needs the base's tokenizer (MedusaModel.tokenizer is None)")
+        resolve_decoding(model.base.generation_config, acceptance=config.acceptance)
         self.model, self.config = model, config
         self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation)
         self.drain_deadline: float | None = None
@@ -153,14 +159,15 @@ class Server:
         """The library's decoding settings: ``temperature`` 0 is greedy, > 0 samples at it, unset takes the base's
         generation_config (as ``MedusaModel.generate`` does); ``top_p`` applies when sampling."""
         do_sample = None if request.temperature is None else request.temperature > 0
+        config, acceptance = self.model.base.generation_config, self.config.acceptance
         try:
-            decoding = resolve_decoding(self.model.base.generation_config, do_sample,
-                                        request.temperature if do_sample else None, seed=request.seed)
+            decoding = resolve_decoding(config, do_sample, request.temperature if do_sample else None,
+                                        seed=request.seed, acceptance=acceptance)
             if decoding.do_sample and request.top_p is not None:
-                decoding = resolve_decoding(self.model.base.generation_config, True, request.temperature,
-                                            top_p=request.top_p, seed=request.seed)
+                decoding = resolve_decoding(config, True, request.temperature, top_p=request.top_p,
+                                            seed=request.seed, acceptance=acceptance)
         except ValueError as e:
-            raise bad(f"these decoding settings cannot be honoured: {e}", "temperature") from None
+            raise bad(f"these decoding settings cannot be honoured: {e}", code="unsupported_setting") from None
         return decoding
 
     def submit(self, ids: torch.Tensor, max_new: int, decoding) -> tuple[Job, asyncio.Queue]:

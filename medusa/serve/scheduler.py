@@ -54,24 +54,24 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: bool = False
     """Set from any thread: the scheduler drops the job before its next step."""
-    rows_seen: int = 0
-    """The most rows a verify forward of this job held (1 for a job that ran alone)."""
 
 
 class StepChoice:
     """Speculative or plain batched decoding, per step, for the current batch size: whichever gave more tokens per
     second in the steps measured at that size (a decayed mean of each), so that speculation never costs throughput
-    for long. Each mode is tried ``warm`` times at a size first, and the losing mode again every ``explore_every``
-    steps, as acceptance and costs drift.
+    for long. Each mode is tried ``warm`` times at a size first; then the losing mode again every ``explore_every``
+    steps while it is close (within ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as
+    acceptance and costs drift.
 
     Args:
         mode: one of :data:`SPECULATION`.
     """
 
-    def __init__(self, mode: str = "auto", warm: int = 2, explore_every: int = 16, decay: float = 0.8):
+    def __init__(self, mode: str = "auto", warm: int = 2, explore_every: int = 16, decay: float = 0.8,
+                 close: float = 0.85):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {mode!r}")
-        self.mode, self.warm, self.explore_every, self.decay = mode, warm, explore_every, decay
+        self.mode, self.warm, self.explore_every, self.decay, self.close = mode, warm, explore_every, decay, close
         self.rate: dict[tuple[int, bool], float] = {}
         """``(batch size, plain)`` -> decayed tokens per second."""
         self.count: dict[tuple[int, bool], int] = {}
@@ -83,9 +83,11 @@ class StepChoice:
         spec, plain = self.count.get((batch, False), 0), self.count.get((batch, True), 0)
         if spec < self.warm or plain < self.warm:
             return spec >= self.warm
-        best_plain = self.rate[(batch, True)] > self.rate[(batch, False)]
-        explore = (spec + plain) % self.explore_every == 0
-        return best_plain != explore
+        spec_rate, plain_rate = self.rate[(batch, False)], self.rate[(batch, True)]
+        best_plain = plain_rate > spec_rate
+        close = min(spec_rate, plain_rate) >= self.close * max(spec_rate, plain_rate)
+        every = self.explore_every * (1 if close else 4)
+        return best_plain != ((spec + plain) % every == 0)
 
     def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
         """One step's ``tokens`` emitted over all rows in ``seconds``."""
@@ -239,7 +241,6 @@ class Scheduler:
         self.plain_steps += plain
         for key, step in out:
             job = self.jobs[key]
-            job.rows_seen = max(job.rows_seen, size)
             self._deliver(job, step)
             if job.stats.stopped_by:
                 del self.jobs[key]
@@ -254,7 +255,6 @@ class Scheduler:
             job.deliver(("error", f"decoding failed: {e}"))
             return
         self.solo_steps += 1
-        job.rows_seen = max(job.rows_seen, 1)
         self._deliver(job, step)
         if job.stats.stopped_by:
             del self.solo[key]
