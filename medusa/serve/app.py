@@ -266,6 +266,7 @@ async def complete(server: Server, request, kind: str):
         return StreamingResponse(stream(server, job, events, started, body, rid, created, text, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     pieces, finish = [], None
+    watch = asyncio.create_task(cancel_on_disconnect(request, job))
     try:
         async for event in server.events(job, events, started):
             if event[0] == "tokens":
@@ -280,10 +281,19 @@ async def complete(server: Server, request, kind: str):
                 finish = "stop"
                 break
     finally:
-        job.cancelled = True  # a no-op once done; frees the slot when the client went away or a stop string matched
+        watch.cancel()
+        job.cancelled = True  # a no-op once done; frees the slot when a stop string matched
     completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
     usage = server.usage(job, len(ids), completion)
     return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+
+
+async def cancel_on_disconnect(request, job: Job) -> None:
+    """Cancel ``job`` when the client of a non-streamed request goes away (its body is read: the next message is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled = True
 
 
 async def stream(server: Server, job: Job, events: asyncio.Queue, started: float, body: Request, rid: str,

@@ -216,13 +216,14 @@ class Scheduler:
                             job.decoding, self.model.engine)
 
     def _drop_cancelled(self) -> None:
+        """Drop cancelled jobs; each gets an error event, so that whoever still waits on it stops waiting."""
         gone = [key for key, job in self.jobs.items() if job.cancelled]
         if gone:
             self.batch.leave(gone)
-            for key in gone:
-                del self.jobs[key]
-        for key in [k for k, (job, _) in self.solo.items() if job.cancelled]:
-            del self.solo[key]
+        dropped = [self.jobs.pop(key) for key in gone]
+        dropped += [self.solo.pop(key)[0] for key in [k for k, (job, _) in self.solo.items() if job.cancelled]]
+        for job in dropped:
+            job.deliver(("error", "the request was cancelled"))
 
     def _batched_step(self) -> None:
         size = len(self.jobs)
