@@ -356,6 +356,11 @@ def test_step_choice_steps_aside_where_plain_is_faster():
             choice.record(batch, plain, 100, 100 / (plain_rate if plain else spec_rate))
     assert choice.count[(8, True)] > 3 * choice.count[(8, False)]
     assert choice.count[(1, False)] > 3 * choice.count[(1, True)]
+    cold = StepChoice("auto", warm=3)  # a first speculative step slowed by new kernels does not decide
+    for rate_spec, rate_plain in ((5.0, 40.0), (60.0, 40.0), (60.0, 40.0)):
+        cold.record(4, False, 60, 60 / rate_spec)
+        cold.record(4, True, 40, 40 / rate_plain)
+    assert not cold.plain(4)
     assert StepChoice("off").plain(1) and not StepChoice("on").plain(64)
     with pytest.raises(ValueError, match="speculation must be one of"):
         StepChoice("sometimes")

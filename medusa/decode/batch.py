@@ -166,6 +166,7 @@ class RunningBatch:
         """The keys of the rows running, in cache order."""
         return [r.key for r in self.rows]
 
+    @torch.inference_mode()
     def join(self, key, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int] | None = None,
              stats: GenerationStats | None = None) -> Step:
         """Prefill ``prompt`` ``(T,)`` as a new row ``key`` and return its first token's :class:`Step`; a row that
@@ -188,6 +189,7 @@ class RunningBatch:
         self.rows.append(_Row(key, state, torch.cat([prompt, root[None]]), max_new_tokens, stop, stats))
         return step
 
+    @torch.inference_mode()
     def leave(self, keys) -> None:
         """Drop the rows ``keys`` (unknown keys are ignored): one copy of the rows that stay."""
         gone = set(keys)
@@ -302,8 +304,8 @@ def _step(engine, drafter, states: list, sequences: list[torch.Tensor], cache, r
     layers = drafter.base_layers
     out = engine.forward_rows(tokens, positions, valid_len, layout.ancestor_mask, cache, layers)
     hidden, drafter_in = (out, out) if not layers else (out[0], torch.cat(out, dim=-1))  # (B, N, H), (B, N, ...)
-    if all_nodes:
-        predicted = engine.lm_logits(hidden).argmax(dim=-1)  # (B, N)
+    if all_nodes:  # the engine's cheapest product over many rows (the onednn engine's packed lm_head)
+        predicted = engine.lm_logits_rows(hidden.flatten(0, 1)).argmax(dim=-1).view(batch, -1)  # (B, N)
         paths, accepted = greedy_paths(tokens, predicted, layout)
         roots = predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0]  # (B,)
     else:

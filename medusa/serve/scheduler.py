@@ -14,6 +14,7 @@ Each batched step is speculative or plain (the root alone) as :class:`StepChoice
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -58,23 +59,29 @@ class Job:
 
 class StepChoice:
     """Speculative or plain batched decoding, per step, for the current batch size: whichever gave more tokens per
-    second in the steps measured at that size (a decayed mean of each), so that speculation never costs throughput
-    for long. Each mode is tried ``warm`` times at a size first; then the losing mode again every ``explore_every``
-    steps while it is close (within ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as
+    second in the last ``window`` steps measured at that size (their median: a step slowed once, by a new shape's
+    first kernel or by the rest of the machine, does not decide), so that speculation never costs throughput for
+    long. Each mode is tried ``warm`` times at a size first; then the losing mode again every ``explore_every`` steps
+    while it is close (within ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as
     acceptance and costs drift.
 
     Args:
         mode: one of :data:`SPECULATION`.
     """
 
-    def __init__(self, mode: str = "auto", warm: int = 2, explore_every: int = 16, decay: float = 0.8,
+    def __init__(self, mode: str = "auto", warm: int = 3, explore_every: int = 16, window: int = 8,
                  close: float = 0.85):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {mode!r}")
-        self.mode, self.warm, self.explore_every, self.decay, self.close = mode, warm, explore_every, decay, close
-        self.rate: dict[tuple[int, bool], float] = {}
-        """``(batch size, plain)`` -> decayed tokens per second."""
+        self.mode, self.warm, self.explore_every, self.close = mode, warm, explore_every, close
+        self.window = window
+        self.rates: dict[tuple[int, bool], deque[float]] = {}
+        """``(batch size, plain)`` -> the last ``window`` steps' tokens per second."""
         self.count: dict[tuple[int, bool], int] = {}
+
+    def rate(self, batch: int, plain: bool) -> float:
+        """The median tokens per second of the last steps measured in that mode at ``batch`` rows."""
+        return statistics.median(self.rates[(batch, plain)])
 
     def plain(self, batch: int) -> bool:
         """Whether the next step at ``batch`` rows should be plain."""
@@ -83,18 +90,15 @@ class StepChoice:
         spec, plain = self.count.get((batch, False), 0), self.count.get((batch, True), 0)
         if spec < self.warm or plain < self.warm:
             return spec >= self.warm
-        spec_rate, plain_rate = self.rate[(batch, False)], self.rate[(batch, True)]
-        best_plain = plain_rate > spec_rate
+        spec_rate, plain_rate = self.rate(batch, False), self.rate(batch, True)
         close = min(spec_rate, plain_rate) >= self.close * max(spec_rate, plain_rate)
         every = self.explore_every * (1 if close else 4)
-        return best_plain != ((spec + plain) % every == 0)
+        return (plain_rate > spec_rate) != ((spec + plain) % every == 0)
 
     def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
         """One step's ``tokens`` emitted over all rows in ``seconds``."""
         key = (batch, plain)
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        self.rates.setdefault(key, deque(maxlen=self.window)).append(tokens / max(seconds, 1e-9))
         self.count[key] = self.count.get(key, 0) + 1
 
 
@@ -114,7 +118,8 @@ class Scheduler:
         self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
         self.choice = StepChoice(speculation)
         drafter = NoDrafter() if speculation == "off" else model.drafter
-        self.batch = RunningBatch(model.base, drafter, model.engine)
+        # Every node scored in one product where the engine says it is cheaper (as generate does), else the path.
+        self.batch = RunningBatch(model.base, drafter, model.engine, model.engine.scores_all_nodes)
         self.solo: dict[int, tuple[Job, Iterator[Step]]] = {}  # sampling jobs, each its own decode_steps
         self.jobs: dict[int, Job] = {}  # the batch's rows by key
         self.waiting: deque[Job] = deque()
