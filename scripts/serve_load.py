@@ -199,7 +199,8 @@ def summary(results: list[dict], wall: float) -> dict:
 
 def load(args, messages) -> dict:
     out = {}
-    for mode, speculation in (("medusa", "auto"), ("plain", "off")):
+    for mode in args.modes:
+        speculation = {"medusa": "auto", "plain": "off"}[mode]
         server = ServerProcess(args, speculation)
         try:
             # Warm-up at the largest concurrency, so that the memory after it holds the allocator's working set
@@ -209,7 +210,7 @@ def load(args, messages) -> dict:
             entry = {"rss_after_warmup_mb": round(server.rss_mb(), 1), "levels": {}}
             for c in args.concurrency:
                 count = max(args.min_requests, args.requests_per_client * c)
-                if mode == "medusa" and c == 1:  # these answers, one at a time, are the reference
+                if c == 1:  # the Medusa answers, one at a time, are the reference
                     count = max(count, args.reference_requests)
                 reqs = requests_for(messages, count, args.lengths)
                 results, wall = run_level(server.url, reqs, c, args.request_timeout_s)
@@ -224,8 +225,8 @@ def load(args, messages) -> dict:
 
 
 def same_answers(report: dict) -> dict:
-    """Each request's greedy text against the same request served one at a time (Medusa, concurrency 1), for the
-    requests both ran."""
+    """Each request's greedy text against the same request served one at a time (the first mode, concurrency 1),
+    for the requests both ran."""
     reference = {i: r["text"] for i, r in enumerate(report["reference"]) if r.get("status") == 200}
     out = {}
     for mode, entry in report["load"].items():
@@ -363,6 +364,8 @@ def main() -> int:
     p.add_argument("--reference-requests", type=int, default=32,
                    help="requests served one at a time (Medusa, concurrency 1): the answers every level is compared "
                         "with, by request")
+    p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
+                   help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=64)
@@ -381,7 +384,7 @@ def main() -> int:
         if args.concurrency[0] != 1:
             raise SystemExit("--concurrency must start with 1: its Medusa answers are the one-at-a-time reference")
         report["load"] = load(args, messages)
-        report["reference"] = report["load"]["medusa"]["levels"][1]["results"]
+        report["reference"] = report["load"][args.modes[0]]["levels"][1]["results"]
         report["same_answers"] = same_answers(report)
         print(f"same answers: {json.dumps(report['same_answers'])}", flush=True)
     if "generate" not in args.skip:
@@ -389,7 +392,11 @@ def main() -> int:
         reqs = requests_for(messages, max(args.min_requests, args.requests_per_client * first,
                                           args.reference_requests), args.lengths)
         report["generate"] = library_generate(args, reqs)
-        print(f"library generate: {report['generate']['tokens_per_s']} tok/s", flush=True)
+        if "reference" in report:
+            pairs = list(zip(report["generate"]["texts"], [r.get("text") for r in report["reference"]], strict=False))
+            report["generate"]["same_as_served"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs)}
+        print(f"library generate: {report['generate']['tokens_per_s']} tok/s, "
+              f"{report['generate'].get('same_as_served')}", flush=True)
     if "faults" not in args.skip:
         report["faults"] = faults(args, messages)
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

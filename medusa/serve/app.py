@@ -98,9 +98,8 @@ class Server:
         key = self.config.api_key
         if key is None:
             return
-        given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith(
-            "Bearer ") else None
-        if given is None or not secrets.compare_digest(given.encode(), key.encode()):
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme != "Bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
             raise ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key", kind="authentication_error")
 
@@ -205,10 +204,10 @@ class Server:
                 event = await asyncio.wait_for(events.get(), max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 job.cancelled = True
-                why = ("the server is shutting down" if self.drain_deadline is not None
-                       and time.monotonic() >= self.drain_deadline else
-                       f"the request timed out after {self.config.request_timeout_s:g} s")
-                yield ("error", why)
+                if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                    yield ("error", "the server is shutting down", 503)
+                else:
+                    yield ("error", f"the request timed out after {self.config.request_timeout_s:g} s", 504)
                 return
             yield event
             if event[0] in ("done", "error"):
@@ -275,8 +274,7 @@ async def complete(server: Server, request, kind: str):
                 pieces.append(text.finish())
                 finish = event[1]
             else:
-                raise ApiError(504 if "timed out" in event[1] else 503, event[1], code="decoding_ended",
-                               kind="server_error")
+                raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error")
             if text.stopped:
                 finish = "stop"
                 break
@@ -313,7 +311,7 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
                 return
             piece = text.add(event[1]) if event[0] == "tokens" else text.finish()
             finish = "stop" if text.stopped else (event[1] if event[0] == "done" else None)
-            if piece or finish:
+            if piece:
                 yield sse(chunk_body(kind, rid, created, model, piece, None))
             if finish:
                 break

@@ -44,7 +44,8 @@ class Job:
     """One request on its way through the scheduler.
 
     ``deliver`` is called from the scheduler thread with ``("tokens", list[int])``, then ``("done", finish_reason)``
-    (``"stop"``: a stop token; ``"length"``: the budget) or ``("error", message)``; it must not block.
+    (``"stop"``: a stop token; ``"length"``: the budget) or ``("error", message, HTTP status)``; it must not
+    block.
     """
 
     ids: torch.Tensor
@@ -208,7 +209,7 @@ class Scheduler:
                         self.solo[key] = (job, steps)
             except Exception as e:  # one bad request must not stop the others
                 logger.exception("prefill failed")
-                job.deliver(("error", f"decoding failed: {e}"))
+                job.deliver(("error", f"decoding failed: {e}", 500))
 
     def _batched(self, job: Job) -> bool:
         """Whether ``job`` runs as a row of the batched greedy decode (no sampling, no logits processor)."""
@@ -228,7 +229,7 @@ class Scheduler:
         dropped = [self.jobs.pop(key) for key in gone]
         dropped += [self.solo.pop(key)[0] for key in [k for k, (job, _) in self.solo.items() if job.cancelled]]
         for job in dropped:
-            job.deliver(("error", "the request was cancelled"))
+            job.deliver(("error", "the request was cancelled", 499))
 
     def _batched_step(self) -> None:
         size = len(self.jobs)
@@ -240,7 +241,7 @@ class Scheduler:
             logger.exception("batched step failed")
             self.batch.leave(list(self.jobs))
             for job in self.jobs.values():
-                job.deliver(("error", f"decoding failed: {e}"))
+                job.deliver(("error", f"decoding failed: {e}", 500))
             self.jobs.clear()
             return
         self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start)
@@ -258,7 +259,7 @@ class Scheduler:
         except Exception as e:
             logger.exception("sampling step failed")
             del self.solo[key]
-            job.deliver(("error", f"decoding failed: {e}"))
+            job.deliver(("error", f"decoding failed: {e}", 500))
             return
         self.solo_steps += 1
         self._deliver(job, step)
@@ -277,6 +278,6 @@ class Scheduler:
             left = [*self.waiting, *self.jobs.values(), *(job for job, _ in self.solo.values())]
             self.waiting.clear()
         for job in left:
-            job.deliver(("error", message))
+            job.deliver(("error", message, 503))
         self.jobs.clear()
         self.solo.clear()
