@@ -214,7 +214,8 @@ def load(args, messages) -> dict:
                     count = max(count, args.reference_requests)
                 reqs = requests_for(messages, count, args.lengths)
                 results, wall = run_level(server.url, reqs, c, args.request_timeout_s)
-                entry["levels"][c] = summary(results, wall) | {"results": results}
+                entry["levels"][c] = summary(results, wall) | {"rss_after_mb": round(server.rss_mb(), 1),
+                                                               "results": results}
                 print(f"{mode} c={c}: {json.dumps(summary(results, wall))}", flush=True)
             entry["rss_after_load_mb"] = round(server.rss_mb(), 1)
             entry["health"] = server.health()

@@ -361,6 +361,15 @@ def test_step_choice_steps_aside_where_plain_is_faster():
         cold.record(4, False, 60, 60 / rate_spec)
         cold.record(4, True, 40, 40 / rate_plain)
     assert not cold.plain(4)
+    learnt = StepChoice("auto", warm=2, explore_every=8)  # plain won at 4 rows: 8 rows start plain
+    for _ in range(2):
+        learnt.record(4, False, 40, 1.0)
+        learnt.record(4, True, 80, 1.0)
+    picks = []
+    for _ in range(8):
+        learnt.record(8, True, 80, 1.0)
+        picks.append(learnt.plain(8))
+    assert learnt.guess(8) is True and learnt.guess(2) is None and picks.count(True) == 7
     assert StepChoice("off").plain(1) and not StepChoice("on").plain(64)
     with pytest.raises(ValueError, match="speculation must be one of"):
         StepChoice("sometimes")

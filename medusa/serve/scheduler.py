@@ -62,9 +62,10 @@ class StepChoice:
     """Speculative or plain batched decoding, per step, for the current batch size: whichever gave more tokens per
     second in the last ``window`` steps measured at that size (their median: a step slowed once, by a new shape's
     first kernel or by the rest of the machine, does not decide), so that speculation never costs throughput for
-    long. Each mode is tried ``warm`` times at a size first; then the losing mode again every ``explore_every`` steps
-    while it is close (within ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as
-    acceptance and costs drift.
+    long. Each mode is tried ``warm`` times at a size first (unless a neighbouring size already says, :meth:`guess`;
+    the other mode is then measured every ``explore_every`` steps); then the losing mode again every
+    ``explore_every`` steps while it is close (within ``close`` of the winner's rate), every ``4 * explore_every``
+    when it is not, as acceptance and costs drift.
 
     Args:
         mode: one of :data:`SPECULATION`.
@@ -89,12 +90,27 @@ class StepChoice:
         if self.mode != "auto":
             return self.mode == "off"
         spec, plain = self.count.get((batch, False), 0), self.count.get((batch, True), 0)
-        if spec < self.warm or plain < self.warm:
+        if spec >= self.warm and plain >= self.warm:
+            spec_rate, plain_rate = self.rate(batch, False), self.rate(batch, True)
+            close = min(spec_rate, plain_rate) >= self.close * max(spec_rate, plain_rate)
+            every = self.explore_every * (1 if close else 4)
+            return (plain_rate > spec_rate) != ((spec + plain) % every == 0)
+        guess = self.guess(batch)
+        if guess is None:  # nothing known: measure both, speculative first
             return spec >= self.warm
-        spec_rate, plain_rate = self.rate(batch, False), self.rate(batch, True)
-        close = min(spec_rate, plain_rate) >= self.close * max(spec_rate, plain_rate)
-        every = self.explore_every * (1 if close else 4)
-        return (plain_rate > spec_rate) != ((spec + plain) % every == 0)
+        return guess != ((spec + plain) % self.explore_every == 0)  # the other mode measured now and then
+
+    def guess(self, batch: int) -> bool | None:
+        """Plain at ``batch`` rows (``True``) when plain won at a smaller batch size, speculative (``False``) when
+        speculation won at a larger one, ``None`` when neither is known: speculation pays less as the batch grows
+        (its forwards turn compute-bound, docs/batching.md), so an unmeasured size need not pay to learn it."""
+        measured = {b for (b, _) in self.count if all(self.count.get((b, p), 0) >= self.warm for p in (False, True))}
+        wins = {b: self.rate(b, True) > self.rate(b, False) for b in measured}
+        if any(won for b, won in wins.items() if b < batch):
+            return True
+        if any(not won for b, won in wins.items() if b > batch):
+            return False
+        return None
 
     def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
         """One step's ``tokens`` emitted over all rows in ``seconds``."""
