@@ -7,7 +7,8 @@ same build; then the faults of issue 22 against a fresh server. Bounded in count
 
 Reports per mode and concurrency: aggregate completion tokens/s, p50/p95 latency, p50/p95 time to first token
 (streamed requests), answers identical to the same requests served one at a time; the server's resident memory after
-warm-up and after the load; the library's own ``generate`` on the concurrency-1 requests; and each fault's status.
+warm-up, after each level and after the load; served Medusa at concurrency 1 against the library's own ``generate``
+on the same requests, interleaved; and each fault's status.
 """
 
 from __future__ import annotations
@@ -203,10 +204,11 @@ def load(args, messages) -> dict:
         speculation = {"medusa": "auto", "plain": "off"}[mode]
         server = ServerProcess(args, speculation)
         try:
-            # Warm-up at the largest concurrency, so that the memory after it holds the allocator's working set
-            # for the biggest batch: what grows after that is a leak, not the first large batch.
+            # Warm-up at the largest concurrency and the longest answers, so that the memory after it holds the
+            # allocator's working set for the biggest batch: what grows after that is a leak, not the first large
+            # batch.
             top = max(args.concurrency)
-            run_level(server.url, requests_for(messages, top, [16]), top, args.request_timeout_s)
+            run_level(server.url, requests_for(messages, top, [max(args.lengths)]), top, args.request_timeout_s)
             entry = {"rss_after_warmup_mb": round(server.rss_mb(), 1), "levels": {}}
             for c in args.concurrency:
                 count = max(args.min_requests, args.requests_per_client * c)
@@ -237,26 +239,60 @@ def same_answers(report: dict) -> dict:
     return out
 
 
-def library_generate(args, requests: list[dict]) -> dict:
-    """The library's own ``generate`` on the same requests, in this process (the servers are stopped)."""
+def load_model(args):
+    """The model as ``medusa serve`` loads it (the same flags through the same code), in this process."""
     import torch
 
-    from medusa.base import chat_prompt_ids
     from medusa.cli import _load, build_parser
 
     if args.threads:
         torch.set_num_threads(args.threads)
     argv = ["serve", "--base", args.base, "--heads", args.heads] + (["--engine", args.engine] if args.engine else [])
-    model = _load(build_parser().parse_args(argv))
-    ids = [torch.tensor(chat_prompt_ids(model.tokenizer, r["messages"])) for r in requests]
-    model.generate(ids[0], 8, do_sample=False)  # warm-up
-    start, tokens, texts = time.monotonic(), 0, []
-    for x, r in zip(ids, requests, strict=True):
-        out, _ = model.generate(x, r["max_tokens"], do_sample=False)
-        tokens += len(out)
-        texts.append(model.tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False))
-    wall = time.monotonic() - start
-    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2), "texts": texts}
+    return _load(build_parser().parse_args(argv))
+
+
+def generate_text(model, request: dict) -> tuple[str, int]:
+    import torch
+
+    from medusa.base import chat_prompt_ids
+
+    ids = torch.tensor(chat_prompt_ids(model.tokenizer, request["messages"]))
+    out, _ = model.generate(ids, request["max_tokens"], do_sample=False)
+    return model.tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(out)
+
+
+def overhead(args, messages) -> dict:
+    """Served Medusa at concurrency 1 against the library's own ``generate`` on the same requests, interleaved
+    request by request (served then generate, then the other order for the next request), so that a change in the
+    rest of the machine's load hits both alike. The server is idle while ``generate`` runs and the other way round."""
+    reqs = requests_for(messages, args.reference_requests, args.lengths)
+    server = ServerProcess(args, "auto")
+    try:
+        model = load_model(args)
+        generate_text(model, reqs[0] | {"max_tokens": 8})  # warm-up, both
+        run_level(server.url, requests_for(messages, 2, [8]), 1, args.request_timeout_s)
+        served_s = generate_s = 0.0
+        served_tokens = generate_tokens = identical = 0
+        with httpx.Client() as client:
+            for i, r in enumerate(reqs):
+                for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    start = time.monotonic()
+                    if side == 0:
+                        answer = call(client, server.url, r, args.request_timeout_s)
+                        served_s += time.monotonic() - start
+                        served_tokens += answer["tokens"] or 0
+                    else:
+                        text, n = generate_text(model, r)
+                        generate_s += time.monotonic() - start
+                        generate_tokens += n
+                identical += answer.get("text") == text
+    finally:
+        server.stop()
+    return {"requests": len(reqs), "served_tokens": served_tokens, "served_s": round(served_s, 2),
+            "served_tokens_per_s": round(served_tokens / served_s, 2), "generate_tokens": generate_tokens,
+            "generate_s": round(generate_s, 2), "generate_tokens_per_s": round(generate_tokens / generate_s, 2),
+            "served_vs_generate": round((served_tokens / served_s) / (generate_tokens / generate_s), 3),
+            "identical_texts": identical}
 
 
 def faults(args, messages) -> dict:
@@ -353,6 +389,46 @@ def sigterm_during_load(server: ServerProcess, messages, args) -> dict:
             "returncode": server.proc.returncode, "drain_timeout_s": args.drain_timeout_s}
 
 
+def markdown(report: dict) -> str:
+    """The report's tables: per mode and concurrency level, then Medusa against plain, memory and the faults."""
+    def f(v, digits=2):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    lines = ["| mode | clients | requests | tokens | tok/s | p50 / p95 latency s | p50 / p95 TTFT s (streamed) | "
+             "tau | same as one at a time | RSS after MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    same = report.get("same_answers", {})
+    for mode, entry in report.get("load", {}).items():
+        for c, lv in entry["levels"].items():
+            s = same.get(f"{mode} c={c}", {})
+            lines.append(f"| {mode} | {c} | {lv['answered']}/{lv['requests']} | {lv['tokens']} | "
+                         f"{f(lv['tokens_per_s'])} | {f(lv['p50_latency_s'])} / {f(lv['p95_latency_s'])} | "
+                         f"{f(lv['p50_ttft_s'])} / "
+                         f"{f(lv['p95_ttft_s'])} | {f(lv['mean_tau'])} | {s.get('identical')}/{s.get('compared')} | "
+                         f"{f(lv.get('rss_after_mb'), 0)} |")
+    load = report.get("load", {})
+    if {"medusa", "plain"} <= set(load):
+        lines += ["", "| clients | Medusa / plain tok/s | concurrency vs 1 (Medusa, plain) |", "|---|---|---|"]
+        m, p = load["medusa"]["levels"], load["plain"]["levels"]
+        first = next(iter(m))
+        for c in m:
+            lines.append(f"| {c} | {m[c]['tokens_per_s'] / p[c]['tokens_per_s']:.3f} | "
+                         f"{m[c]['tokens_per_s'] / m[first]['tokens_per_s']:.2f}x, "
+                         f"{p[c]['tokens_per_s'] / p[first]['tokens_per_s']:.2f}x |")
+    for mode, entry in load.items():
+        grow = entry["rss_after_load_mb"] / entry["rss_after_warmup_mb"] - 1
+        lines.append(f"\n{mode}: RSS {entry['rss_after_warmup_mb']:.0f} MB after warm-up, "
+                     f"{entry['rss_after_load_mb']:.0f} MB after the load ({grow:+.1%}); {entry['health']}")
+    if "generate" in report:  # earlier reports: generate after the servers stopped
+        g = report["generate"]
+        lines.append(f"\nlibrary generate: {g['tokens']} tokens in {g['wall_s']} s = {g['tokens_per_s']} tok/s; "
+                     f"texts identical to the served ones: {g.get('same_as_served')}")
+    if "overhead" in report:
+        lines.append(f"\nserved Medusa vs the library's generate, interleaved: {json.dumps(report['overhead'])}")
+    for name, fault in report.get("faults", {}).items():
+        lines.append(f"\nfault {name}: {json.dumps(fault)}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True)
@@ -375,10 +451,14 @@ def main() -> int:
     p.add_argument("--drain-timeout-s", type=float, default=10)
     p.add_argument("--sigterm-after-s", type=float, default=3)
     p.add_argument("--flood", type=int, default=100, help="requests sent at once in the flood fault")
-    p.add_argument("--skip", nargs="*", default=[], choices=["load", "faults", "generate"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["load", "overhead", "faults"])
     p.add_argument("--log-dir", default="/tmp")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the JSON report (with --tables: an earlier one, printed)")
+    p.add_argument("--tables", action="store_true", help="print the tables of the report --out and exit")
     args = p.parse_args()
+    if args.tables:
+        print(markdown(json.loads(Path(args.out).read_text())))
+        return 0
     messages = read_messages()
     report: dict = {"args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if "load" not in args.skip:
@@ -388,21 +468,15 @@ def main() -> int:
         report["reference"] = report["load"][args.modes[0]]["levels"][1]["results"]
         report["same_answers"] = same_answers(report)
         print(f"same answers: {json.dumps(report['same_answers'])}", flush=True)
-    if "generate" not in args.skip:
-        first = args.concurrency[0]
-        reqs = requests_for(messages, max(args.min_requests, args.requests_per_client * first,
-                                          args.reference_requests), args.lengths)
-        report["generate"] = library_generate(args, reqs)
-        if "reference" in report:
-            pairs = list(zip(report["generate"]["texts"], [r.get("text") for r in report["reference"]], strict=False))
-            report["generate"]["same_as_served"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs)}
-        print(f"library generate: {report['generate']['tokens_per_s']} tok/s, "
-              f"{report['generate'].get('same_as_served')}", flush=True)
+    if "overhead" not in args.skip:
+        report["overhead"] = overhead(args, messages)
+        print(f"overhead: {json.dumps(report['overhead'])}", flush=True)
     if "faults" not in args.skip:
         report["faults"] = faults(args, messages)
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown(report))
     return 0
 
 

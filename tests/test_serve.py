@@ -211,6 +211,7 @@ def test_malformed_bodies_keys_and_content_are_refused_and_the_server_goes_on(se
     cases = [(b'{"model": "tiny-heads", "prompt": "hi"', auth, 400, "not valid JSON"),
              (b'{"model": "tiny-heads", "prompt": "\xff\xfe"}', auth, 400, "UTF-8"),
              (b"[1, 2]", auth, 400, "JSON object"),
+             (b'{"model": "tiny-heads", "prompt": "ab\\udc80"}', auth, 400, "lone surrogate"),
              (json.dumps({"model": NAME, "prompt": "x" * (2 << 20)}).encode(), auth, 413, "limit"),
              (json.dumps({"model": NAME, "prompt": "hi"}).encode(), {"Authorization": "Bearer wrong"}, 401, "API key"),
              (json.dumps({"model": NAME, "prompt": "hi"}).encode(), {}, 401, "API key")]

@@ -177,7 +177,7 @@ def _stop(body: dict) -> list[str]:
         raise bad(f"'stop' must be a non-empty string or a list of them, got {value!r}", "stop")
     if len(stops) > MAX_STOP:
         raise bad(f"'stop' holds {len(stops)} sequences, at most {MAX_STOP} are allowed", "stop")
-    return stops
+    return [_unicode(s, "stop") for s in stops]
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -218,13 +218,24 @@ def _messages(value) -> list[dict]:
     return out
 
 
+def _unicode(text: str, where: str) -> str:
+    """``text``, checked to be Unicode text: JSON's ``\\ud800``-style escapes can spell lone surrogates, which no
+    tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}): not Unicode text",
+                  where) from None
+    return text
+
+
 def _content(value, where: str) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
     if isinstance(value, str):
-        return value
+        return _unicode(value, where)
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
+        return _unicode("".join(p["text"] for p in value), where)
     raise bad(f"{where} must be a string or a list of text parts ({{'type': 'text', 'text': ...}}); other content "
               f"(images, audio) is not supported", where)
 
@@ -235,7 +246,7 @@ def _prompt(value) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise bad("'prompt' is empty", "prompt")
-        return value
+        return _unicode(value, "prompt")
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
     raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
