@@ -287,7 +287,7 @@ def test_rows_join_a_running_batch_and_each_stays_exact():
             break
         for key, s in batch.step(plain=step % 3 == 1):  # plain steps between speculative ones
             out[key] += s.tokens
-    assert max(batch.rows_per_forward) == 3 and not batch.keys
+    assert batch.max_rows == 3 and not batch.keys
     for k, ids in enumerate(prompts):
         assert out[k] == alone(model, heads, ids, budgets[k])
 
@@ -333,8 +333,29 @@ def test_sampling_and_greedy_requests_all_advance_every_round():
             scheduler._solo_step(key)
         rounds.append(all(len(events[i]) > before[i] for i in running))
     assert all(rounds) and len(scheduler.solo) == 0
-    assert scheduler.solo_steps > 0 and max(scheduler.batch.rows_per_forward) == 3
+    assert scheduler.solo_steps > 0 and scheduler.batch.max_rows == 3
     assert all(e[-1] == ("done", "length") for e in events.values())
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_scheduler_goes_on():
+    from medusa.decode.logits_process import resolve_decoding
+
+    scheduler = Scheduler(tiny_medusa(), max_running=4)
+    events = {0: [], 1: []}
+    step = scheduler.batch.step
+
+    def broken(plain=False):
+        raise RuntimeError("out of memory")
+
+    scheduler.batch.step = broken
+    scheduler.submit(Job(torch.tensor([5, 6, 7, 8]), 6, resolve_decoding(), events[0].append))
+    scheduler._round()
+    assert events[0][-1] == ("error", "decoding failed: out of memory", 500) and not scheduler.batch.keys
+    scheduler.batch.step = step
+    scheduler.submit(Job(torch.tensor([5, 6, 7, 8]), 6, resolve_decoding(), events[1].append))
+    while not events[1] or events[1][-1][0] == "tokens":
+        scheduler._round()
+    assert events[1][-1] == ("done", "length")
 
 
 def test_the_waiting_queue_is_bounded():

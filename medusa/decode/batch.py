@@ -158,8 +158,10 @@ class RunningBatch:
         self.valid_len = torch.zeros(0, dtype=torch.long, device=model.device)  # (B,) each row's cached positions
         self.forwards = 0
         """Batched verify forwards run."""
-        self.rows_per_forward: list[int] = []
-        """Rows each verify forward held, in order."""
+        self.row_forwards = 0
+        """Rows summed over those forwards."""
+        self.max_rows = 0
+        """The most rows one forward held."""
 
     @property
     def keys(self) -> list:
@@ -222,7 +224,8 @@ class RunningBatch:
                                                            self.roots, self.valid_len, self.all_nodes, drafts)
         elapsed = time.perf_counter() - start
         self.forwards += 1
-        self.rows_per_forward.append(len(self.rows))
+        self.row_forwards += len(self.rows)
+        self.max_rows = max(self.max_rows, len(self.rows))
         out = []
         for row, tokens in zip(self.rows, emitted, strict=True):
             row.sequence = torch.cat([row.sequence, row.sequence.new_tensor(tokens)])

@@ -14,7 +14,6 @@ Each batched step is speculative or plain (the root alone) as :class:`StepChoice
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -60,30 +59,34 @@ class Job:
 
 class StepChoice:
     """Speculative or plain batched decoding, per step, for the current batch size: whichever gave more tokens per
-    second in the last ``window`` steps measured at that size (their median: a step slowed once, by a new shape's
-    first kernel or by the rest of the machine, does not decide), so that speculation never costs throughput for
-    long. Each mode is tried ``warm`` times at a size first (unless a neighbouring size already says, :meth:`guess`;
-    the other mode is then measured every ``explore_every`` steps); then the losing mode again every
-    ``explore_every`` steps while it is close (within ``close`` of the winner's rate), every ``4 * explore_every``
-    when it is not, as acceptance and costs drift.
+    second over the last ``window`` steps measured in that mode at that size (their tokens over their seconds, the
+    slowest step left out: a step slowed once, by a new shape's first kernel or by the rest of the machine, does not
+    decide), so that speculation never costs throughput for long. Each mode is tried ``warm`` times at a size first
+    (unless a neighbouring size already says, :meth:`guess`; the other mode is then measured every
+    ``explore_every`` steps); then the losing mode again every ``explore_every`` steps while it is close (within
+    ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as acceptance and costs drift.
 
     Args:
         mode: one of :data:`SPECULATION`.
     """
 
-    def __init__(self, mode: str = "auto", warm: int = 3, explore_every: int = 16, window: int = 8,
+    def __init__(self, mode: str = "auto", warm: int = 3, explore_every: int = 16, window: int = 16,
                  close: float = 0.85):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {mode!r}")
         self.mode, self.warm, self.explore_every, self.close = mode, warm, explore_every, close
         self.window = window
-        self.rates: dict[tuple[int, bool], deque[float]] = {}
-        """``(batch size, plain)`` -> the last ``window`` steps' tokens per second."""
+        self.steps: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
+        """``(batch size, plain)`` -> the last ``window`` steps' ``(tokens, seconds)``."""
         self.count: dict[tuple[int, bool], int] = {}
 
     def rate(self, batch: int, plain: bool) -> float:
-        """The median tokens per second of the last steps measured in that mode at ``batch`` rows."""
-        return statistics.median(self.rates[(batch, plain)])
+        """Tokens per second of the last steps measured in that mode at ``batch`` rows, the slowest left out (a
+        speculative step's tokens vary from step to step: the rate is their sum over the time, not a typical
+        step's)."""
+        steps = sorted(self.steps[(batch, plain)], key=lambda s: s[1])
+        kept = steps[:-1] if len(steps) > 2 else steps
+        return sum(t for t, _ in kept) / max(sum(s for _, s in kept), 1e-9)
 
     def plain(self, batch: int) -> bool:
         """Whether the next step at ``batch`` rows should be plain."""
@@ -115,7 +118,7 @@ class StepChoice:
     def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
         """One step's ``tokens`` emitted over all rows in ``seconds``."""
         key = (batch, plain)
-        self.rates.setdefault(key, deque(maxlen=self.window)).append(tokens / max(seconds, 1e-9))
+        self.steps.setdefault(key, deque(maxlen=self.window)).append((tokens, seconds))
         self.count[key] = self.count.get(key, 0) + 1
 
 
@@ -179,11 +182,11 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         """Counters for ``/health``: requests running and waiting, verify forwards and the rows they held."""
-        rows = self.batch.rows_per_forward
         with self._lock:
             waiting = len(self.waiting)
-        return {"running": len(self.jobs) + len(self.solo), "waiting": waiting, "batched_forwards": len(rows),
-                "max_rows_per_forward": max(rows, default=0), "row_forwards": sum(rows),
+        batch = self.batch
+        return {"running": len(self.jobs) + len(self.solo), "waiting": waiting, "batched_forwards": batch.forwards,
+                "max_rows_per_forward": batch.max_rows, "row_forwards": batch.row_forwards,
                 "plain_steps": self.plain_steps, "solo_steps": self.solo_steps}
 
     # -- the scheduler thread -----------------------------------------------------------------------------------------
@@ -195,13 +198,21 @@ class Scheduler:
                 if not self.waiting and not self.jobs and not self.solo:
                     self._lock.wait(0.05)
                     continue
-            self._admit()
-            self._drop_cancelled()
-            if self.jobs:
-                self._batched_step()
-            for key in list(self.solo):
-                self._solo_step(key)
+            try:
+                self._round()
+            except Exception:  # a fault of the scheduler itself must not leave requests waiting forever
+                logger.exception("scheduler round failed")
+                self._fail_running("internal error in the scheduler")
         self._fail_all("the server is shutting down")
+
+    def _round(self) -> None:
+        """Admit, drop the cancelled, then one batched step and one step per sampling job."""
+        self._admit()
+        self._drop_cancelled()
+        if self.jobs:
+            self._batched_step()
+        for key in list(self.solo):
+            self._solo_step(key)
 
     def _admit(self) -> None:
         """Start waiting jobs while slots are free (each prefilled now: it joins the batch's next step)."""
@@ -255,10 +266,7 @@ class Scheduler:
             out = self.batch.step(plain)
         except Exception as e:
             logger.exception("batched step failed")
-            self.batch.leave(list(self.jobs))
-            for job in self.jobs.values():
-                job.deliver(("error", f"decoding failed: {e}", 500))
-            self.jobs.clear()
+            self._fail_running(f"decoding failed: {e}", solo=False)
             return
         self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start)
         self.plain_steps += plain
@@ -288,6 +296,16 @@ class Scheduler:
             job.deliver(("tokens", list(step.tokens)))
         if job.stats.stopped_by:
             job.deliver(("done", "stop" if job.stats.stopped_by == "stop_token" else "length"))
+
+    def _fail_running(self, message: str, solo: bool = True) -> None:
+        """End the batch's rows (and with ``solo`` the sampling jobs) with a 500 error."""
+        self.batch.leave(list(self.jobs))
+        failed = list(self.jobs.values()) + ([job for job, _ in self.solo.values()] if solo else [])
+        self.jobs.clear()
+        if solo:
+            self.solo.clear()
+        for job in failed:
+            job.deliver(("error", message, 500))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
