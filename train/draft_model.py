@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from medusa.base import base_states, stop_token_ids
 from medusa.drafters.draft_model import DRAFT_VOCAB_FILE, check_vocabularies
@@ -62,7 +61,7 @@ from train.checkpoints import (
 from train.config import TrainConfig
 from train.conversations import prepare_conversations, tokenize_held_out
 from train.data import collate, default_tokenize_cache_dir, target_token_counts, to_device, tokenize_conversations
-from train.loop import micro_batches
+from train.loop import step_loop
 
 logger = logging.getLogger(__name__)
 
@@ -300,36 +299,16 @@ def teacher_hidden_states(run: DraftRun, indices: list[int], batch: dict) -> tor
 
 
 def fit_draft(run: DraftRun) -> list[float]:
-    """Optimizer steps from ``run.step`` to ``max_steps`` with logging, evaluation and checkpoints; returns the
-    step losses (the whole step's, summed over processes)."""
-    config, accelerator = run.config, run.accelerator
-    batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, accelerator.process_index,
-                            accelerator.num_processes, start=run.step * config.grad_accum_steps,
-                            accum=config.grad_accum_steps)
-    progress = tqdm(total=config.max_steps, initial=run.step, desc="draft model",
-                    disable=not accelerator.is_main_process)
-    saved_at = run.step if latest_checkpoint(config.output_dir) else None
-    losses = []
-    while run.step < config.max_steps:
-        losses.append(accelerator.reduce(draft_step(run, batches), reduction="sum").item())
-        run.step += 1
-        progress.update(1)
-        if run.step % config.log_every == 0 or run.step == config.max_steps:
-            progress.set_postfix(loss=f"{losses[-1]:.4f}")
-            logger.info("step %d loss %.6f lr %.6g", run.step, losses[-1], run.scheduler.get_last_lr()[0])
-            accelerator.log({"train/loss": losses[-1], "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
-        if config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps \
-                and run.held_examples:
-            metrics = evaluate_draft(run, config.max_eval_batches)
-            logger.info("step %d held-out %s", run.step, format_draft_metrics(metrics))
-            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=run.step)
-        if config.save_every and run.step % config.save_every == 0:
-            save_draft_checkpoint(run)
-            saved_at = run.step
-    progress.close()
-    if saved_at != run.step:
-        save_draft_checkpoint(run)
-    return losses
+    """Optimizer steps from ``run.step`` to ``max_steps`` (:func:`train.loop.step_loop`, as head training) with
+    logging, held-out evaluation and checkpoints; returns the step losses (summed over processes)."""
+    def held_out(r):
+        if not r.held_examples:
+            return None
+        metrics = evaluate_draft(r, r.config.max_eval_batches)
+        r.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=r.step)
+        return metrics, format_draft_metrics(metrics)
+
+    return step_loop(run, draft_step, held_out, save_draft_checkpoint, "draft model")
 
 
 def draft_step(run: DraftRun, batches) -> torch.Tensor:

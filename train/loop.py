@@ -63,32 +63,47 @@ def fit(run: Run) -> list[float]:
     Returns:
         The loss of each step run (summed over processes: the loss of the whole step), in order.
     """
+    def held_out(r):
+        metrics = evaluate(r, max_batches=r.config.max_eval_batches) if any_held_out(r) else None
+        return None if metrics is None else (metrics, format_metrics(metrics))
+
+    return step_loop(run, train_step, held_out, save_checkpoint, "medusa heads")
+
+
+def step_loop(run, step, held_out, save, desc: str) -> list[float]:
+    """The loop shared by head and draft-model training: ``step(run, batches)`` (one optimizer step, this process's
+    share of its loss) from ``run.step`` to ``max_steps`` over :func:`micro_batches`, the loss logged every
+    ``log_every`` steps, ``held_out(run)`` (``(metrics, text)`` or ``None``) every ``eval_every`` steps before the
+    last, ``save(run)`` every ``save_every`` steps and at the end (unless just saved or resumed there).
+
+    Returns:
+        The loss of each step run (summed over processes: the loss of the whole step), in order.
+    """
     config, accelerator = run.config, run.accelerator
     batches = micro_batches(len(run.train_examples), config.batch_size, config.seed, accelerator.process_index,
                             accelerator.num_processes, start=run.step * config.grad_accum_steps,
                             accum=config.grad_accum_steps)
-    progress = tqdm(total=config.max_steps, initial=run.step, desc="medusa heads",
-                    disable=not accelerator.is_main_process)
+    progress = tqdm(total=config.max_steps, initial=run.step, desc=desc, disable=not accelerator.is_main_process)
     saved_at = run.step if latest_checkpoint(config.output_dir) else None
     losses = []
     while run.step < config.max_steps:
-        losses.append(accelerator.reduce(train_step(run, batches), reduction="sum").item())
+        losses.append(accelerator.reduce(step(run, batches), reduction="sum").item())
         run.step += 1
         progress.update(1)
         if run.step % config.log_every == 0 or run.step == config.max_steps:
             progress.set_postfix(loss=f"{losses[-1]:.4f}")
             logger.info("step %d loss %.6f lr %.6g", run.step, losses[-1], run.scheduler.get_last_lr()[0])
             accelerator.log({"train/loss": losses[-1], "train/lr": run.scheduler.get_last_lr()[0]}, step=run.step)
-        periodic_eval = config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps
-        if periodic_eval and any_held_out(run):
-            metrics = evaluate(run, max_batches=config.max_eval_batches)
-            logger.info("step %d held-out %s", run.step, format_metrics(metrics))
+        if config.eval_every and run.step % config.eval_every == 0 and run.step < config.max_steps:
+            result = held_out(run)
+            if result is not None:
+                logger.info("step %d held-out %s", run.step, result[1])
         if config.save_every and run.step % config.save_every == 0:
-            save_checkpoint(run)
+            save(run)
             saved_at = run.step
     progress.close()
     if saved_at != run.step:
-        save_checkpoint(run)
+        save(run)
     return losses
 
 
