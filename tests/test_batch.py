@@ -224,24 +224,28 @@ def test_cli_batched_bad_inputs(cli_setup, tmp_path, capsys):
     common = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--max-new-tokens", "4"]
     assert main(common + ["--prompts", str(with_empty), "--no-chat-template"]) == 2
     assert "prompt 1 of the batch is empty" in capsys.readouterr().err
-    assert main(common + ["--prompts", str(prompts), "--do-sample"]) == 2
-    assert "batched decoding is greedy only" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--do-sample", "--seed", "1"]) == 0  # batched sampling runs
+    assert capsys.readouterr().out.count("--- prompt") == 3
     assert main(common + ["--prompt", "hello", "--batch-size", "2"]) == 2
     assert "--batch-size needs --prompts" in capsys.readouterr().err
     assert main(common + ["--prompts", str(prompts), "--stream"]) == 2
     assert "not with --prompts" in capsys.readouterr().err
 
 
-def test_settings_batched_decoding_cannot_honour_are_refused():
+def test_batched_rows_with_logits_processors_or_sampling_decode_as_alone():
+    """Each row has its own rule, logits processors and seeded generator: greedy with a repetition penalty gives
+    each prompt generate()'s tokens; seeded rejection sampling and typical acceptance on a fixed tree draw in the
+    same order as alone, so the same tokens."""
     from medusa.model import MedusaModel
 
     model = tiny_model("llama")
-    medusa = MedusaModel(model, random_heads(model), WIDE_TREE)
-    prompts = prompts_of([3, 5])
-    with pytest.raises(NotImplementedError, match="greedy only"):
-        medusa.generate_batch(prompts, 4, do_sample=True)
-    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
-        medusa.generate_batch(prompts, 4, repetition_penalty=1.3)
+    medusa = MedusaModel(model, random_heads(model), WIDE_TREE, engine="eager")
+    prompts = prompts_of([7, 12, 5])
+    for settings in ({"repetition_penalty": 1.3}, {"do_sample": True, "temperature": 0.9, "seed": 3},
+                     {"do_sample": True, "temperature": 0.9, "seed": 3, "acceptance": "typical"}):
+        batched, _ = medusa.generate_batch(prompts, 16, stop_token_ids=set(), **settings)
+        alone = [medusa.generate(p, 16, stop_token_ids=set(), **settings)[0] for p in prompts]
+        assert batched == alone, settings
 
 
 def test_cli_batched_bench(cli_setup, tmp_path, capsys):
