@@ -215,6 +215,20 @@ class Engine(abc.ABC):
         """The decoder stack batched forwards run (``None``: the model's own)."""
         return None
 
+    def prefill_row(self, input_ids: torch.Tensor, layers: tuple[int, ...] = (), capacity: int | None = None
+                    ) -> tuple:
+        """One prompt's own forward ``(T,)`` into a fresh cache of this engine for ``capacity`` positions (``None``:
+        the prompt's; a batched step needs room for its tree): ``(cache, logits (1, V) of its last position, hidden
+        (T, H))``; with ``layers``, also those decoder layers' outputs ``(T, len(layers) * H)``
+        (:meth:`forward_features`)."""
+        n = len(input_ids)
+        cache = self.new_cache(n if capacity is None else capacity)
+        positions = torch.arange(n, device=input_ids.device)
+        mask = kv_cache.causal_mask(n, input_ids.device)
+        if layers:
+            return (cache, *self.forward_features(input_ids, positions, mask, cache, layers, slice(-1, None)))
+        return (cache, *self.forward(input_ids, positions, mask, cache, logits_for=slice(-1, None)))
+
     def stack_rows(self, caches: list):
         """One batched cache from caches of this engine holding one row or more each, of different lengths
         (:func:`medusa.engines.kv_cache.stack_rows`)."""

@@ -6,7 +6,8 @@ with its own rule, settings and random generator (:mod:`medusa.decode.acceptance
 cancelled (the client went away, a stop string matched, its deadline passed) or fails. Every running request advances
 once per round of the loop, and a round runs one batched step: no request waits more than a bounded number of steps.
 
-Each batched step is speculative or plain (the root alone) as :class:`StepChoice` decides for the batch size at hand.
+Each batched step is speculative or plain (the root alone) as :class:`StepChoice` decides for the batch size at hand;
+speculative while a row samples, so that a seeded request draws as ``generate`` with that seed does.
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ class Scheduler:
 
     def _batched_step(self) -> None:
         size = len(self.jobs)
-        plain = self.choice.plain(size)
+        # Speculative whenever a row samples: a plain step would draw that row's random numbers in another order
+        # than generate() with the same seed (greedy rows get the same tokens either way).
+        plain = self.choice.plain(size) and not any(job.decoding.do_sample for job in self.jobs.values())
         start = time.perf_counter()
         try:
             out = self.batch.step(plain)
