@@ -341,6 +341,7 @@ class RunningBatch:
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
         self.rows: list[_Row] = []
         self.cache = None
+        self._greedy: Decoding | None = None
         self.forwards = 0
         """Verify forwards run."""
         self.row_forwards = 0
@@ -370,7 +371,8 @@ class RunningBatch:
         stats = stats if stats is not None else GenerationStats()
         stop = stop_token_ids or set()
         device = prompt.device
-        decoding = decoding if decoding is not None else resolve_decoding()
+        if decoding is None:  # resolved once per batch: resolving reads a whole generation config
+            self._greedy = decoding = self._greedy or resolve_decoding()
         processors = decoding.processors(len(prompt), max_new_tokens, stop, device)
         rule = acceptance_rule(decoding, self.vocab_size, device)
         cache = self.engine.new_cache(len(prompt) + max_new_tokens + self.drafter.max_nodes)

@@ -94,7 +94,8 @@ class Engine(abc.ABC):
     engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
     supports_batch: ClassVar[bool] = True
     """Several rows can share a forward (:class:`medusa.decode.loop.RunningBatch`) through this engine's batch
-    operations; one row always can."""
+    operations (the ones here work on a ``DynamicCache``: an engine with a cache of its own overrides them, or
+    declares this False); one row always can."""
     returns_layers: ClassVar[bool] = True
     """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
