@@ -137,7 +137,7 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
     batch = RunningBatch(model, drafter, engine, scores_all_nodes)
     yield batch.join(0, input_ids, max_new_tokens, stop_token_ids, stats, decoding)
     while batch.rows:
-        ((_, step),) = batch.step()
+        ((_, step),) = batch._step()  # decode_steps runs in inference mode already
         yield step
 
 
@@ -417,6 +417,10 @@ class RunningBatch:
             ValueError: no row is running, a tree larger than the drafter declared, or rows drafted with different
                 tree layouts.
         """
+        return self._step(plain)
+
+    def _step(self, plain: bool = False) -> list[tuple[object, Step]]:
+        """:meth:`step`, for a caller already in inference mode (no context switch per step)."""
         rows = self.rows
         if not rows:
             raise ValueError("the batch holds no running row")
