@@ -133,6 +133,7 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
     Raises:
         ValueError: the prompt and budget do not fit the context.
     """
+    check_context(model, len(input_ids), max_new_tokens, drafter.max_depth)  # before an engine is made
     engine = engine if engine is not None else make_engine(None, model, step_size=drafter.max_nodes)
     batch = RunningBatch(model, drafter, engine, scores_all_nodes)
     yield batch.join(0, input_ids, max_new_tokens, stop_token_ids, stats, decoding)
