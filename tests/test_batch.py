@@ -1,4 +1,5 @@
-"""Batched greedy decoding gives each prompt exactly the tokens it gets when decoded alone."""
+"""Batched decoding gives each prompt exactly the tokens it gets when decoded alone (greedy, with logits
+processors, and seeded sampling)."""
 
 from __future__ import annotations
 
