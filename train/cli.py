@@ -53,6 +53,5 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"medusa train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        what = "Draft model" if config.head_type == "draft_model" else "Medusa heads"
-        print(f"{what} written to {heads_dir}")
+        print(f"{config.trainable.label} written to {heads_dir}")
     return 0
