@@ -371,11 +371,13 @@ def field_docs() -> dict[str, str]:
 
 def load_config(yaml_path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from defaults, then a YAML file, then ``overrides`` (``None`` values skipped).
+    In either, ``drafter`` is a synonym of ``head_type``.
 
     Raises:
         FileNotFoundError: the YAML file does not exist.
-        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, or a value
-            is invalid (a YAML value of the wrong type is reported with the file's name).
+        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, ``drafter``
+            and ``head_type`` both given and different, or a value is invalid (a YAML value of the wrong type is
+            reported with the file's name).
     """
     values: dict = {}
     if yaml_path is not None:
@@ -388,6 +390,7 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
             raise ValueError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(loaded).__name__}")
+        loaded = _head_type_synonym(loaded, f"config file {path}")
         _check_known(loaded, f"config file {path}")
         for name, value in loaded.items():
             try:
@@ -395,10 +398,31 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
             except ValueError as e:
                 raise ValueError(f"config file {path}: {e}") from e
         values.update(loaded)
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    overrides = _head_type_synonym({k: v for k, v in (overrides or {}).items() if v is not None}, "overrides")
     _check_known(overrides, "overrides")
     values.update(overrides)
     return TrainConfig(**values)
+
+
+DRAFTER_SYNONYM = "drafter"
+"""A key read as ``head_type`` (the drafter's registered name) in YAML files and overrides."""
+
+
+def _head_type_synonym(values: dict, where: str) -> dict:
+    """``values`` with :data:`DRAFTER_SYNONYM` read as ``head_type``.
+
+    Raises:
+        ValueError: both keys given with different values.
+    """
+    if DRAFTER_SYNONYM not in values:
+        return values
+    values = dict(values)
+    drafter = values.pop(DRAFTER_SYNONYM)
+    if "head_type" in values and values["head_type"] != drafter:
+        raise ValueError(f"{where}: drafter {drafter!r} and head_type {values['head_type']!r} name the same "
+                         "setting: give one")
+    values["head_type"] = drafter
+    return values
 
 
 def _check_known(values: dict, where: str) -> None:
