@@ -83,3 +83,8 @@ def test_registering_a_trainable_name_twice_names_both(offset_type):
 def test_a_config_field_of_another_drafter_is_refused_by_name(base_dir, chats, tmp_path, offset_type):
     with pytest.raises(ValueError, match="ttt_steps belong to head_type eagle, not 'offset'"):
         make_config(base_dir, chats, tmp_path, head_type="offset", ttt_steps=5)
+
+
+def test_heads_training_needs_a_registered_heads_class():
+    with pytest.raises(ValueError, match="no heads class is registered as 'unbuilt'"):
+        HeadsTraining("unbuilt")

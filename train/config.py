@@ -65,7 +65,8 @@ class TrainConfig:
     output_dir: str = "outputs/medusa"
     """Run folder: checkpoints/, distilled data, heads/ and eval.json are written here."""
     head_type: str = "medusa"
-    """"medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
+    """The registered name of the drafter to train (:mod:`train.drafters`; ``drafter`` in YAML is the same key):
+    "medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
     tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024) or "eagle" (an EAGLE-3-style drafter:
     one decoder layer over fused base layers, drafting each deeper token from its own output, Li et al. 2025;
     :mod:`medusa.drafters.eagle`) or "draft_model" (a separate draft model for classic speculative decoding,

@@ -29,6 +29,7 @@ import torch
 
 from medusa.base import check_layer_indices, learned_position_weight
 from medusa.drafters.eagle import default_eagle_layers, eagle_base_settings
+from medusa.drafters.heads import HEAD_TYPES
 from medusa.io.checkpoint import load_heads, save_heads
 from train.objective import DecayedHeadLoss, TrainingTimeTest
 from train.sharded import full_weight
@@ -74,6 +75,12 @@ class HeadsTraining:
     label: str = "Medusa heads"
     check: Callable[[TrainConfig], None] | None = None
     """Its own config rules (raise ``ValueError``), besides the shared ones."""
+
+    def __post_init__(self):
+        if self.name not in HEAD_TYPES:
+            raise ValueError(f"no heads class is registered as {self.name!r} (medusa.drafters.heads."
+                             f"register_head_type): the heads trainer builds, saves and loads heads of a registered "
+                             f"type; registered: {list(HEAD_TYPES)}")
 
     def check_config(self, config: TrainConfig) -> None:
         if self.check is not None:
