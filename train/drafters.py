@@ -55,6 +55,10 @@ class TrainableDrafter(Protocol):
         """Refuse a config this drafter cannot train (``ValueError`` naming the problem)."""
         ...
 
+    def trainable_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters of the module being trained that the optimizer steps (:func:`train.setup.make_optimizer`)."""
+        ...
+
     def train(self, config: TrainConfig, model=None, tokenizer=None) -> Path:
         """Run the training ``config`` says over the base (``model``/``tokenizer``, else ``config.base``); returns
         the folder written."""
