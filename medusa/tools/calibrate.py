@@ -242,7 +242,7 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
         ``(tree, report, note)``: the report (accuracy, cost curve, level cost, the table of candidates, the chosen
         row under ``"chosen"``, dtype, engine and profile) and the note the tree file carries.
     """
-    from medusa.profile import ensure_engine, heads_level_s, load_profile, stderr_progress
+    from medusa.tools.measure import ensure_engine, heads_level_s, load_profile, stderr_progress
 
     lookup_lengths = tuple(sorted(set(lookup_lengths)))
     states = sequence_states(model.base, sequences, model.heads.base_layers)
