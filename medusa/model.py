@@ -74,9 +74,17 @@ class MedusaModel(nn.Module):
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
         step_size = step_size or getattr(self.drafter, "typical_nodes", self.drafter.max_nodes)
         if measure and (name or _default_engine()) == AUTO:
+            from medusa.profile import FALLBACK_ENGINE, EngineChoice
             from medusa.tools.measure import ensure_profile, stderr_progress
 
-            options["profile"] = ensure_profile(self.base, announce=stderr_progress)
+            try:
+                options["profile"] = ensure_profile(self.base, announce=stderr_progress)
+            except Exception as e:  # noqa: BLE001 - a failure to measure falls back, and says why
+                reason = f"{FALLBACK_ENGINE}: measuring this machine failed ({type(e).__name__}: {e})"
+                logger.warning("--engine auto: %s", reason)
+                self.engine = make_engine(FALLBACK_ENGINE, self.base, step_size=step_size, **options)
+                self.engine.choice = EngineChoice(FALLBACK_ENGINE, reason, step_size)
+                return
         self.engine = make_engine(name, self.base, step_size=step_size, **options)
 
     def use_per_step_tree(self, calibration, profile=None, measure: bool = False, **options) -> None:
