@@ -111,7 +111,8 @@ def test_the_checker_finds_circles_through_lazy_relative_and_from_imports(tmp_pa
     (pkg / "bottom.py").write_text("def f():\n    from medusa.sub import top  # lazy, still an arrow\n")
     (pkg / "sub" / "middle.py").write_text("from ..bottom import f\n")
     (pkg / "sub" / "top.py").write_text("from . import middle\n")
-    (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from medusa import bottom\n")
+    typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from medusa import bottom\n"
+    (pkg / "typed.py").write_text(typed)
     graph = import_graph(tmp_path)
     assert graph["medusa.sub.top"] == {"medusa.sub.middle"} and graph["medusa.sub.middle"] == {"medusa.bottom"}
     assert graph["medusa.typed"] == set()
