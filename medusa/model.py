@@ -124,9 +124,9 @@ class MedusaModel(nn.Module):
         why = "given"
         level_s = None
         if measure:
-            from medusa.tools.measure import ensure_engine, heads_level_s, load_profile, stderr_progress
+            from medusa.tools.measure import ensure_engine, ensure_profile, heads_level_s, stderr_progress
 
-            profile = profile if profile is not None else load_profile(self.base, progress=stderr_progress)
+            profile = profile if profile is not None else ensure_profile(self.base, announce=stderr_progress)
             profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
             level_s = heads_level_s(profile, self.heads)
         elif profile is None:

@@ -452,12 +452,12 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost read from this machine's profile (a verify
     forward over the tree's nodes after :data:`medusa.profile.PREFIX_LEN` cached tokens, relative to one token,
     through the bench's engine): the seed's analysis next to the measured figures."""
-    from medusa.tools.measure import load_profile, stderr_progress, time_forwards
+    from medusa.tools.measure import ensure_profile, stderr_progress, time_forwards
 
     name, nodes = model.engine.name, model.drafter.max_nodes
     if model.per_step and result.get("tree_sizes", {}).get("mean"):
         nodes = max(1, round(result["tree_sizes"]["mean"]))
-    profile = load_profile(model.base, progress=stderr_progress)
+    profile = ensure_profile(model.base, announce=stderr_progress)
     if "forward_s" in profile.engines.get(name, {}):
         one, verify_s = profile.forward_s(name, 1), profile.forward_s(name, nodes)
     else:  # not in the profile (compiled: each size compiles): the two sizes this bench ran, on its own engine

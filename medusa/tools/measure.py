@@ -35,7 +35,6 @@ from medusa.profile import (
     STEP_SIZES,
     MachineProfile,
     bf16_supported,
-    cache_dir,
     cuda_dtype,
     draft_model_key,
     heads_key,
@@ -117,10 +116,10 @@ def ensure_engine(profile: MachineProfile, model, engine: str, progress=None) ->
 
 
 def stderr_progress(text: str) -> None:
-    """The progress line of a profile being measured (about 30 s, once per machine), on stderr: a silent wait that
-    long would look like a hang (measuring is always asked for, so this is the asker's output)."""
-    print(f"[medusa] {text} (measuring this machine once, stored in {cache_dir() / 'profiles'})", file=sys.stderr,
-          flush=True)
+    """A line of a profile being measured (about 30 s, once per machine) on stderr: a silent wait that long would
+    look like a hang (measuring is always asked for, so this is the asker's output; :func:`ensure_profile` says
+    what, why, where and how long)."""
+    print(f"[medusa] {text}", file=sys.stderr, flush=True)
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
