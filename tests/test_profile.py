@@ -185,8 +185,11 @@ def test_building_a_model_with_no_stored_profile_measures_nothing_and_says_so_on
     tokens, _ = model.generate(ids, max_new_tokens=8)
     assert tokens == hf_greedy_batch(base, [ids], 8, set(), 0)[0]
     stats = GenerationStats()
-    assert len(list(decode_steps(base, NoDrafter(), ids, 4, set(), stats))) > 0  # engine=None: auto, read only
-    assert make_engine(None, base, step_size=15).name == prof.FALLBACK_ENGINE
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert len(list(decode_steps(base, NoDrafter(), ids, 4, set(), stats))) > 0  # engine=None: auto, read only
+        assert make_engine(None, base, step_size=15).name == prof.FALLBACK_ENGINE
+    assert caplog.records == []  # said once, not once per decode call
     assert measure.choose_dtype(base, 15)[0] == torch.float32
     assert _files_under(tmp_path) == []  # nothing written under MEDUSA_CACHE_DIR
 

@@ -37,7 +37,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from medusa.engines import kv_cache
-from medusa.profile import FALLBACK_ENGINE, EngineChoice, stored_profile
+from medusa.profile import FALLBACK_ENGINE, EngineChoice, profile_key, profile_path, read_profile
 from medusa.registry import claim
 
 logger = logging.getLogger(__name__)
@@ -326,17 +326,25 @@ def make_engine(name: str | None, model, max_cache_len: int | None = None, step_
     return engine
 
 
+_FALLBACKS_SAID: set[str] = set()
+"""The fallback reasons :func:`auto_choice` has logged as warnings in this process (each is said once)."""
+
+
 def auto_choice(model, step_size: int = 1, profile=None) -> EngineChoice:
     """``--engine auto``'s choice for ``model`` and steps of ``step_size`` new tokens, from ``profile`` or the stored
-    profile (:func:`medusa.profile.stored_profile`), never measured; :data:`medusa.profile.FALLBACK_ENGINE` with the
-    reason (one warning) where there is none or it has no candidate that ran."""
-    why = "given"
+    profile (:func:`medusa.profile.read_profile`), never measured; :data:`medusa.profile.FALLBACK_ENGINE` with the
+    reason where there is none (one warning per process and profile file) or it has no candidate that ran."""
+    why, path = "given", None
     if profile is None:
-        profile, why = stored_profile(model)
+        key = profile_key(model)
+        path = profile_path(key)
+        profile, why = read_profile(path, key)
     if profile is None:
-        reason = (f"{FALLBACK_ENGINE}: the static default, not measured (no machine profile of this model here: "
+        reason = (f"{FALLBACK_ENGINE}: the static default, not measured (no machine profile of this model at {path}: "
                   f"{why}; `medusa profile --base MODEL` or use_engine('auto', measure=True) measures one)")
-        logger.warning("--engine auto: %s", reason)
+        # Once per process and profile file: a loop of decode calls without an engine says it once, not per call.
+        logger.log(logging.DEBUG if reason in _FALLBACKS_SAID else logging.WARNING, "--engine auto: %s", reason)
+        _FALLBACKS_SAID.add(reason)
         return EngineChoice(FALLBACK_ENGINE, reason, step_size)
     try:
         choice = profile.choose_engine(step_size, auto_candidates(model.device, model.dtype))
