@@ -407,9 +407,9 @@ def _load(args, per_step_allowed: bool = True):
     max_nodes = getattr(args, "max_tree_nodes", None)
     typical = min(16, max_nodes or 16) if per_step else None
     if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
-        from medusa.profile import choose_dtype
+        from medusa.tools.measure import choose_dtype
 
-        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes)
+        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes, measure=True)
         if chosen != dtype:
             model.base.to(chosen)
             model.heads.to(chosen)
@@ -417,14 +417,14 @@ def _load(args, per_step_allowed: bool = True):
         print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
     scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
     model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len,
-                     scores_all_nodes=scores_all)
+                     scores_all_nodes=scores_all, measure=True)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
     if per_step:
         options = {"lookup_length": args.lookup} if args.lookup is not None else {}
         if max_nodes is not None:
             options["max_nodes"] = max_nodes
-        model.use_per_step_tree(args.heads, **options)
+        model.use_per_step_tree(args.heads, measure=True, **options)
         print(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
               f"{Path(args.heads) / 'calibration.json'} "
               f"and this machine's profile", file=sys.stderr)
@@ -459,7 +459,8 @@ def _load_draft_model(args, dtype, device):
                                          args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager",
                                          draft_quantize=quantize)
     scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
-    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all)
+    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all,
+                     measure=True)
     if model.engine.choice is not None:
         print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
     model.heads.use_engine(args.draft_engine or ("eager" if quantize else model.engine.name))
@@ -892,7 +893,7 @@ def cmd_plan(args) -> int:
         import torch
 
         from medusa.base import load_base
-        from medusa.profile import load_profile
+        from medusa.tools.measure import load_profile
 
         base, _ = load_base(args.profile, torch.float32, "cpu")
         profile = load_profile(base, progress=lambda text: print(text, file=sys.stderr, flush=True))
@@ -941,7 +942,7 @@ def cmd_profile(args) -> int:
     import torch
 
     from medusa.base import load_base
-    from medusa.profile import CANDIDATES, ensure_engine, heads_level_s, load_profile
+    from medusa.tools.measure import ensure_engine, heads_level_s, load_profile
     from medusa.tools.report import profile_table
 
     if args.threads:
@@ -950,7 +951,7 @@ def cmd_profile(args) -> int:
         raise ValueError(f"--step-size values must be >= 1, got {args.step_size}")
     from medusa.engines import ENGINES, check_dtype
 
-    engines = args.engines or list(CANDIDATES)
+    engines = args.engines or []  # auto's candidates are always measured (load_profile)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
