@@ -27,6 +27,19 @@ SHIPPED_DEFAULT_ENGINE = engine_base.DEFAULT_ENGINE
 SUITE_DEFAULT_ENGINE = "onednn"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the files with the most ``slow`` tests go first (the rest keep their order, and so do the
+    tests inside each file): ``--dist loadfile`` hands files to the workers in collection order, and a long file
+    handed out last would end the run alone on one core."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::", 1)[0]])  # a stable sort
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _suite_settings(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
