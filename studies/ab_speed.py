@@ -7,7 +7,7 @@ times over the prompts), so a slow minute on a shared machine falls on both. Eac
 decodes, the per-round tokens per second, and the ratio B / A with the median of the per-round ratios; the tokens of
 the two are compared.
 
-    python scripts/ab_speed.py --a /path/to/old/checkout --b . --out docs/results/ab.json
+    python studies/ab_speed.py --a /path/to/old/checkout --b . --out docs/results/ab.json
 """
 
 from __future__ import annotations
