@@ -1,19 +1,19 @@
 """The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot, export, import, merge, drift."""
+plot, export, import, merge, drift. It parses the flags and calls the library: models come from
+:func:`medusa.build.build_model`, the text it prints from :mod:`medusa.tools.report`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-from medusa.tools.report import batch_bench_table, bench_table, drift_text
-
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+from medusa.build import DTYPES, DecodeConfig, build_model
+from medusa.tools import report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +317,12 @@ def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
         g.add_argument("--draft-quantize", choices=["int8"], default=None,
                        help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
                             "the base's own folder: a quantized copy of the target)")
+        from medusa.build import drafter_names
+
+        p.add_argument("--drafter", metavar="NAME",
+                       help=f"the drafter by its registered name ({', '.join(drafter_names())}, or one registered "
+                       "with medusa.register_drafter that has from_decode_config); default: draft_model with "
+                       "--draft-model, else heads (--heads, --draft-model and --lookup are its shorthands)")
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
                                   "folder holds calibration.json, else its tree.json, else the top-1 chain)")
@@ -370,148 +376,14 @@ def _sampling_kwargs(args) -> dict:
             "seed": args.seed, "acceptance": args.acceptance}
 
 
-def _load(args, per_step_allowed: bool = True):
-    """The model the decoding flags describe. Which tree each step verifies: ``--tree`` forces that fixed tree;
-    otherwise heads whose folder holds ``calibration.json`` get the per-step tree (``--per-step-tree``); otherwise
-    the folder's ``tree.json``, or the top-1 chain, with a note on how to calibrate. ``per_step_allowed`` False
-    (build-tree, which fits a fixed tree) never takes the per-step tree."""
-    import torch
-
-    from medusa.model import CALIBRATION_NOTE, MedusaModel
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from medusa.engines import check_dtype
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype, reason, measure_dtype = getattr(torch, DTYPES.get(args.dtype, "float32")), None, args.dtype == "auto"
-    if measure_dtype and torch.device(device).type == "cuda":  # decided before loading: a 7B base loads in bf16
-        from medusa.profile import cuda_dtype
-
-        (dtype, reason), measure_dtype = cuda_dtype(device), False
-    check_dtype(dtype, device)
-    _check_lookup_flags(args)
-    if getattr(args, "draft_model", None) is not None:
-        return _load_draft_model(args, dtype, device)
-    if args.heads is None:
-        raise ValueError("pass --heads (Medusa, Hydra or eagle heads) or --draft-model (a separate draft model)")
-    per_step = _per_step_choice(args) if per_step_allowed else False
-    # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
-    # for is made: `auto` reads the profile for this tree's step size and this dtype.
-    model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
-                                        adapter=args.adapter, engine="eager", per_step=False)
-    if not per_step and (args.lookup is not None or args.lookup_ngram is not None):
-        length = model.tree.lookup_length if args.lookup is None else args.lookup
-        model.tree = model.tree.with_lookup(length, args.lookup_ngram)
-    model.dtype_reason = reason
-    max_nodes = getattr(args, "max_tree_nodes", None)
-    typical = min(16, max_nodes or 16) if per_step else None
-    if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
-        from medusa.profile import choose_dtype
-
-        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes)
-        if chosen != dtype:
-            model.base.to(chosen)
-            model.heads.to(chosen)
-    if model.dtype_reason:
-        print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
-    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
-    model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len,
-                     scores_all_nodes=scores_all)
-    if model.engine.choice is not None:
-        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
-    if per_step:
-        options = {"lookup_length": args.lookup} if args.lookup is not None else {}
-        if max_nodes is not None:
-            options["max_nodes"] = max_nodes
-        model.use_per_step_tree(args.heads, **options)
-        print(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
-              f"{Path(args.heads) / 'calibration.json'} "
-              f"and this machine's profile", file=sys.stderr)
-    elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
-        print(f"note: {CALIBRATION_NOTE}", file=sys.stderr)
-    return model
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
-def _load_draft_model(args, dtype, device):
-    """:func:`_load` for ``--draft-model``: the base, the draft on its chain (or top-W tree), the prompt-lookup chain
-    when ``--lookup`` asks for one, the base's engine, then the draft's own (``--draft-engine``, default the
-    base's)."""
-    from medusa.model import MedusaModel
-
-    given = [f for f, v in (("--heads", args.heads), ("--tree", args.tree), ("--adapter", args.adapter),
-                            ("--max-tree-nodes", getattr(args, "max_tree_nodes", None))) if v is not None]
-    if getattr(args, "per_step_tree", "auto") == "on":
-        given.append("--per-step-tree on")
-    if given:
-        raise ValueError(f"--draft-model drafts with a separate model on a chain or a full tree: drop "
-                         f"{', '.join(given)}")
-    if args.dtype == "auto":
-        raise ValueError("--dtype auto is measured for heads; with --draft-model pass float32 or bfloat16")
-    for flag, value in (("--draft-tokens", args.draft_tokens), ("--draft-width", args.draft_width)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    quantize = getattr(args, "draft_quantize", None)
-    if quantize and args.draft_engine not in (None, "eager", "static"):
-        raise ValueError(f"--draft-quantize {quantize} runs the draft's own quantized modules: --draft-engine must be "
-                         f"eager or static, got {args.draft_engine}")
-    model = MedusaModel.from_draft_model(args.base, args.draft_model, args.draft_tokens, args.draft_width,
-                                         args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager",
-                                         draft_quantize=quantize)
-    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
-    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all)
-    if model.engine.choice is not None:
-        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
-    model.heads.use_engine(args.draft_engine or ("eager" if quantize else model.engine.name))
-    print(f"draft model {args.draft_model}: {model.tree.name} ({model.tree.num_nodes - 1} nodes + root), its own "
-          f"{model.heads.engine.name} engine", file=sys.stderr)
-    return model
-
-
-def _per_step_choice(args) -> bool:
-    """Whether decoding takes the per-step tree (see :func:`_load`); contradicting flags are refused by name,
-    before any model loads."""
-    from medusa.drafters.calibration import CALIBRATION_FILE_NAME
-
-    calibrated = (Path(args.heads) / CALIBRATION_FILE_NAME).is_file()
-    mode, max_nodes = getattr(args, "per_step_tree", "auto"), getattr(args, "max_tree_nodes", None)
-    if args.tree is not None and mode == "on":
-        raise ValueError("--tree forces one fixed tree every step and --per-step-tree on asks for a tree grown each "
-                         "step: pass one of them")
-    if args.tree is not None and max_nodes is not None:
-        raise ValueError("--max-tree-nodes sizes the per-step tree, but --tree forces a fixed tree: drop one")
-    if max_nodes is not None and max_nodes < 1:
-        raise ValueError(f"--max-tree-nodes must be >= 1, got {max_nodes}")
-    if mode == "on" and not calibrated:
-        raise ValueError(f"--per-step-tree on needs {Path(args.heads) / CALIBRATION_FILE_NAME}, which is missing: "
-                         f"`medusa calibrate --base BASE --heads {args.heads} --data VALIDATION.jsonl` measures it")
-    per_step = mode == "on" or (mode == "auto" and calibrated and args.tree is None)
-    if max_nodes is not None and not per_step:
-        raise ValueError(f"--max-tree-nodes sizes the per-step tree, which is off here (--per-step-tree {mode}"
-                         f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
-    if per_step:  # a damaged file, one for other heads, or flags it cannot honour are refused before the base loads
-        from medusa.drafters.calibration import check_calibration, folder_identity, load_calibration
-
-        path = Path(args.heads) / CALIBRATION_FILE_NAME
-        calibration = load_calibration(path)
-        check_calibration(calibration, folder_identity(args.heads), f"calibration file {path}")
-        if args.lookup is not None and args.lookup > calibration.lookup_length:
-            raise ValueError(f"--lookup {args.lookup}: the heads' calibration measured the lookup chain at "
-                             f"{calibration.lookup_length} positions (calibrate again with --lookup-length "
-                             f"{args.lookup}, or pass a smaller --lookup)")
-        if args.lookup_ngram is not None and args.lookup_ngram != calibration.lookup_max_ngram:
-            raise ValueError(f"--lookup-ngram {args.lookup_ngram}: the heads' calibration measured the lookup chain "
-                             f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
-                             f"--lookup-ngram {args.lookup_ngram}, or drop the flag)")
-    return per_step
-
-
-def _check_lookup_flags(args) -> None:
-    """Refuse bad prompt-lookup flags by their names, before any model loads."""
-    if args.lookup is not None and args.lookup < 0:
-        raise ValueError(f"--lookup must be >= 0, got {args.lookup}")
-    if args.lookup_ngram is not None and args.lookup_ngram < 1:
-        raise ValueError(f"--lookup-ngram must be >= 1, got {args.lookup_ngram}")
+def _load(args, **overrides):
+    """The model the decoding flags describe (:class:`medusa.build.DecodeConfig` holds each flag of its name)."""
+    fields = {f.name for f in dataclasses.fields(DecodeConfig)}
+    config = DecodeConfig(**{k: v for k, v in vars(args).items() if k in fields}, **overrides)
     if getattr(args, "hf_prompt_lookup", 0) < 0:
         raise ValueError(f"--hf-prompt-lookup must be >= 0, got {args.hf_prompt_lookup}")
     if getattr(args, "lookup_lengths", None) is not None:  # build-tree
@@ -519,6 +391,7 @@ def _check_lookup_flags(args) -> None:
             raise ValueError("build-tree chooses the lookup chain itself: pass --lookup-lengths, not --lookup")
         if min(args.lookup_lengths) < 0:
             raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
+    return build_model(config, report=_stderr)
 
 
 def _int_list(value: str) -> list[int]:
@@ -528,70 +401,39 @@ def _int_list(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
 
-def cmd_prepare(args) -> int:
-    from medusa.io.prepare import prepare_model, preset_gguf
+def _write_json(result: dict, out: str | None) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
-    if args.preset:
-        if Path(args.out).exists() and any(Path(args.out).iterdir()):
-            raise FileExistsError(f"output folder {args.out} exists and is not empty; remove it or choose another")
-        gguf, name = preset_gguf(args.preset, Path(args.out).with_name(Path(args.out).name + ".gguf"))
-        out = prepare_model(args.out, gguf, name)
-        if gguf.parent.name.endswith(".gguf"):
-            gguf.unlink()
-            gguf.parent.rmdir()
-    else:
-        out = prepare_model(args.out, args.gguf)
+
+def cmd_prepare(args) -> int:
+    from medusa.io.prepare import prepare_model, prepare_preset
+
+    out = prepare_preset(args.out, args.preset) if args.preset else prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
     return 0
 
 
 def cmd_distill(args) -> int:
-    import dataclasses
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train.config import TrainConfig
-    from train.data import load_conversations, load_splits, split_conversations
-    from train.distill import (
-        DEFAULT_PREFIX_LENGTHS,
-        DISTILLED_HELD_OUT_NAME,
-        DISTILLED_TRAIN_NAME,
-        DISTILLED_VALIDATION_NAME,
-        distill_splits,
-    )
+    from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
+    from train.splits import DISTILL_SPLITS, distill_splits_of, split_file, train_default
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-    def value(given, field):
-        return defaults[field] if given is None else given
-
-    if args.skip_conversations < 0:
-        raise ValueError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
+    splits = distill_splits_of(args.data, args.max_conversations, args.sample, args.held_out_fraction,
+                               args.validation_fraction, args.seed, args.skip_conversations)
     logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
-    if args.skip_conversations:  # the file's order matters here: read it as it is, then split
-        conversations, _ = load_conversations(args.data, limit=args.max_conversations, sample="first")
-        train_convs, val_convs, held_convs = split_conversations(
-            conversations[args.skip_conversations :], value(args.held_out_fraction, "held_out_fraction"),
-            value(args.validation_fraction, "validation_fraction"), value(args.seed, "seed"))
-    else:
-        train_convs, val_convs, held_convs = load_splits(
-            args.data, args.max_conversations, value(args.sample, "data_sample"),
-            value(args.held_out_fraction, "held_out_fraction"), value(args.validation_fraction, "validation_fraction"),
-            value(args.seed, "seed"))
-    out = Path(args.out_dir)
-    splits = {"validation": (val_convs, out / DISTILLED_VALIDATION_NAME),
-              "held-out": (held_convs, out / DISTILLED_HELD_OUT_NAME),
-              "train": (train_convs, out / DISTILLED_TRAIN_NAME)}
-    chosen = list(splits.values()) if args.split == "all" else [splits[args.split]]
+    names = DISTILL_SPLITS if args.split == "all" else [args.split]
+    chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
-    distill_splits(model.eval(), tokenizer, chosen,
-                   max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
-                   max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
-                   batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s,
-                   turns=value(args.turns, "distill_turns"), seed=value(args.seed, "seed"),
+    distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
+                   max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
+                   max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+                   batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
+                   turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
                    prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
     for split, path in chosen:
         done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
@@ -600,46 +442,12 @@ def cmd_distill(args) -> int:
 
 
 def cmd_held_out_prompts(args) -> int:
-    import dataclasses
+    from train.splits import held_out_prompt_records, write_jsonl
 
-    from train.config import TrainConfig
-    from train.data import document_prefix_text, first_prompt, load_conversations, split_held_out
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    fraction = defaults["held_out_fraction"] if args.held_out_fraction is None else args.held_out_fraction
-    seed = defaults["seed"] if args.seed is None else args.seed
-    conversations, _ = load_conversations(args.data, limit=args.max_conversations)
-    _, held_out = split_held_out(conversations, fraction, seed)
-    records = []
-    for conv in held_out:
-        if conv.is_document:
-            prefix = document_prefix_text(conv.text, args.prefix_chars)
-            if prefix:
-                records.append({"id": conv.id, "text": prefix})
-        elif sum(len(m["content"]) for m in first_prompt(conv)) <= args.max_prompt_chars:
-            records.append({"id": conv.id, "messages": first_prompt(conv)})
-    if len(records) < args.n:
-        raise ValueError(f"only {len(records)} usable held-out conversations or documents, asked for {args.n}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for record in records[: args.n]:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    print(f"wrote {args.n} held-out prompts to {args.out}")
+    records = held_out_prompt_records(args.data, args.n, args.held_out_fraction, args.seed, args.max_conversations,
+                                      args.max_prompt_chars, args.prefix_chars)
+    print(f"wrote {args.n} held-out prompts to {write_jsonl(records, args.out)}")
     return 0
-
-
-def _read_messages(value: str) -> list[dict]:
-    text = Path(value).read_text() if Path(value).is_file() else value
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--messages is neither a JSON list nor a file holding one: {e}") from e
-    def well_formed(m) -> bool:
-        return isinstance(m, dict) and {"role", "content"} <= set(m)
-
-    if not isinstance(messages, list) or not messages or not all(well_formed(m) for m in messages):
-        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
-    return messages
 
 
 def _warn(warning: str | None) -> None:
@@ -651,13 +459,13 @@ def cmd_generate(args) -> int:
     import torch
 
     from medusa.decode.loop import GenerationStats
-    from medusa.tools.bench import encode_prompt, machine_load
+    from medusa.tools.bench import encode_prompt, machine_load, read_messages
 
     if args.prompts:
         return _generate_batched(args)
     if args.batch_size is not None:
         raise ValueError("--batch-size needs --prompts")
-    record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
+    record = {"messages": read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
@@ -667,17 +475,9 @@ def cmd_generate(args) -> int:
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
-    if not args.stream:
-        print(model.tokenizer.decode(tokens, skip_special_tokens=True))
-    else:
-        print()
+    print() if args.stream else print(model.tokenizer.decode(tokens, skip_special_tokens=True))
     if args.stats:
-        print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
-              f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {_tree_text(model, stats)}",
-              file=sys.stderr)
-        if stats.copied_tokens:
-            print(f"lookup chain: {stats.lookup_share:.0%} of the tokens copied from the context; tau without them "
-                  f"{stats.tau_without_lookup:.2f}", file=sys.stderr)
+        _stderr(report.generate_stats_text(model, stats))
     return 0
 
 
@@ -694,42 +494,27 @@ def _generate_batched(args) -> int:
     records = read_prompts(args.prompts)
     size = args.batch_size or len(records)
     if size > len(records):
-        print(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}",
-              file=sys.stderr)
+        _stderr(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}")
         size = len(records)
     model = _load(args)
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
-    sampling = _sampling_kwargs(args)
-    settings = {k: v for k, v in sampling.items() if k != "acceptance" and v is not None}
+    settings = {k: v for k, v in _sampling_kwargs(args).items() if k != "acceptance" and v is not None}
     for first in range(0, len(ids), size):
         outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
         for i, tokens in enumerate(outputs, first):
             print(f"--- prompt {i} ---")
             print(model.tokenizer.decode(tokens, skip_special_tokens=True))
         if args.stats:
-            taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
-            print(f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
-                  f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
-                  f"{_tree_text(model, stats.rows[0])}", file=sys.stderr)
+            _stderr(report.batch_stats_text(model, first, outputs, stats))
     return 0
-
-
-def _tree_text(model, stats) -> str:
-    """The tree a decode used, for ``--stats``: the fixed tree's name and size, or the per-step tree's sizes."""
-    if not model.per_step:
-        return f"{model.tree.name} ({model.tree.num_nodes - 1} nodes + root)"
-    sizes = stats.tree_nodes or [1]
-    plain = sum(n == 1 for n in sizes) / len(sizes)
-    return (f"per-step, {sum(sizes) / len(sizes):.1f} nodes on average (root included), {min(sizes)}-{max(sizes)}, "
-            f"{100 * plain:.0f}% plain steps")
 
 
 def cmd_bench(args) -> int:
     import torch
 
-    from medusa.tools.bench import machine_load, read_prompts, run_bench
+    from medusa.tools.bench import check_fixed_tree, machine_load, read_prompts, run_bench
     from medusa.tools.drift import drift_from
 
     if args.plot and not args.out:
@@ -742,58 +527,34 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts)[: args.limit]
     fixed_tree = None
     if args.fixed_tree:  # refused before the model loads: a damaged file, one that does not fit, or other modes
-        from medusa.decode.tree import load_tree
-        from medusa.io.checkpoint import check_heads_folder
-
         if args.batch_size:
             raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
                              "--batch-size or --fixed-tree")
         if args.do_sample:
             raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
-        fixed_tree = load_tree(args.fixed_tree)
-        config = check_heads_folder(args.heads)
-        fixed_tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
+        fixed_tree = check_fixed_tree(args.fixed_tree, args.heads)
     model = _load(args)
     load = machine_load(torch.get_num_threads())
     _warn(load["warning"])
     if args.batch_size:
         return _bench_batched(args, model, prompts, load)
-
-    def progress(i, record):
-        line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
-        line += f"hf {record['hf_s']:.2f}s  medusa {record['medusa_s']:.2f}s"
-        if record.get("speedup_vs_hf") is not None:
-            line += f"  {record['speedup_vs_hf']:.2f}x hf"
-        if record.get("speedup_vs_plain") is not None:
-            line += f"  {record['speedup_vs_plain']:.2f}x plain"
-        if record.get("speedup_vs_fixed") is not None:
-            line += f"  {record['speedup_vs_fixed']:.2f}x fixed"
-        if model.per_step:
-            line += f"  nodes {record['mean_tree_nodes']:.1f}"
-        print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
-
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, progress=progress,
-                       sampling=_sampling_kwargs(args), hf_prompt_lookup=args.hf_prompt_lookup,
-                       fixed_tree=fixed_tree)
-    result["prompts_file"] = str(args.prompts)
-    result["load"] = load
+                       use_chat_template=not args.no_chat_template, sampling=_sampling_kwargs(args),
+                       progress=lambda i, r: _stderr(report.bench_progress_line(i, len(prompts), r, model.per_step)),
+                       hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
+    result["prompts_file"], result["load"] = str(args.prompts), load
     if args.drift_data:
         original = args.original or (args.base if args.adapter else None)
         if original is None:
             raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
         result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
-        print(f"drift from {result['drift']['original']}: {drift_text(result['drift'])}")
-    print(bench_table(result, reference, args.compare))
+        print(f"drift from {result['drift']['original']}: {report.drift_text(result['drift'])}")
+    print(report.bench_table(result, reference, args.compare))
     for d in result["divergences"]:
-        kind = "tie" if d.get("tie") else "true divergence"
-        print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g} "
-              f"({kind})")
+        print(report.divergence_text(d))
     if load["warning"]:
-        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
+    _write_json(result, args.out)
     if args.plot:
         from medusa.tools.plots import plot_bench
 
@@ -811,20 +572,17 @@ def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
         raise ValueError("the batched bench is greedy only: drop the sampling flags")
 
     def progress(size, method, record):
-        print(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s", file=sys.stderr)
+        _stderr(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s")
 
     result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
                              use_chat_template=not args.no_chat_template, progress=progress)
-    result["prompts_file"] = str(args.prompts)
-    result["load"] = load
+    result["prompts_file"], result["load"] = str(args.prompts), load
     for note in result["notes"]:
-        print(f"note: {note}", file=sys.stderr)
-    print(batch_bench_table(result))
+        _stderr(f"note: {note}")
+    print(report.batch_bench_table(result))
     if load["warning"]:
-        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
+    _write_json(result, args.out)
     return 0
 
 
@@ -849,7 +607,7 @@ def cmd_drift(args) -> int:
         adapted, _ = load_base(args.adapted)
     result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
               **drift(original, adapted, sequences)}
-    print(drift_text(result))
+    print(report.drift_text(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -859,15 +617,12 @@ def cmd_eval_heads(args) -> int:
     from medusa.tools.bench import read_distilled_sequences
     from medusa.tools.calibrate import rank_accuracy
 
-    model = _load(args, per_step_allowed=False)
+    model = _load(args, fixed_tree_only=True)
     sequences = read_distilled_sequences(args.data, args.limit)
     accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
     top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
-    for k, (a1, a5) in enumerate(zip(top1, top5, strict=True)):
-        print(f"head {k} (token t+{k + 2}): top-1 {a1:.3f}  top-5 {a5:.3f}")
-    if args.out:
-        result = {"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(report.head_accuracy_text(top1, top5))
+    _write_json({"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}, args.out)
     return 0
 
 
@@ -889,26 +644,13 @@ def cmd_plan(args) -> int:
         raise ValueError("--branching and --depth go together")
     verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
     if args.profile:
-        import torch
+        from medusa.build import plan_verify_cost
 
-        from medusa.base import load_base
-        from medusa.profile import load_profile
-
-        base, _ = load_base(args.profile, torch.float32, "cpu")
-        profile = load_profile(base, progress=lambda text: print(text, file=sys.stderr, flush=True))
-
-        def verify_cost(k):
-            engine = args.engine or profile.choose_engine(k + 1).engine
-            return profile.forward_s(engine, k + 1) / profile.forward_s(engine, 1)
-
-        source = f"the verify forward's cost over K + 1 tokens from the machine profile {profile.path}"
+        verify_cost, path = plan_verify_cost(args.profile, args.engine, _stderr)
+        source = f"the verify forward's cost over K + 1 tokens from the machine profile {path}"
     rows = plan.plan_table(alpha, args.cost_ratio, args.k_max, verify_cost)
-    print(f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p {args.cost_ratio}; {source}")
-    print(f"{'K':>3} {'tokens/round':>13} {'cost/round':>11} {'speedup':>8}")
-    for r in rows:
-        print(f"{r['k']:>3} {r['tokens']:>13.3f} {r['cost']:>11.3f} {r['speedup']:>7.2f}x")
-    best = max(rows, key=lambda r: r["speedup"])
-    print(f"optimal K: {best['k']} ({best['speedup']:.2f}x, {best['tokens']:.2f} tokens per round)")
+    print(report.plan_text(rows, f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p "
+                                 f"{args.cost_ratio}; {source}"))
     if args.k is not None:
         verify = 1.0 if verify_cost is None else verify_cost(args.k)
         print(f"K={args.k}: {plan.expected_tokens(alpha, args.k):.3f} tokens, cost "
@@ -932,7 +674,7 @@ def cmd_serve(args) -> int:
                          args.max_waiting, args.max_body_bytes, args.request_timeout_s, args.default_max_tokens,
                          args.speculation, args.acceptance)
     model = _load(args)
-    print(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    _stderr(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1")
     serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")
     return 0
 
@@ -940,48 +682,14 @@ def cmd_serve(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from medusa.base import load_base
-    from medusa.profile import CANDIDATES, ensure_engine, heads_level_s, load_profile
-    from medusa.tools.report import profile_table
+    from medusa.build import profile_machine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.step_size is not None and min(args.step_size) < 1:
-        raise ValueError(f"--step-size values must be >= 1, got {args.step_size}")
-    from medusa.engines import ENGINES, check_dtype
-
-    engines = args.engines or list(CANDIDATES)
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, DTYPES[args.dtype])
-    check_dtype(dtype, device)
-    base, _ = load_base(args.base, dtype, device)
-
-    def progress(text):
-        print(text, file=sys.stderr, flush=True)
-
-    profile = load_profile(base, refresh=args.refresh, progress=progress)  # auto's candidates, always
-    for name in engines:
-        ensure_engine(profile, base, name, progress)
-    sizes = list(args.step_size or [1, 16])
-    if args.heads:
-        from medusa.decode.tree import load_tree
-        from medusa.drafters import tree_drafter
-        from medusa.io.checkpoint import load_heads_for_base
-        from medusa.model import TREE_FILE_NAME
-
-        heads = load_heads_for_base(args.heads, base).to(device=base.device, dtype=dtype)
-        heads_level_s(profile, heads)
-        if args.step_size is None and (Path(args.heads) / TREE_FILE_NAME).is_file():
-            tree = load_tree(Path(args.heads) / TREE_FILE_NAME)
-            sizes = sorted({1, tree_drafter(heads, tree).max_nodes, 16})
-    if args.json:
-        print(json.dumps(profile.to_dict(), indent=1))
-    else:
-        print(profile_table(profile.to_dict(), str(profile.path),
-                            {n: profile.choose_engine(n).reason for n in sizes}))
+    profile, choices = profile_machine(args.base, args.dtype, args.device, args.engines, args.heads, args.step_size,
+                                       args.refresh, _stderr)
+    print(json.dumps(profile.to_dict(), indent=1) if args.json else
+          report.profile_table(profile.to_dict(), str(profile.path), choices))
     if args.plot:
         from medusa.tools.plots import plot_profile
 
@@ -1025,27 +733,21 @@ def cmd_build_tree(args) -> int:
     from medusa.tools.calibrate import build_tree
     from medusa.tools.plots import plot_tree_report
 
-    model = _load(args, per_step_allowed=False)
+    model = _load(args, fixed_tree_only=True)
     sequences = read_distilled_sequences(args.data, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tree, report, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
+    tree, result, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
                                     args.lookup_ngram or 3, args.name or Path(args.out).stem)
     save_tree(tree, args.out, note=note)
     report_path = Path(args.out).with_suffix(".report.json")
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(result, report_path)
     if not args.no_plot:
-        _plot_or_warn(lambda: plot_tree_report(report, report_path.with_suffix(".png")))
-    best = report["chosen"]
-    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
-    print(f"top-1 accuracy per head: {[round(a[0], 3) for a in report['accuracy']]}")
-    print(f"cost curve: { {int(k) if k.isdigit() else k: round(v, 3) for k, v in report['cost_curve'].items()} }")
-    if best["predicted_speedup"] < 1:
-        print(f"warning: even the best tree is predicted {best['predicted_speedup']:.2f}x of plain decoding on this "
-              "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)
-    print(f"chose {len(tree.paths)} nodes{lookup}: replayed tau {best['replayed_tau']:.2f} (heads alone, expected "
-          f"{best['expected_tau']:.2f}), predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} "
-          f"({time.perf_counter() - start:.0f} s)")
+        _plot_or_warn(lambda: plot_tree_report(result, report_path.with_suffix(".png")))
+    if result["chosen"]["predicted_speedup"] < 1:
+        _stderr(f"warning: even the best tree is predicted {result['chosen']['predicted_speedup']:.2f}x of plain "
+                "decoding on this machine: the heads are not accurate enough for its verify cost")
+    print(report.build_tree_text(tree, result, args.out, time.perf_counter() - start))
     return 0
 
 
