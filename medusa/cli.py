@@ -64,12 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
     p.add_argument("--base", required=True,
                    help="base model folder (chats use its chat template, or plain role-labelled text without one)")
-    p.add_argument("--data", default="sharegpt",
-                   help="dataset (as for train --data): chats, or plain-text documents whose prefixes the base "
-                        "continues")
-    p.add_argument("--out-dir", required=True,
-                   help="writes distilled_validation.jsonl (what build-tree fits trees on), then "
-                        "distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data): chats, or plain-text documents "
+                   "whose prefixes the base continues")
+    p.add_argument("--out-dir", required=True, help="writes distilled_validation.jsonl (what build-tree fits trees "
+                   "on), then distilled_held_out.jsonl, then distilled_train.jsonl")
     p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
                    help="distill only this split")
     p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
@@ -80,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
                    help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
     p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--validation-fraction", type=float, default=None,
-                   help="as in training (default: TrainConfig's)")
+    p.add_argument("--validation-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
@@ -118,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
-    p.add_argument("--stats", action="store_true",
-                   help="also print tau, tokens/s and a warning when the machine is busy, to stderr (the text "
-                        "goes to stdout)")
+    p.add_argument("--stats", action="store_true", help="also print tau, tokens/s and a warning when the machine is "
+                   "busy, to stderr (the text goes to stdout)")
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -152,9 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
-    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N",
-                   help="also time Hugging Face generate with its prompt lookup decoding (prompt_lookup_num_tokens "
-                        "N), greedy only; 0: off")
+    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N", help="also time Hugging Face generate with "
+                   "its prompt lookup decoding (prompt_lookup_num_tokens N), greedy only; 0: off")
     p.add_argument("--fixed-tree", metavar="FILE",
                    help="also time the heads on this fixed tree file (e.g. build-tree's, fitted on the validation "
                         "split), greedy only: the per-step tree against it in one process")
@@ -163,14 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "at each batch size B (e.g. 1 4 16), greedy")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     p.add_argument("--out", help="write the JSON result here")
-    p.add_argument("--plot", action="store_true",
-                   help="also draw the result (tokens per step, per-head acceptance, tokens/s per prompt) to "
-                        "<out>.png; needs --out and matplotlib")
+    p.add_argument("--plot", action="store_true", help="also draw the result (tokens per step, per-head acceptance, "
+                   "tokens/s per prompt) to <out>.png; needs --out and matplotlib")
     p.add_argument("--compare", metavar="JSON",
                    help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
-    p.add_argument("--drift-data", metavar="JSONL",
-                   help="held-out self-distilled answers: also report the adapted model's drift from the original "
-                        "(greedy top-1 agreement, mean NLL); needs --adapter or --original")
+    p.add_argument("--drift-data", metavar="JSONL", help="held-out self-distilled answers: also report the adapted "
+                   "model's drift from the original (greedy top-1 agreement, mean NLL); needs --adapter or --original")
     p.add_argument("--original", help="the original base for --drift-data (default: --base when --adapter is given)")
     _sampling_args(p)
     p.set_defaults(func=cmd_bench)
@@ -214,9 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the dtype profiled")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    p.add_argument("--engines", nargs="+", default=None, metavar="NAME",
-                   help="engines to have in the profile (default: auto's candidates; add compiled to measure it "
-                        "too: it compiles every step size)")
+    p.add_argument("--engines", nargs="+", default=None, metavar="NAME", help="engines to have in the profile "
+                   "(default: auto's candidates; add compiled to measure it too: it compiles every step size)")
     p.add_argument("--step-size", type=int, nargs="+", default=None, metavar="N",
                    help="step sizes auto's pick is shown for (default: 1, the heads' tree's nodes, 16)")
     p.add_argument("--refresh", action="store_true", help="measure again even when a matching profile is stored")
@@ -227,9 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("build-tree", "measure head accuracy, read the verify cost from the machine profile, write the "
                     "best tree")
     _model_args(p)
-    p.add_argument("--data", required=True,
-                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
-                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
+    p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids) of the "
+                   "validation split (distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
     p.add_argument("--top-k", type=int, default=10, help="ranks per head measured (and usable in the tree)")
     p.add_argument("--max-nodes", type=int, default=64, help="largest heads' node budget tried (root excluded)")
@@ -245,9 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "chain's, by matched n-gram): heads/calibration.json, which turns on the per-step tree")
     p.add_argument("--base", required=True, help="base model folder the heads were trained on")
     p.add_argument("--heads", required=True, help="Medusa heads folder (calibration.json is written into it)")
-    p.add_argument("--data", required=True,
-                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
-                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
+    p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids) of the "
+                   "validation split (distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=None, help="use the first N sequences (default: all)")
     p.add_argument("--top-k", type=int, default=8, help="ranks per head measured (the most a per-step tree uses)")
     p.add_argument("--lookup-length", type=int, default=16, help="prompt-lookup chain positions measured")
@@ -264,9 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model, speculators eagle3)")
-    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"],
-                   help="target layout: vllm (Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's "
-                   "EAGLE-3)")
+    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"], help="target layout: vllm "
+                   "(Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's EAGLE-3)")
     p.add_argument("--heads", required=True, help="our heads folder")
     p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
     p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head, and always for "
@@ -311,9 +300,8 @@ def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
         g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="drafts per step: the tree's depth")
         g.add_argument("--draft-width", type=int, default=1, metavar="W",
                        help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
-        g.add_argument("--draft-engine", default=None,
-                       help="the draft's own engine (default: the base's, after --engine auto chose it; eager "
-                            "for a quantized draft)")
+        g.add_argument("--draft-engine", default=None, help="the draft's own engine (default: the base's, after "
+                       "--engine auto chose it; eager for a quantized draft)")
         g.add_argument("--draft-quantize", choices=["int8"], default=None,
                        help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
                             "the base's own folder: a quantized copy of the target)")
@@ -331,12 +319,10 @@ def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
                         "cost; auto: when the heads folder holds calibration.json and no --tree is given")
     p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
                    help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
-    p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt lookup: a chain of N tokens copied from the context, verified with the heads' tree "
-                        "(overrides the tree file's; 0: none)")
-    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
-                   help="longest context n-gram prompt lookup matches (default: the tree file's, else 3; "
-                        "build-tree: 3)")
+    p.add_argument("--lookup", type=int, default=None, metavar="N", help="prompt lookup: a chain of N tokens copied "
+                   "from the context, verified with the heads' tree (overrides the tree file's; 0: none)")
+    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest context n-gram prompt lookup "
+                   "matches (default: the tree file's, else 3; build-tree: 3)")
     p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
                    help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
                         "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
@@ -366,9 +352,8 @@ def _sampling_args(p) -> None:
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
-    g.add_argument("--acceptance", default="rejection",
-                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy), or "
-                        "a rule registered with medusa.register_acceptance")
+    g.add_argument("--acceptance", default="rejection", help="with sampling: 'rejection' (lossless) or 'typical' "
+                   "(Medusa's typical acceptance, lossy), or a rule registered with medusa.register_acceptance")
 
 
 def _sampling_kwargs(args) -> dict:
@@ -594,22 +579,11 @@ def cmd_merge(args) -> int:
 
 
 def cmd_drift(args) -> int:
-    from medusa.base import load_base
-    from medusa.io.adapter import merge_adapter
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.drift import drift
+    from medusa.tools.drift import drift_of_folders
 
-    sequences = read_distilled_sequences(args.data, args.limit)
-    original, _ = load_base(args.base)
-    if args.adapter:
-        adapted = merge_adapter(load_base(args.base)[0], args.adapter).eval()
-    else:
-        adapted, _ = load_base(args.adapted)
-    result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
-              **drift(original, adapted, sequences)}
+    result = drift_of_folders(args.base, args.data, args.limit, adapter=args.adapter, adapted=args.adapted)
     print(report.drift_text(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    _write_json(result, args.out)
     return 0
 
 
@@ -642,6 +616,8 @@ def cmd_plan(args) -> int:
     plan.round_cost(0, args.cost_ratio)
     if (args.branching is None) != (args.depth is None):
         raise ValueError("--branching and --depth go together")
+    if args.branching is not None and isinstance(alpha, list):
+        raise ValueError("--branching/--depth take a single --alpha")
     verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
     if args.profile:
         from medusa.build import plan_verify_cost
@@ -652,17 +628,9 @@ def cmd_plan(args) -> int:
     print(report.plan_text(rows, f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p "
                                  f"{args.cost_ratio}; {source}"))
     if args.k is not None:
-        verify = 1.0 if verify_cost is None else verify_cost(args.k)
-        print(f"K={args.k}: {plan.expected_tokens(alpha, args.k):.3f} tokens, cost "
-              f"{plan.round_cost(args.k, args.cost_ratio, verify):.3f}, "
-              f"{plan.speedup(alpha, args.k, args.cost_ratio, verify):.2f}x")
+        print(report.plan_k_text(alpha, args.k, args.cost_ratio, 1.0 if verify_cost is None else verify_cost(args.k)))
     if args.branching is not None:
-        if isinstance(alpha, list):
-            raise ValueError("--branching/--depth take a single --alpha")
-        print(f"tree of branching {args.branching}, depth {args.depth}: {plan.tree_paths(args.branching, args.depth)} "
-              f"candidate paths, {plan.tree_nodes(args.branching, args.depth)} draft nodes, "
-              f"{plan.tree_expected_tokens(alpha, args.branching, args.depth):.3f} expected tokens per round if "
-              f"each sibling were accepted independently (an upper bound: a greedy base accepts one sibling)")
+        print(report.plan_tree_text(alpha, args.branching, args.depth))
     return 0
 
 
@@ -700,29 +668,15 @@ def cmd_profile(args) -> int:
 def cmd_calibrate(args) -> int:
     import torch
 
-    from medusa.base import load_base
-    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import calibrate_heads
+    from medusa.tools.calibrate import calibrate_folder
 
-    if args.top_k < 1 or args.lookup_length < 0 or args.lookup_ngram < 1:
-        raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {args.top_k}, "
-                         f"{args.lookup_length} and {args.lookup_ngram}")
-    config = check_heads_folder(args.heads)
-    if args.top_k > (config.head_vocab_size or config.vocab_size):
-        raise ValueError(f"--top-k {args.top_k} is more than the heads' vocabulary of "
-                         f"{config.head_vocab_size or config.vocab_size} tokens")
-    sequences = read_distilled_sequences(args.data, args.limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    base, _ = load_base(args.base, torch.float32, device)
-    heads = load_heads_for_base(args.heads, base).to(device)
     start = time.perf_counter()
-    calibration, path = calibrate_heads(base, heads, args.heads, sequences, args.top_k, args.lookup_length,
-                                        args.lookup_ngram, {"data": str(args.data), "limit": args.limit}, args.out)
+    calibration, path, n = calibrate_folder(args.base, args.heads, args.data, args.limit, args.top_k,
+                                            args.lookup_length, args.lookup_ngram, args.out, args.device)
     print(f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}")
-    print(f"measured on {len(sequences)} sequences ({calibration.source['positions']} positions) -> {path} "
+    print(f"measured on {n} sequences ({calibration.source['positions']} positions) -> {path} "
           f"({time.perf_counter() - start:.0f} s)")
     return 0
 
@@ -760,93 +714,26 @@ def _plot_or_warn(draw) -> None:
 
 
 def cmd_plot(args) -> int:
-    from medusa.tools.plots import plot_bench, plot_training, plot_tree_report
-    from train.history import CURVES_NAME, HISTORY_NAME, read_history
+    from medusa.tools.plots import plot_path
 
     if args.out and len(args.inputs) > 1:
         raise ValueError("--out names one picture: give one input")
     for name in args.inputs:
-        path = Path(name)
-        if path.is_dir():
-            if not (path / HISTORY_NAME).is_file():
-                raise FileNotFoundError(f"{path / HISTORY_NAME} not found: not a training output_dir?")
-            out = plot_training(read_history(path), args.out or path / CURVES_NAME)
-        else:
-            result = json.loads(path.read_text())
-            out = args.out or path.with_suffix(".png")
-            if "accepted_histogram" in result:
-                out = plot_bench(result, out)
-            elif "table" in result and "cost_curve" in result:
-                out = plot_tree_report(result, out)
-            else:
-                raise ValueError(f"{path} is neither a bench result nor a build-tree report")
-        print(f"plot: {out}")
+        print(f"plot: {plot_path(name, args.out)}")
     return 0
-
-
-def _base_lm_head(base: str | None):
-    """The base's lm_head weight ``(V, H)`` in its stored dtype, or ``None`` without ``--base``."""
-    if base is None:
-        return None
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    if model.get_output_embeddings() is None:
-        raise ValueError(f"{base}: {type(model).__name__} exposes no lm_head")
-    return model.get_output_embeddings().weight.detach()
 
 
 def cmd_export(args) -> int:
-    from medusa.io.checkpoint import check_heads_folder, load_heads
-    from medusa.io.interop import export_vllm
+    from medusa.io.convert import export_heads
 
-    if args.format == "speculators-eagle3":
-        return _export_speculators_eagle3(args)
-    config = check_heads_folder(args.heads)
-    if config.share_lm_head and args.base is None:
-        raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
-    lm_head = _base_lm_head(args.base)
-    if lm_head is None:  # heads with their own projections: a stand-in of the right shape, not saved or exported
-        import torch
-
-        lm_head = torch.zeros(config.vocab_size, config.hidden_size)
-    heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
-    out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
-    print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")
-    return 0
-
-
-def _export_speculators_eagle3(args) -> int:
-    """``medusa export --format speculators-eagle3``: the eagle drafter with the base's embedding and lm_head rows, as
-    the speculators eagle3 folder vLLM serves EAGLE-3 from."""
-    from transformers import AutoModelForCausalLM
-
-    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
-    from medusa.io.speculators import check_eagle3_config, export_speculators_eagle3
-
-    config = check_heads_folder(args.heads)
-    check_eagle3_config(config)  # before the base loads
-    if args.base is None:
-        raise ValueError("the speculators eagle3 format stores the base's embedding and lm_head rows: pass --base")
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype="auto")
-    lm_head, embed = model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
-    heads = load_heads_for_base(args.heads, model)
-    out = export_speculators_eagle3(heads, args.out, model.config, lm_head if config.share_lm_head else None, embed,
-                                    verifier_name_or_path=config.base_model_name_or_path)
-    print(f"wrote the speculators eagle3 format (layers {config.eagle_layers}, {config.num_heads} draft tokens) "
-          f"to {out}")
+    print(export_heads(args.format, args.heads, args.out, args.base))
     return 0
 
 
 def cmd_import(args) -> int:
-    from medusa.io.checkpoint import read_heads_config
-    from medusa.io.interop import import_medusa_v1, import_vllm
+    from medusa.io.convert import import_heads
 
-    convert = {"medusa-v1": import_medusa_v1, "vllm": import_vllm}[args.source]
-    out = convert(args.src, args.out, _base_lm_head(args.base))
-    config = read_heads_config(out)
-    projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
-    print(f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {out}")
+    print(import_heads(args.source, args.src, args.out, args.base))
     return 0
 
 

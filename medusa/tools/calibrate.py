@@ -305,3 +305,37 @@ def calibrate_heads(base, heads, heads_dir, sequences: list[tuple[list[int], int
     states = sequence_states(base, sequences, heads.base_layers)
     calibration = measure_calibration(heads, states, top_k, lookup_length, lookup_max_ngram, identity, source)
     return calibration, save_calibration(calibration, out or heads_dir / CALIBRATION_FILE_NAME)
+
+
+def calibrate_folder(base_dir: str | Path, heads_dir: str | Path, data: str | Path, limit: int | None = None,
+                     top_k: int = 8, lookup_length: int = 16, lookup_ngram: int = 3, out: str | Path | None = None,
+                     device: str | None = None) -> tuple[Calibration, Path, int]:
+    """``medusa calibrate``: :func:`calibrate_heads` of the heads folder ``heads_dir`` on the first ``limit``
+    self-distilled records of ``data``, the base and heads loaded in float32 on ``device`` (default: cuda when
+    available). The flags are checked before anything loads.
+
+    Returns:
+        ``(calibration, path written, sequences measured)``.
+
+    Raises:
+        ValueError: ``top_k`` below 1 or beyond the heads' vocabulary, ``lookup_length`` below 0, ``lookup_ngram``
+            below 1 (each named), or as :func:`calibrate_heads`.
+    """
+    from medusa.base import load_base
+    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
+    from medusa.tools.bench import read_distilled_sequences
+
+    if top_k < 1 or lookup_length < 0 or lookup_ngram < 1:
+        raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {top_k}, "
+                         f"{lookup_length} and {lookup_ngram}")
+    config = check_heads_folder(heads_dir)
+    if top_k > (config.head_vocab_size or config.vocab_size):
+        raise ValueError(f"--top-k {top_k} is more than the heads' vocabulary of "
+                         f"{config.head_vocab_size or config.vocab_size} tokens")
+    sequences = read_distilled_sequences(data, limit)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base, _ = load_base(base_dir, torch.float32, device)
+    heads = load_heads_for_base(heads_dir, base).to(device)
+    calibration, path = calibrate_heads(base, heads, heads_dir, sequences, top_k, lookup_length, lookup_ngram,
+                                        {"data": str(data), "limit": limit}, out)
+    return calibration, path, len(sequences)

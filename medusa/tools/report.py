@@ -304,3 +304,23 @@ def build_tree_text(tree, report: dict, out: str, seconds: float) -> str:
             f"chose {len(tree.paths)} nodes{lookup}: replayed tau {best['replayed_tau']:.2f} (heads alone, expected "
             f"{best['expected_tau']:.2f}), predicted speedup {best['predicted_speedup']:.2f}x -> {out} "
             f"({seconds:.0f} s)")
+
+
+def plan_k_text(alpha, k: int, cost_ratio: float, verify_cost: float = 1.0) -> str:
+    """``medusa plan --k K``: that K's expected tokens, round cost and speedup."""
+    from medusa.tools import plan
+
+    cost = plan.round_cost(k, cost_ratio, verify_cost)
+    return (f"K={k}: {plan.expected_tokens(alpha, k):.3f} tokens, cost {cost:.3f}, "
+            f"{plan.speedup(alpha, k, cost_ratio, verify_cost):.2f}x")
+
+
+def plan_tree_text(alpha: float, branching: int, depth: int) -> str:
+    """``medusa plan --branching B --depth D``: a full tree's paths, nodes and expected tokens (an upper bound)."""
+    from medusa.tools import plan
+
+    tokens = plan.tree_expected_tokens(alpha, branching, depth)
+    return (f"tree of branching {branching}, depth {depth}: {plan.tree_paths(branching, depth)} candidate paths, "
+            f"{plan.tree_nodes(branching, depth)} draft nodes, {tokens:.3f} "
+            "expected tokens per round if each sibling were accepted independently (an upper bound: a greedy base "
+            "accepts one sibling)")
