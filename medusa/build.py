@@ -17,6 +17,8 @@ Reading order: :class:`DecodeConfig` -> :func:`build_model` -> :func:`_build_hea
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +112,13 @@ class DecodeConfig:
     """The most cache positions one call may preallocate (static, onednn, compiled engines)."""
     fixed_tree_only: bool = False
     """Never take the per-step tree (``build-tree`` and ``eval-heads``, which read the heads on fixed trees)."""
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, **overrides) -> DecodeConfig:
+        """The configuration parsed flags describe (:func:`add_decode_arguments`): each field from the flag of its
+        name when the command has it; ``overrides`` set fields directly."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in fields}, **overrides)
 
     def __post_init__(self):
         if self.lookup is not None and self.lookup < 0:
@@ -217,6 +226,83 @@ class DecodeConfig:
                              f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
                              f"--lookup-ngram {self.lookup_ngram}, or drop the flag)")
         return calibration
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+
+
+def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
+    """The decoding commands' flags, one per :class:`DecodeConfig` field (its default written there once);
+    ``draft_model``: with the draft-model group and ``--drafter`` (the commands that take either)."""
+    p.add_argument("--base", required=True, help="base model folder (or hub id)")
+    p.add_argument("--heads", required=not draft_model,
+                   help="Medusa heads folder" + (" (or --draft-model)" if draft_model else ""))
+    if draft_model:
+        g = p.add_argument_group("a separate draft model (classic speculative decoding, instead of --heads)")
+        g.add_argument("--draft-model", metavar="DIR",
+                       help="a causal-LM folder sharing the base's tokenizer (a smaller sibling, or make-draft)")
+        g.add_argument("--draft-tokens", type=int, default=_DEFAULTS["draft_tokens"], metavar="K",
+                       help="drafts per step: the tree's depth")
+        g.add_argument("--draft-width", type=int, default=_DEFAULTS["draft_width"], metavar="W",
+                       help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
+        g.add_argument("--draft-engine", default=None, help="the draft's own engine (default: the base's, after "
+                       "--engine auto chose it; eager for a quantized draft)")
+        g.add_argument("--draft-quantize", choices=["int8"], default=None,
+                       help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
+                            "the base's own folder: a quantized copy of the target)")
+        p.add_argument("--drafter", metavar="NAME",
+                       help=f"the drafter by its registered name ({', '.join(drafter_names())}, or one registered "
+                       "with medusa.register_drafter that has from_decode_config); default: draft_model with "
+                       "--draft-model, else heads (--heads, --draft-model and --lookup are its shorthands)")
+    p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
+    p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
+                                  "folder holds calibration.json, else its tree.json, else the top-1 chain)")
+    p.add_argument("--per-step-tree", choices=["auto", "on", "off"], default=_DEFAULTS["per_step_tree"],
+                   help="grow each step's tree from the heads' calibrated confidence and this machine's measured "
+                        "cost; auto: when the heads folder holds calibration.json and no --tree is given")
+    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
+                   help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
+    p.add_argument("--lookup", type=int, default=None, metavar="N", help="prompt lookup: a chain of N tokens copied "
+                   "from the context, verified with the heads' tree (overrides the tree file's; 0: none)")
+    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest context n-gram prompt lookup "
+                   "matches (default: the tree file's, else 3; build-tree: 3)")
+    p.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=["auto", *sorted(DTYPES)],
+                   help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
+                        "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
+                        "from float32's at numerical ties), else float32")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
+    from medusa.engines import AUTO, ENGINES
+
+    p.add_argument("--engine", default=None,
+                   help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
+                   "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
+                   + f"; default: {AUTO}")
+    p.add_argument("--verify-logits", choices=("auto", "all", "path"), default=_DEFAULTS["verify_logits"],
+                   help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
+                        "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
+                        "is matrix-vector bound); auto: the engine's own choice (default)")
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
+                        "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Decoding flags; unset ones come from the base's generation_config (then Hugging Face's defaults)."""
+    g = p.add_argument_group("decoding (default: the base's generation_config, as Hugging Face generate)")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
+    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
+    g.add_argument("--acceptance", default="rejection", help="with sampling: 'rejection' (lossless) or 'typical' "
+                   "(Medusa's typical acceptance, lossy), or a rule registered with medusa.register_acceptance")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags (:func:`add_sampling_arguments`) as ``MedusaModel.generate`` keywords."""
+    return {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.seed, "acceptance": args.acceptance}
 
 
 def build_model(config: DecodeConfig, report: Report = None):

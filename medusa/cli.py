@@ -5,14 +5,20 @@ plot, export, import, merge, drift. It parses the flags and calls the library: m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-from medusa.build import DTYPES, DecodeConfig, build_model
+from medusa.build import (
+    DTYPES,
+    DecodeConfig,
+    add_decode_arguments,
+    add_sampling_arguments,
+    build_model,
+    sampling_kwargs,
+)
 from medusa.tools import report
 
 
@@ -56,55 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     from train.cli import add_train_arguments, run_train
+    from train.splits import add_distill_arguments, add_held_out_arguments, run_distill, run_held_out_prompts
 
     p = add_command("train", "train Medusa heads (Medusa-1: frozen base) with Accelerate")
     add_train_arguments(p)
     p.set_defaults(func=run_train)
 
     p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
-    p.add_argument("--base", required=True,
-                   help="base model folder (chats use its chat template, or plain role-labelled text without one)")
-    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data): chats, or plain-text documents "
-                   "whose prefixes the base continues")
-    p.add_argument("--out-dir", required=True, help="writes distilled_validation.jsonl (what build-tree fits trees "
-                   "on), then distilled_held_out.jsonl, then distilled_train.jsonl")
-    p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
-                   help="distill only this split")
-    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
-    p.add_argument("--sample", choices=["spread", "first"], default=None,
-                   help="which --max-conversations: spread evenly over the whole dataset (default) or its first ones")
-    p.add_argument("--turns", choices=["all", "first"], default=None,
-                   help="answer a turn drawn from all of each conversation's turns (default) or only the first")
-    p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
-                   help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
-    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--validation-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
-    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
-    p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
-    p.add_argument("--prefix-lengths", type=_int_list, default=None, metavar="N,N,...",
-                   help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
-    p.set_defaults(func=cmd_distill)
+    add_distill_arguments(p)
+    p.set_defaults(func=run_distill)
 
     p = add_command("held-out-prompts", "write the first prompts of held-out conversations (or prefixes of held-out "
                     "documents, as 'text' records to continue) as JSON lines")
-    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
-    p.add_argument("--n", type=int, default=20, help="number of prompts")
-    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
-    p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
-    p.add_argument("--prefix-chars", type=int, default=400,
-                   help="documents: the prefix is about this many characters, cut at a space")
-    p.add_argument("--out", required=True, help="JSON-lines file to write")
-    p.set_defaults(func=cmd_held_out_prompts)
+    add_held_out_arguments(p)
+    p.set_defaults(func=run_held_out_prompts)
 
     p = add_command("generate", "generate with Medusa decoding and print the text (stdout)")
-    _model_args(p, draft_model=True)
+    add_decode_arguments(p, draft_model=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
@@ -117,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--stats", action="store_true", help="also print tau, tokens/s and a warning when the machine is "
                    "busy, to stderr (the text goes to stdout)")
-    _sampling_args(p)
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = add_command("serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions) decoding with the "
                              "heads, with continuous batching")
-    _model_args(p)
+    add_decode_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default: only this machine)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
@@ -143,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
-    _model_args(p, draft_model=True)
+    add_decode_arguments(p, draft_model=True)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
@@ -165,11 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-data", metavar="JSONL", help="held-out self-distilled answers: also report the adapted "
                    "model's drift from the original (greedy top-1 agreement, mean NLL); needs --adapter or --original")
     p.add_argument("--original", help="the original base for --drift-data (default: --base when --adapter is given)")
-    _sampling_args(p)
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = add_command("eval-heads", "per-head top-1/top-5 accuracy on held-out self-distilled sequences")
-    _model_args(p)
+    add_decode_arguments(p)
     p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids)")
     p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
     p.add_argument("--out", help="write the JSON result here")
@@ -218,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command("build-tree", "measure head accuracy, read the verify cost from the machine profile, write the "
                     "best tree")
-    _model_args(p)
+    add_decode_arguments(p)
     p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids) of the "
                    "validation split (distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
@@ -289,86 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
-    p.add_argument("--base", required=True, help="base model folder (or hub id)")
-    p.add_argument("--heads", required=not draft_model,
-                   help="Medusa heads folder" + (" (or --draft-model)" if draft_model else ""))
-    if draft_model:
-        g = p.add_argument_group("a separate draft model (classic speculative decoding, instead of --heads)")
-        g.add_argument("--draft-model", metavar="DIR",
-                       help="a causal-LM folder sharing the base's tokenizer (a smaller sibling, or make-draft)")
-        g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="drafts per step: the tree's depth")
-        g.add_argument("--draft-width", type=int, default=1, metavar="W",
-                       help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
-        g.add_argument("--draft-engine", default=None, help="the draft's own engine (default: the base's, after "
-                       "--engine auto chose it; eager for a quantized draft)")
-        g.add_argument("--draft-quantize", choices=["int8"], default=None,
-                       help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
-                            "the base's own folder: a quantized copy of the target)")
-        from medusa.build import drafter_names
-
-        p.add_argument("--drafter", metavar="NAME",
-                       help=f"the drafter by its registered name ({', '.join(drafter_names())}, or one registered "
-                       "with medusa.register_drafter that has from_decode_config); default: draft_model with "
-                       "--draft-model, else heads (--heads, --draft-model and --lookup are its shorthands)")
-    p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
-    p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
-                                  "folder holds calibration.json, else its tree.json, else the top-1 chain)")
-    p.add_argument("--per-step-tree", choices=["auto", "on", "off"], default="auto",
-                   help="grow each step's tree from the heads' calibrated confidence and this machine's measured "
-                        "cost; auto: when the heads folder holds calibration.json and no --tree is given")
-    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
-                   help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
-    p.add_argument("--lookup", type=int, default=None, metavar="N", help="prompt lookup: a chain of N tokens copied "
-                   "from the context, verified with the heads' tree (overrides the tree file's; 0: none)")
-    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest context n-gram prompt lookup "
-                   "matches (default: the tree file's, else 3; build-tree: 3)")
-    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
-                   help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
-                        "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
-                        "from float32's at numerical ties), else float32")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    from medusa.engines import AUTO, ENGINES
-
-    p.add_argument("--engine", default=None,
-                   help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
-                   "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
-                   + f"; default: {AUTO}")
-    p.add_argument("--verify-logits", choices=("auto", "all", "path"), default="auto",
-                   help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
-                        "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
-                        "is matrix-vector bound); auto: the engine's own choice (default)")
-    p.add_argument("--max-cache-len", type=int, default=None,
-                   help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
-                        "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
-
-
-def _sampling_args(p) -> None:
-    """Decoding flags; unset ones come from the base's generation_config (then Hugging Face's defaults)."""
-    g = p.add_argument_group("decoding (default: the base's generation_config, as Hugging Face generate)")
-    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
-    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
-    g.add_argument("--acceptance", default="rejection", help="with sampling: 'rejection' (lossless) or 'typical' "
-                   "(Medusa's typical acceptance, lossy), or a rule registered with medusa.register_acceptance")
-
-
-def _sampling_kwargs(args) -> dict:
-    return {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed, "acceptance": args.acceptance}
-
-
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
 def _load(args, **overrides):
     """The model the decoding flags describe (:class:`medusa.build.DecodeConfig` holds each flag of its name)."""
-    fields = {f.name for f in dataclasses.fields(DecodeConfig)}
-    config = DecodeConfig(**{k: v for k, v in vars(args).items() if k in fields}, **overrides)
+    config = DecodeConfig.from_flags(args, **overrides)
     if getattr(args, "hf_prompt_lookup", 0) < 0:
         raise ValueError(f"--hf-prompt-lookup must be >= 0, got {args.hf_prompt_lookup}")
     if getattr(args, "lookup_lengths", None) is not None:  # build-tree
@@ -377,13 +278,6 @@ def _load(args, **overrides):
         if min(args.lookup_lengths) < 0:
             raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
     return build_model(config, report=_stderr)
-
-
-def _int_list(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
 
 def _write_json(result: dict, out: str | None) -> None:
@@ -397,41 +291,6 @@ def cmd_prepare(args) -> int:
 
     out = prepare_preset(args.out, args.preset) if args.preset else prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
-    return 0
-
-
-def cmd_distill(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
-    from train.splits import DISTILL_SPLITS, distill_splits_of, split_file, train_default
-
-    splits = distill_splits_of(args.data, args.max_conversations, args.sample, args.held_out_fraction,
-                               args.validation_fraction, args.seed, args.skip_conversations)
-    logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
-    names = DISTILL_SPLITS if args.split == "all" else [args.split]
-    chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
-    distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
-                   max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
-                   max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
-                   batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
-                   turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
-                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
-    for split, path in chosen:
-        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
-        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
-    return 0
-
-
-def cmd_held_out_prompts(args) -> int:
-    from train.splits import held_out_prompt_records, write_jsonl
-
-    records = held_out_prompt_records(args.data, args.n, args.held_out_fraction, args.seed, args.max_conversations,
-                                      args.max_prompt_chars, args.prefix_chars)
-    print(f"wrote {args.n} held-out prompts to {write_jsonl(records, args.out)}")
     return 0
 
 
@@ -456,7 +315,7 @@ def cmd_generate(args) -> int:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
-    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling_kwargs(args)):
+    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **sampling_kwargs(args)):
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
@@ -485,7 +344,7 @@ def _generate_batched(args) -> int:
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
-    settings = {k: v for k, v in _sampling_kwargs(args).items() if k != "acceptance" and v is not None}
+    settings = {k: v for k, v in sampling_kwargs(args).items() if k != "acceptance" and v is not None}
     for first in range(0, len(ids), size):
         outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
         for i, tokens in enumerate(outputs, first):
@@ -524,7 +383,7 @@ def cmd_bench(args) -> int:
     if args.batch_size:
         return _bench_batched(args, model, prompts, load)
     result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, sampling=_sampling_kwargs(args),
+                       use_chat_template=not args.no_chat_template, sampling=sampling_kwargs(args),
                        progress=lambda i, r: _stderr(report.bench_progress_line(i, len(prompts), r, model.per_step)),
                        hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
     result["prompts_file"], result["load"] = str(args.prompts), load
@@ -553,7 +412,7 @@ def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
 
     if min(args.batch_size) < 1:
         raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
-    if any(v is not None for k, v in _sampling_kwargs(args).items() if k != "acceptance"):
+    if any(v is not None for k, v in sampling_kwargs(args).items() if k != "acceptance"):
         raise ValueError("the batched bench is greedy only: drop the sampling flags")
 
     def progress(size, method, record):

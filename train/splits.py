@@ -6,8 +6,10 @@ splits are the ones a training run with the same settings makes.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from train.config import TrainConfig
@@ -96,3 +98,91 @@ def write_jsonl(records: list[dict], path: str | Path) -> Path:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
+
+
+def int_list(value: str) -> list[int]:
+    """An argparse type: comma-separated integers."""
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+    """``medusa distill``'s flags (settings left unset take :class:`train.config.TrainConfig`'s defaults)."""
+    from medusa.build import DTYPES
+
+    p.add_argument("--base", required=True,
+                   help="base model folder (chats use its chat template, or plain role-labelled text without one)")
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data): chats, or plain-text documents "
+                   "whose prefixes the base continues")
+    p.add_argument("--out-dir", required=True, help="writes distilled_validation.jsonl (what build-tree fits trees "
+                   "on), then distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
+                   help="distill only this split")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--sample", choices=["spread", "first"], default=None,
+                   help="which --max-conversations: spread evenly over the whole dataset (default) or its first ones")
+    p.add_argument("--turns", choices=["all", "first"], default=None,
+                   help="answer a turn drawn from all of each conversation's turns (default) or only the first")
+    p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
+                   help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--validation-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
+    p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
+    p.add_argument("--prefix-lengths", type=int_list, default=None, metavar="N,N,...",
+                   help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+
+
+def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
+    """``medusa held-out-prompts``' flags."""
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
+    p.add_argument("--n", type=int, default=20, help="number of prompts")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
+    p.add_argument("--prefix-chars", type=int, default=400,
+                   help="documents: the prefix is about this many characters, cut at a space")
+    p.add_argument("--out", required=True, help="JSON-lines file to write")
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """``medusa distill``: the chosen splits answered by the base, written to ``--out-dir``; one line per file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa.build import DTYPES
+    from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
+
+    splits = distill_splits_of(args.data, args.max_conversations, args.sample, args.held_out_fraction,
+                               args.validation_fraction, args.seed, args.skip_conversations)
+    logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
+    names = DISTILL_SPLITS if args.split == "all" else [args.split]
+    chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
+    distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
+                   max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
+                   max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+                   batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
+                   turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
+                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
+    for split, path in chosen:
+        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
+        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
+    return 0
+
+
+def run_held_out_prompts(args: argparse.Namespace) -> int:
+    """``medusa held-out-prompts``: the held-out split's first prompts written as JSON lines."""
+    records = held_out_prompt_records(args.data, args.n, args.held_out_fraction, args.seed, args.max_conversations,
+                                      args.max_prompt_chars, args.prefix_chars)
+    print(f"wrote {args.n} held-out prompts to {write_jsonl(records, args.out)}")
+    return 0
