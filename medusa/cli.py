@@ -358,75 +358,42 @@ def _generate_batched(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from medusa.tools.bench import check_fixed_tree, machine_load, read_prompts, run_bench
+    from medusa.tools.bench import check_bench_options, machine_load, read_prompts, run_batch_bench, run_bench
     from medusa.tools.drift import drift_from
 
-    if args.plot and not args.out:
-        raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
-    if args.plot:
-        from medusa.tools.plots import pyplot
-
-        pyplot()  # fail now, not after the run, when matplotlib is missing
+    fixed_tree, original = check_bench_options(args.heads, args.fixed_tree, args.batch_size, sampling_kwargs(args),
+                                               args.plot, args.out, args.drift_data, args.original, args.adapter,
+                                               args.base)
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
-    fixed_tree = None
-    if args.fixed_tree:  # refused before the model loads: a damaged file, one that does not fit, or other modes
-        if args.batch_size:
-            raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
-                             "--batch-size or --fixed-tree")
-        if args.do_sample:
-            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
-        fixed_tree = check_fixed_tree(args.fixed_tree, args.heads)
     model = _load(args)
     load = machine_load(torch.get_num_threads())
     _warn(load["warning"])
     if args.batch_size:
-        return _bench_batched(args, model, prompts, load)
-    result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, sampling=sampling_kwargs(args),
-                       progress=lambda i, r: _stderr(report.bench_progress_line(i, len(prompts), r, model.per_step)),
-                       hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
+        result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
+                                 use_chat_template=not args.no_chat_template,
+                                 progress=lambda *record: _stderr(report.batch_progress_line(*record)))
+        for note in result["notes"]:
+            _stderr(f"note: {note}")
+    else:
+        def progress(i, record):
+            _stderr(report.bench_progress_line(i, len(prompts), record, model.per_step))
+
+        result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup, progress=progress,
+                           use_chat_template=not args.no_chat_template, sampling=sampling_kwargs(args),
+                           hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
     result["prompts_file"], result["load"] = str(args.prompts), load
-    if args.drift_data:
-        original = args.original or (args.base if args.adapter else None)
-        if original is None:
-            raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+    if original is not None and not args.batch_size:
         result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
         print(f"drift from {result['drift']['original']}: {report.drift_text(result['drift'])}")
-    print(report.bench_table(result, reference, args.compare))
-    for d in result["divergences"]:
-        print(report.divergence_text(d))
+    print(report.batch_bench_table(result) if args.batch_size else report.bench_text(result, reference, args.compare))
     if load["warning"]:
         _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
     _write_json(result, args.out)
-    if args.plot:
+    if args.plot and not args.batch_size:
         from medusa.tools.plots import plot_bench
 
         print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
-    return 0
-
-
-def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
-    """``medusa bench --batch-size B...``: :func:`medusa.tools.bench.run_batch_bench`, a table, and the JSON."""
-    from medusa.tools.bench import run_batch_bench
-
-    if min(args.batch_size) < 1:
-        raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
-    if any(v is not None for k, v in sampling_kwargs(args).items() if k != "acceptance"):
-        raise ValueError("the batched bench is greedy only: drop the sampling flags")
-
-    def progress(size, method, record):
-        _stderr(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s")
-
-    result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
-                             use_chat_template=not args.no_chat_template, progress=progress)
-    result["prompts_file"], result["load"] = str(args.prompts), load
-    for note in result["notes"]:
-        _stderr(f"note: {note}")
-    print(report.batch_bench_table(result))
-    if load["warning"]:
-        _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
-    _write_json(result, args.out)
     return 0
 
 

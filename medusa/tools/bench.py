@@ -114,6 +114,46 @@ def check_fixed_tree(path: str | Path, heads_dir: str | Path):
     return tree
 
 
+def check_bench_options(heads_dir, fixed_tree=None, batch_sizes=None, sampling: dict | None = None,
+                        plot: bool = False, out=None, drift_data=None, original=None, adapter=None, base=None):
+    """``medusa bench``'s options checked before any model loads: a plot needs ``out`` and matplotlib, the fixed
+    tree goes with the one-prompt greedy bench and must fit the heads (:func:`check_fixed_tree`), the batched bench
+    is greedy with batch sizes >= 1, and drift needs an original (``original``, else ``base`` when an ``adapter``
+    is merged).
+
+    Returns:
+        ``(fixed tree or None, the original drift compares with or None)``.
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError: the option at fault named.
+    """
+    if plot and not out:
+        raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
+    if plot:
+        from medusa.tools.plots import pyplot
+
+        pyplot()  # fail now, not after the run, when matplotlib is missing
+    sampled = any(v is not None for k, v in (sampling or {}).items() if k != "acceptance")
+    tree = None
+    if fixed_tree:  # a damaged file, one that does not fit, or other modes
+        if batch_sizes:
+            raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
+                             "--batch-size or --fixed-tree")
+        if (sampling or {}).get("do_sample"):
+            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
+        tree = check_fixed_tree(fixed_tree, heads_dir)
+    if batch_sizes and min(batch_sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {batch_sizes}")
+    if batch_sizes and sampled:
+        raise ValueError("the batched bench is greedy only: drop the sampling flags")
+    drift_original = None
+    if drift_data:
+        drift_original = original or (base if adapter else None)
+        if drift_original is None:
+            raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+    return tree, drift_original
+
+
 def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> torch.Tensor:
     """``(T,)`` prompt ids of one prompt record.
 

@@ -273,6 +273,17 @@ def bench_progress_line(i: int, total: int, record: dict, per_step: bool) -> str
     return line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else "")
 
 
+def batch_progress_line(size: int, method: str, record: dict) -> str:
+    """One batch size and method's line as the batched bench runs."""
+    return f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s"
+
+
+def bench_text(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
+    """:func:`bench_table`, then a line per divergence from Hugging Face's tokens."""
+    return "\n".join([bench_table(result, reference, reference_name)]
+                     + [divergence_text(d) for d in result["divergences"]])
+
+
 def divergence_text(d: dict) -> str:
     """A bench divergence: where, the base's top-2 gap there, and whether it was a numerical tie."""
     kind = "tie" if d.get("tie") else "true divergence"
