@@ -51,11 +51,14 @@ def registered_drafter(name: str) -> type:
 
 
 def drafter_names() -> tuple[str, ...]:
-    """Every registered drafter name, the built-in ones included, sorted."""
+    """The registered drafter names :func:`build_model` can build, sorted: the built-in ones
+    (:data:`BUILT_IN_DRAFTERS`) and those with a ``from_decode_config`` (``composite`` is made from the others, by
+    ``--heads`` with ``--lookup``)."""
     import medusa.drafters.draft_model  # noqa: F401  (registers draft_model)
+    from medusa.drafters import drafter_class
     from medusa.drafters import drafter_names as names
 
-    return names()
+    return tuple(n for n in names() if n in BUILT_IN_DRAFTERS or getattr(drafter_class(n), "from_decode_config", None))
 
 
 @dataclass
@@ -257,7 +260,7 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
     p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
     p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
                                   "folder holds calibration.json, else its tree.json, else the top-1 chain)")
-    p.add_argument("--per-step-tree", choices=["auto", "on", "off"], default=_DEFAULTS["per_step_tree"],
+    p.add_argument("--per-step-tree", choices=list(PER_STEP_MODES), default=_DEFAULTS["per_step_tree"],
                    help="grow each step's tree from the heads' calibrated confidence and this machine's measured "
                         "cost; auto: when the heads folder holds calibration.json and no --tree is given")
     p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
@@ -278,7 +281,7 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                    help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
                    "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
                    + f"; default: {AUTO}")
-    p.add_argument("--verify-logits", choices=("auto", "all", "path"), default=_DEFAULTS["verify_logits"],
+    p.add_argument("--verify-logits", choices=tuple(VERIFY_LOGITS), default=_DEFAULTS["verify_logits"],
                    help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
                         "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
                         "is matrix-vector bound); auto: the engine's own choice (default)")

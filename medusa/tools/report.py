@@ -335,3 +335,10 @@ def plan_tree_text(alpha: float, branching: int, depth: int) -> str:
             f"{plan.tree_nodes(branching, depth)} draft nodes, {tokens:.3f} "
             "expected tokens per round if each sibling were accepted independently (an upper bound: a greedy base "
             "accepts one sibling)")
+
+
+def calibration_text(calibration, path, sequences: int, seconds: float) -> str:
+    """``medusa calibrate``'s summary: top-1 acceptance per depth and what was measured, written where."""
+    return (f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}\n"
+            f"measured on {sequences} sequences ({calibration.source['positions']} positions) -> {path} "
+            f"({seconds:.0f} s)")
