@@ -399,15 +399,11 @@ def cmd_drift(args) -> int:
 
 
 def cmd_eval_heads(args) -> int:
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import rank_accuracy
+    from medusa.tools.calibrate import eval_heads
 
-    model = _load(args, fixed_tree_only=True)
-    sequences = read_distilled_sequences(args.data, args.limit)
-    accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
-    top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
-    print(report.head_accuracy_text(top1, top5))
-    _write_json({"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}, args.out)
+    result = eval_heads(_load(args, fixed_tree_only=True), args.data, args.limit)
+    print(report.head_accuracy_text(result["top1"], result["top5"]))
+    _write_json(result, args.out)
     return 0
 
 
@@ -423,12 +419,7 @@ def cmd_plan(args) -> int:
     from medusa.tools import plan
 
     alpha = args.alpha[0] if len(args.alpha) == 1 else args.alpha
-    plan.expected_tokens(alpha, 0)  # alpha's range checked before any model is read
-    plan.round_cost(0, args.cost_ratio)
-    if (args.branching is None) != (args.depth is None):
-        raise ValueError("--branching and --depth go together")
-    if args.branching is not None and isinstance(alpha, list):
-        raise ValueError("--branching/--depth take a single --alpha")
+    plan.check_plan(alpha, args.cost_ratio, args.branching, args.depth)  # before any model is read
     verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
     if args.profile:
         from medusa.build import plan_verify_cost
@@ -489,20 +480,13 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_build_tree(args) -> int:
-    from medusa.decode.tree import save_tree
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import build_tree
+    from medusa.tools.calibrate import build_tree_files
     from medusa.tools.plots import plot_tree_report
 
     model = _load(args, fixed_tree_only=True)
-    sequences = read_distilled_sequences(args.data, args.limit)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tree, result, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
-                                    args.lookup_ngram or 3, args.name or Path(args.out).stem)
-    save_tree(tree, args.out, note=note)
-    report_path = Path(args.out).with_suffix(".report.json")
-    _write_json(result, report_path)
+    tree, result, report_path = build_tree_files(model, args.data, args.limit, args.top_k, args.max_nodes,
+                                                 args.lookup_lengths, args.lookup_ngram or 3, args.out, args.name)
     if not args.no_plot:
         _plot_or_warn(lambda: plot_tree_report(result, report_path.with_suffix(".png")))
     if result["chosen"]["predicted_speedup"] < 1:

@@ -339,3 +339,41 @@ def calibrate_folder(base_dir: str | Path, heads_dir: str | Path, data: str | Pa
     calibration, path = calibrate_heads(base, heads, heads_dir, sequences, top_k, lookup_length, lookup_ngram,
                                         {"data": str(data), "limit": limit}, out)
     return calibration, path, len(sequences)
+
+
+def eval_heads(model, data: str | Path, limit: int | None = None) -> dict:
+    """``medusa eval-heads``: each head's top-1 and top-5 accuracy (:func:`rank_accuracy`) on the first ``limit``
+    self-distilled records of ``data``, for the heads of ``model`` (a :class:`medusa.model.MedusaModel`).
+
+    Returns:
+        ``{"data", "sequences", "top1": [K floats], "top5": [K floats]}``.
+    """
+    from medusa.tools.bench import read_distilled_sequences
+
+    sequences = read_distilled_sequences(data, limit)
+    accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
+    return {"data": data, "sequences": len(sequences), "top1": accuracy[:, 0].tolist(),
+            "top5": accuracy.sum(dim=1).tolist()}
+
+
+def build_tree_files(model, data: str | Path, limit: int | None, top_k: int, max_nodes: int, lookup_lengths,
+                     lookup_max_ngram: int, out: str | Path, name: str | None = None) -> tuple[Tree, dict, Path]:
+    """``medusa build-tree``: :func:`build_tree` on the first ``limit`` self-distilled records of ``data``, the tree
+    written to ``out`` (named ``name``, default the file's stem) and its report beside it, ``<out>.report.json``.
+
+    Returns:
+        ``(tree, report, report path)``.
+    """
+    import json
+
+    from medusa.decode.tree import save_tree
+    from medusa.tools.bench import read_distilled_sequences
+
+    sequences = read_distilled_sequences(data, limit)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tree, report, note = build_tree(model, sequences, top_k, max_nodes, lookup_lengths, lookup_max_ngram,
+                                    name or Path(out).stem)
+    save_tree(tree, out, note=note)
+    report_path = Path(out).with_suffix(".report.json")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return tree, report, report_path
