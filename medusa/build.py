@@ -361,9 +361,9 @@ def _build_heads(config: DecodeConfig, dtype, device, reason, measure_dtype: boo
     model.dtype_reason = reason
     typical = min(16, config.max_tree_nodes or 16) if per_step else None
     if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
-        from medusa.profile import choose_dtype
+        from medusa.tools.measure import choose_dtype
 
-        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes)
+        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes, measure=True)
         if chosen != dtype:
             model.base.to(chosen)
             model.heads.to(chosen)
@@ -374,7 +374,7 @@ def _build_heads(config: DecodeConfig, dtype, device, reason, measure_dtype: boo
         options = {"lookup_length": config.lookup} if config.lookup is not None else {}
         if config.max_tree_nodes is not None:
             options["max_nodes"] = config.max_tree_nodes
-        model.use_per_step_tree(calibration, **options)  # checked against the folder's weights above
+        model.use_per_step_tree(calibration, measure=True, **options)  # checked against the folder's weights above
         say(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
             f"{Path(config.heads) / 'calibration.json'} and this machine's profile")
     elif not config.fixed_tree_only and config.tree is None and config.per_step_tree == "auto":
@@ -444,7 +444,7 @@ def _build_registered(config: DecodeConfig, dtype, device, say):
 def _use_engine(model, config: DecodeConfig, say, step_size: int | None = None) -> None:
     """The engine :attr:`DecodeConfig.engine` names, with its options; ``auto``'s reason to ``say``."""
     model.use_engine(config.engine, step_size=step_size, max_cache_len=config.max_cache_len,
-                     scores_all_nodes=config.scores_all_nodes)
+                     scores_all_nodes=config.scores_all_nodes, measure=True)
     if model.engine.choice is not None:
         say(f"--engine auto: {model.engine.choice.reason}")
 
@@ -456,7 +456,7 @@ def plan_verify_cost(base_dir: str, engine: str | None, progress: Report = None)
     import torch
 
     from medusa.base import load_base
-    from medusa.profile import load_profile
+    from medusa.tools.measure import load_profile
 
     base, _ = load_base(base_dir, torch.float32, "cpu")
     profile = load_profile(base, progress=progress)
@@ -484,11 +484,11 @@ def profile_machine(base_dir: str, dtype: str = "float32", device: str | None = 
 
     from medusa.base import load_base
     from medusa.engines import ENGINES, check_dtype
-    from medusa.profile import CANDIDATES, ensure_engine, heads_level_s, load_profile
+    from medusa.tools.measure import ensure_engine, heads_level_s, load_profile
 
     if step_sizes is not None and min(step_sizes) < 1:
         raise ValueError(f"--step-size values must be >= 1, got {step_sizes}")
-    engines = engines or list(CANDIDATES)
+    engines = engines or []  # auto's candidates are always measured (load_profile)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")

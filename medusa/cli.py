@@ -349,6 +349,10 @@ def cmd_bench(args) -> int:
     fixed_tree, original = check_bench_options(args.heads, args.fixed_tree, args.batch_size, sampling_kwargs(args),
                                                args.plot, args.out, args.drift_data, args.original, args.adapter,
                                                args.base)
+    if args.plot:
+        from medusa.tools.plots import pyplot
+
+        pyplot()  # fail now, not after the run, when matplotlib is missing
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
     model = _load(args)
@@ -505,12 +509,25 @@ def _plot_or_warn(draw) -> None:
 
 
 def cmd_plot(args) -> int:
-    from medusa.tools.plots import plot_path
+    from medusa.tools.plots import plot_bench, plot_training, plot_tree_report
+    from train.history import CURVES_NAME, HISTORY_NAME, read_history
 
     if args.out and len(args.inputs) > 1:
         raise ValueError("--out names one picture: give one input")
-    for name in args.inputs:
-        print(f"plot: {plot_path(name, args.out)}")
+    for path in map(Path, args.inputs):
+        if path.is_dir():
+            if not (path / HISTORY_NAME).is_file():
+                raise FileNotFoundError(f"{path / HISTORY_NAME} not found: not a training output_dir?")
+            out = plot_training(read_history(path), args.out or path / CURVES_NAME)
+        else:
+            result, out = json.loads(path.read_text()), args.out or path.with_suffix(".png")
+            if "accepted_histogram" in result:
+                out = plot_bench(result, out)
+            elif "table" in result and "cost_curve" in result:
+                out = plot_tree_report(result, out)
+            else:
+                raise ValueError(f"{path} is neither a bench result nor a build-tree report")
+        print(f"plot: {out}")
     return 0
 
 

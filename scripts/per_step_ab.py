@@ -31,8 +31,8 @@ from medusa.drafters.calibration import CALIBRATION_FILE_NAME, load_calibration 
 from medusa.drafters.composite import NoDrafter, tree_drafter  # noqa: E402
 from medusa.drafters.per_step import PerStepDrafter, StepCost  # noqa: E402
 from medusa.model import MedusaModel  # noqa: E402
-from medusa.profile import ensure_engine, load_profile, stderr_progress  # noqa: E402
 from medusa.tools.bench import encode_prompt, read_prompts  # noqa: E402
+from medusa.tools.measure import ensure_engine, load_profile, stderr_progress  # noqa: E402
 
 
 def prompt_ids(path: str, tokenizer, limit: int) -> list[torch.Tensor]:

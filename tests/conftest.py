@@ -1,8 +1,9 @@
 """Fixtures shared by the tests: a saved tiny Llama and a small chat file (one of each per test module); and for
 every test a machine-profile cache of its own session and a fixed default engine.
 
-The shipped default engine is ``auto`` (chosen from this machine's measured profile, :mod:`medusa.profile`). A choice
-made from timings may differ between runs, so the suite's default is pinned to ``onednn`` (what it was before
+The shipped default engine is ``auto``: chosen from this machine's stored profile (:mod:`medusa.profile`), or the
+static default where none is stored; it never measures unless asked (:mod:`medusa.tools.measure`). A choice read
+from timings may differ between machines, so the suite's default is pinned to ``onednn`` (what it was before
 ``auto``) and the tests of ``auto`` ask for it by name (tests/test_profile.py); the profiles those measure go to a
 temporary folder, never the user's cache.
 """

@@ -31,6 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from medusa.decode.tree import TreeBuffers
+from medusa.registry import claim
 
 
 @dataclass
@@ -231,9 +232,7 @@ def register_drafter(name: str) -> Callable[[type], type]:
     """
 
     def register(cls: type) -> type:
-        if _DRAFTERS.get(name, cls) is not cls:
-            raise ValueError(f"drafter name {name!r} is already registered to {_DRAFTERS[name].__name__}")
-        _DRAFTERS[name] = cls
+        claim(_DRAFTERS, name, cls, "drafter")
         cls.name = name
         return cls
 

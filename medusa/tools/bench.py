@@ -116,7 +116,7 @@ def check_fixed_tree(path: str | Path, heads_dir: str | Path):
 
 def check_bench_options(heads_dir, fixed_tree=None, batch_sizes=None, sampling: dict | None = None,
                         plot: bool = False, out=None, drift_data=None, original=None, adapter=None, base=None):
-    """``medusa bench``'s options checked before any model loads: a plot needs ``out`` and matplotlib, the fixed
+    """``medusa bench``'s options checked before any model loads: a plot needs ``out``, the fixed
     tree goes with the one-prompt greedy bench and must fit the heads (:func:`check_fixed_tree`), the batched bench
     is greedy with batch sizes >= 1, and drift needs an original (``original``, else ``base`` when an ``adapter``
     is merged).
@@ -129,10 +129,6 @@ def check_bench_options(heads_dir, fixed_tree=None, batch_sizes=None, sampling: 
     """
     if plot and not out:
         raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
-    if plot:
-        from medusa.tools.plots import pyplot
-
-        pyplot()  # fail now, not after the run, when matplotlib is missing
     sampled = any(v is not None for k, v in (sampling or {}).items() if k != "acceptance")
     tree = None
     if fixed_tree:  # a damaged file, one that does not fit, or other modes
@@ -528,12 +524,12 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost read from this machine's profile (a verify
     forward over the tree's nodes after :data:`medusa.profile.PREFIX_LEN` cached tokens, relative to one token,
     through the bench's engine): the seed's analysis next to the measured figures."""
-    from medusa.profile import load_profile, stderr_progress, time_forwards
+    from medusa.tools.measure import ensure_profile, stderr_progress, time_forwards
 
     name, nodes = model.engine.name, model.drafter.max_nodes
     if model.per_step and result.get("tree_sizes", {}).get("mean"):
         nodes = max(1, round(result["tree_sizes"]["mean"]))
-    profile = load_profile(model.base, progress=stderr_progress)
+    profile = ensure_profile(model.base, announce=stderr_progress)
     if "forward_s" in profile.engines.get(name, {}):
         one, verify_s = profile.forward_s(name, 1), profile.forward_s(name, nodes)
     else:  # not in the profile (compiled: each size compiles): the two sizes this bench ran, on its own engine
@@ -549,13 +545,14 @@ def draft_prediction(model: MedusaModel, alpha: float, base_one_s: float, verify
     """The seed's analysis for a draft-model run: a step costs one verify forward over the tree plus the draft's
     forwards (the catch-up over the tokens emitted since the last step, about tau of them, then one per deeper
     level over that level's parents), each from the machine profile's single-forward timings of the base and of
-    this kind of draft (:func:`medusa.profile.draft_forward_costs`), never from the run's step times.
+    this kind of draft (:func:`medusa.tools.measure.draft_forward_costs`), never from the run's step times.
 
     Returns:
         ``{"cost_ratio", "draft_forward_s", "step_cost", "predicted_tau", "predicted_speedup"}``: ``cost_ratio`` is
         c_q / c_p (one draft token against one base token), ``step_cost`` relative to one plain base step.
     """
-    from medusa.profile import draft_forward_costs, interpolate
+    from medusa.profile import interpolate
+    from medusa.tools.measure import draft_forward_costs
 
     paths = set(model.tree.paths)
     depth = max(len(p) for p in paths)

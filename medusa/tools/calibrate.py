@@ -242,14 +242,14 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
         ``(tree, report, note)``: the report (accuracy, cost curve, level cost, the table of candidates, the chosen
         row under ``"chosen"``, dtype, engine and profile) and the note the tree file carries.
     """
-    from medusa.profile import ensure_engine, heads_level_s, load_profile, stderr_progress
+    from medusa.tools.measure import ensure_engine, ensure_profile, heads_level_s, stderr_progress
 
     lookup_lengths = tuple(sorted(set(lookup_lengths)))
     states = sequence_states(model.base, sequences, model.heads.base_layers)
     replays = replay_data(model.heads, states, top_k, max(lookup_lengths), lookup_max_ngram)
     accuracy = rank_accuracy_from_replays(replays, top_k)
     engine = model.engine.name
-    profile = profile if profile is not None else load_profile(model.base, progress=stderr_progress)
+    profile = profile if profile is not None else ensure_profile(model.base, announce=stderr_progress)
     profile = ensure_engine(profile, model.base, engine, stderr_progress)
     curve = profile.cost_curve(engine)
     per_depth = heads_level_s(profile, model.heads)

@@ -250,28 +250,3 @@ def plot_profile(profile: dict, path: str | Path) -> Path:
                  f"{key['dtype']}, {key['model'].get('architecture')}", fontsize=10)
     return _save(fig, path)
 
-
-def plot_path(path: str | Path, out: str | Path | None = None) -> Path:
-    """``medusa plot``: draw a bench JSON, a build-tree report or a training run folder (its history) to ``out``
-    (default: next to the input, ``.png``; a run folder's curves file).
-
-    Raises:
-        FileNotFoundError: a folder without a training history.
-        ValueError: a JSON that is neither a bench result nor a build-tree report.
-    """
-    import json
-
-    from train.history import CURVES_NAME, HISTORY_NAME, read_history
-
-    path = Path(path)
-    if path.is_dir():
-        if not (path / HISTORY_NAME).is_file():
-            raise FileNotFoundError(f"{path / HISTORY_NAME} not found: not a training output_dir?")
-        return plot_training(read_history(path), out or path / CURVES_NAME)
-    result = json.loads(path.read_text())
-    out = out or path.with_suffix(".png")
-    if "accepted_histogram" in result:
-        return plot_bench(result, out)
-    if "table" in result and "cost_curve" in result:
-        return plot_tree_report(result, out)
-    raise ValueError(f"{path} is neither a bench result nor a build-tree report")
