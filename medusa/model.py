@@ -39,21 +39,35 @@ class MedusaModel(nn.Module):
 
     Args:
         base: a transformers ``*ForCausalLM``.
-        heads: heads trained for this base (same device and dtype as the base after construction).
-        tree: default candidate tree; ``None`` means the top-1 chain over all heads.
+        heads: heads trained for this base (same device and dtype as the base after construction); ``None`` for a
+            model that drafts without heads (a draft model, prompt lookup, a registered drafter).
+        tree: default candidate tree; ``None`` means the top-1 chain over all heads (over the draft model's depth;
+            no node without either).
         tokenizer: optional, used for stop tokens and by the CLI.
         engine: the decode engine's name (:func:`medusa.engines.make_engine`; ``engine_options`` go to it).
-        drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads on ``tree`` (with its
-            prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
+        drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads (or the draft model)
+            on ``tree`` (with its prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
+        draft_model: a separate draft model (:class:`medusa.drafters.draft_model.DraftModelHeads`) drafting the
+            tree's nodes instead of heads (:meth:`from_draft_model`).
+
+    Raises:
+        ValueError: both ``heads`` and ``draft_model`` given.
     """
 
-    def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None,
-                 engine: str | None = None, drafter=None, **engine_options):
+    def __init__(self, base, heads: MedusaHeads | HydraHeads | None, tree: Tree | None = None, tokenizer=None,
+                 engine: str | None = None, drafter=None, draft_model=None, **engine_options):
         super().__init__()
+        if heads is not None and draft_model is not None:
+            raise ValueError("a model drafts with heads or with a draft model, not both")
+        dtype = base.get_output_embeddings().weight.dtype
         self.base = base
-        self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
+        self.heads = heads.to(device=base.device, dtype=dtype) if heads is not None else None
+        self.draft_model = draft_model.to(device=base.device, dtype=dtype) if draft_model is not None else None
+        """The separate draft model the drafter drafts with (:mod:`medusa.drafters.draft_model`), or ``None``."""
         self.tokenizer = tokenizer
-        self.tree = tree or Tree.chain(heads.config.num_heads)  # also makes self.drafter: the heads on this tree
+        network = self.drafts_from
+        # Also makes self.drafter: the heads (or draft model) on this tree.
+        self.tree = tree or Tree.chain(network.config.num_heads if network is not None else 0)
         if drafter is not None:
             self.drafter = drafter
         self.dtype_reason: str | None = None
@@ -235,8 +249,8 @@ class MedusaModel(nn.Module):
             tree = tree.with_lookup(lookup, lookup_ngram)
         check_quantize(draft_quantize, torch.device(device), dtype)  # before the models load
         model, tokenizer = load_base(base, dtype, device)
-        heads = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine, quantize=draft_quantize)
-        return cls(model, heads, tree, tokenizer, engine, **engine_options)
+        drafting = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine, quantize=draft_quantize)
+        return cls(model, None, tree, tokenizer, engine, draft_model=drafting, **engine_options)
 
     @property
     def tree(self) -> Tree:
@@ -247,9 +261,16 @@ class MedusaModel(nn.Module):
 
     @tree.setter
     def tree(self, tree: Tree) -> None:
-        tree.check_fits(self.heads.config.num_heads, self.heads.head_vocab_size)
+        network = self.drafts_from
+        if network is not None:
+            tree.check_fits(network.config.num_heads, network.head_vocab_size)
         self._tree = tree
-        self.drafter = tree_drafter(self.heads, tree)
+        self.drafter = tree_drafter(network, tree)
+
+    @property
+    def drafts_from(self):
+        """What a tree's nodes are drafted with: the heads, the draft model (:attr:`draft_model`), or ``None``."""
+        return self.heads if self.heads is not None else self.draft_model
 
     @property
     def device(self) -> torch.device:
