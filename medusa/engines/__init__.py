@@ -14,6 +14,8 @@ from medusa.engines.base import (
     ENGINES,
     Engine,
     attention_kernels,
+    auto_candidates,
+    auto_choice,
     check_dtype,
     make_engine,
     register_engine,
@@ -25,5 +27,5 @@ from medusa.engines.compiled import CAPACITY_BUCKET, CompiledEngine, compile_una
 # isort: on
 
 __all__ = ["AUTO", "CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine",
-           "OneDNNEngine", "StaticEngine", "attention_kernels", "check_dtype", "compile_unavailable", "kv_cache",
-           "make_engine", "register_engine", "static_cache"]
+           "OneDNNEngine", "StaticEngine", "attention_kernels", "auto_candidates", "auto_choice", "check_dtype",
+           "compile_unavailable", "kv_cache", "make_engine", "register_engine", "static_cache"]
