@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
     group.add_argument("--prompts", help="several prompts: JSON lines with 'prompt' or 'messages' (as for bench), "
-                                         "decoded in batches (greedy only)")
+                                         "decoded in batches")
     p.add_argument("--batch-size", type=int, default=None,
                    help="with --prompts: prompts per batched forward (default: all of them)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
@@ -311,7 +311,7 @@ def cmd_generate(args) -> int:
 
 
 def _generate_batched(args) -> int:
-    """``medusa generate --prompts FILE``: batched greedy decoding, each answer under a ``--- prompt i ---`` line."""
+    """``medusa generate --prompts FILE``: batched decoding, each answer under a ``--- prompt i ---`` line."""
     import torch
 
     from medusa.tools.bench import encode_prompt, machine_load, read_prompts
@@ -329,7 +329,7 @@ def _generate_batched(args) -> int:
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
-    settings = {k: v for k, v in sampling_kwargs(args).items() if k != "acceptance" and v is not None}
+    settings = {k: v for k, v in sampling_kwargs(args).items() if v is not None}
     for first in range(0, len(ids), size):
         outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
         for i, tokens in enumerate(outputs, first):

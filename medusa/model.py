@@ -321,33 +321,30 @@ class MedusaModel(nn.Module):
         return [t for step in steps for t in step.tokens], stats
 
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int = 128, tree: Tree | None = None,
-                       stop_token_ids: set[int] | None = None, **settings) -> tuple[list[list[int]], BatchStats]:
-        """Batched greedy Medusa decoding of several prompts ``(T_b,)`` of any lengths (:mod:`medusa.decode.batch`);
-        returns ``(new_token_ids per prompt, stats)``. Each prompt gets exactly the tokens :meth:`generate` gives
-        it alone. ``tree=Tree.chain(0)`` is plain batched greedy decoding.
+                       stop_token_ids: set[int] | None = None, do_sample: bool | None = None,
+                       temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                       seed: int | None = None, acceptance: str = "rejection", typical_epsilon: float = 0.3,
+                       typical_delta: float = 0.09, **settings) -> tuple[list[list[int]], BatchStats]:
+        """Batched Medusa decoding of several prompts ``(T_b,)`` of any lengths, one verify forward per step for all
+        of them (:mod:`medusa.decode.batch`); returns ``(new_token_ids per prompt, stats)``.
+
+        Decoding settings as in :meth:`generate`, for every prompt; each prompt decodes as :meth:`generate` decodes
+        it alone: greedy, exactly the same tokens; sampling, its own random generator (seeded with ``seed``) and
+        acceptance rule. ``tree=Tree.chain(0)`` is plain batched decoding.
 
         Raises:
-            ValueError: an empty prompt (named), or a prompt that does not fit the context.
-            NotImplementedError: sampling, or a generation setting that needs a logits processor (repetition
-                penalty...), from the arguments or the base's ``generation_config``: batched decoding is greedy only.
+            ValueError: an empty prompt (named), a prompt that does not fit the context, or bad settings
+                (:func:`medusa.decode.logits_process.resolve_decoding`).
         """
-        decoding = resolve_decoding(self.base.generation_config, **settings)
+        decoding = resolve_decoding(self.base.generation_config, do_sample, temperature, top_k, top_p, seed,
+                                    acceptance, typical_epsilon, typical_delta, **settings)
         stop = self.stop_token_ids() if stop_token_ids is None else stop_token_ids
-        if decoding.do_sample:
-            raise NotImplementedError("batched decoding is greedy only: pass do_sample=False, or decode the prompts "
-                                      "one at a time with generate() to sample")
-        processors = decoding.processors(1, max_new_tokens, stop, self.device)
-        if processors:
-            names = ", ".join(type(p).__name__ for p in processors)
-            raise NotImplementedError(f"batched decoding applies no logits processor, and these settings need "
-                                      f"{names}: decode the prompts one at a time with generate()")
         ids = [_as_1d(p).to(self.device) for p in prompts]
-        # Through the engine's batch operations (the onednn engine's on its prepacked linear layers); batched logits
-        # come from the base's lm_head, so on a CPU rows along the paths (batch_decode_steps' default).
         drafter = self.drafter if tree is None else tree_drafter(self.heads, tree)
         stats = BatchStats()
         out: list[list[int]] = [[] for _ in ids]
-        for step in batch_decode_steps(self.base, drafter, ids, max_new_tokens, stop, stats, engine=self.engine):
+        for step in batch_decode_steps(self.base, drafter, ids, max_new_tokens, stop, stats, engine=self.engine,
+                                       decoding=decoding):
             for i, s in step:
                 out[i].extend(s.tokens)
         return out, stats

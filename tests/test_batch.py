@@ -1,4 +1,5 @@
-"""Batched greedy decoding gives each prompt exactly the tokens it gets when decoded alone."""
+"""Batched decoding gives each prompt exactly the tokens it gets when decoded alone (greedy, with logits
+processors, and seeded sampling)."""
 
 from __future__ import annotations
 
@@ -153,25 +154,44 @@ def test_vectorised_and_walked_greedy_acceptance_agree_with_the_trie_walk(tree):
             assert single.path_nodes.tolist() == path and int(single.next_token) == want
 
 
-def test_keep_row_paths_moves_only_the_kept_slots():
-    cache = kv_cache.new_cache()
+@pytest.mark.parametrize("cache_kind", ["dynamic", "slots"])
+def test_keep_row_paths_moves_only_the_kept_slots(cache_kind):
+    """The batched operations of each cache class (a DynamicCache, the static engines' SlotCache) do the same."""
+    batched_ops_on(cache_kind)
+
+
+def test_both_caches_give_the_same_batched_forward():
+    assert torch.allclose(batched_ops_on("dynamic"), batched_ops_on("slots"), atol=1e-5)
+
+
+def batched_ops_on(cache_kind: str) -> torch.Tensor:
+    """Two rows with holes through forward_rows, keep_row_paths and select_rows on one cache class, checked; returns
+    the tree forward's hidden states ``(2, 4, H)``."""
+    from medusa.engines import static_cache
+
     model = tiny_model("llama")
+    ops = kv_cache if cache_kind == "dynamic" else static_cache
+    cache = kv_cache.new_cache() if cache_kind == "dynamic" else static_cache.new_cache(model, 16)
     valid = torch.tensor([3, 5])
     ids = torch.randint(3, 300, (2, 5), generator=torch.Generator().manual_seed(0))
     positions = torch.minimum(torch.arange(5)[None], valid[:, None] - 1)
     visible = kv_cache.causal_mask(5, "cpu")[None] & (torch.arange(5)[None, None] < valid[:, None, None])
     with torch.no_grad():
-        kv_cache.forward_rows(model, ids, positions, torch.zeros(2, dtype=torch.long), visible, cache)
+        ops.forward_rows(model, ids, positions, torch.zeros(2, dtype=torch.long), visible, cache)
         tree = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(1))
-        kv_cache.forward_rows(model, tree, valid[:, None] + torch.arange(4)[None], valid,
-                              kv_cache.causal_mask(4, "cpu"), cache)
-    before = cache.layers[0].keys.clone()  # (2, Hkv, 9, D)
-    new_len = kv_cache.keep_row_paths(cache, 5, valid, [torch.tensor([0, 2, 3]), torch.tensor([1])])
+        hidden = ops.forward_rows(model, tree, valid[:, None] + torch.arange(4)[None], valid,
+                                  kv_cache.causal_mask(4, "cpu"), cache)  # (2, 4, H)
+    before = cache.layers[0].keys.clone()  # (2, Hkv, 9 or 16, D)
+    new_len = ops.keep_row_paths(cache, 5, valid, [torch.tensor([0, 2, 3]), torch.tensor([1])])
     after = cache.layers[0].keys
-    assert new_len.tolist() == [6, 6] and after.shape[2] == 6
+    assert new_len.tolist() == [6, 6] and kv_cache.cache_length(cache) == 6
+    assert after.shape[2] == (6 if cache_kind == "dynamic" else 16)
     assert torch.equal(after[0, :, :3], before[0, :, :3]) and torch.equal(after[1, :, :5], before[1, :, :5])
     assert torch.equal(after[0, :, 3:6], before[0, :, [5, 7, 8]])
     assert torch.equal(after[1, :, 5], before[1, :, 6])
+    ops.select_rows(cache, torch.tensor([1]), 6)
+    assert torch.equal(cache.layers[0].keys[0, :, :6], after[1, :, :6]) and kv_cache.cache_length(cache) == 6
+    return hidden
 
 
 def test_empty_prompt_in_a_batch_is_named():
@@ -224,24 +244,28 @@ def test_cli_batched_bad_inputs(cli_setup, tmp_path, capsys):
     common = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--max-new-tokens", "4"]
     assert main(common + ["--prompts", str(with_empty), "--no-chat-template"]) == 2
     assert "prompt 1 of the batch is empty" in capsys.readouterr().err
-    assert main(common + ["--prompts", str(prompts), "--do-sample"]) == 2
-    assert "batched decoding is greedy only" in capsys.readouterr().err
+    assert main(common + ["--prompts", str(prompts), "--do-sample", "--seed", "1"]) == 0  # batched sampling runs
+    assert capsys.readouterr().out.count("--- prompt") == 3
     assert main(common + ["--prompt", "hello", "--batch-size", "2"]) == 2
     assert "--batch-size needs --prompts" in capsys.readouterr().err
     assert main(common + ["--prompts", str(prompts), "--stream"]) == 2
     assert "not with --prompts" in capsys.readouterr().err
 
 
-def test_settings_batched_decoding_cannot_honour_are_refused():
+def test_batched_rows_with_logits_processors_or_sampling_decode_as_alone():
+    """Each row has its own rule, logits processors and seeded generator: greedy with a repetition penalty gives
+    each prompt generate()'s tokens; seeded rejection sampling and typical acceptance on a fixed tree draw in the
+    same order as alone, so the same tokens."""
     from medusa.model import MedusaModel
 
     model = tiny_model("llama")
-    medusa = MedusaModel(model, random_heads(model), WIDE_TREE)
-    prompts = prompts_of([3, 5])
-    with pytest.raises(NotImplementedError, match="greedy only"):
-        medusa.generate_batch(prompts, 4, do_sample=True)
-    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
-        medusa.generate_batch(prompts, 4, repetition_penalty=1.3)
+    medusa = MedusaModel(model, random_heads(model), WIDE_TREE, engine="eager")
+    prompts = prompts_of([7, 12, 5])
+    for settings in ({"repetition_penalty": 1.3}, {"do_sample": True, "temperature": 0.9, "seed": 3},
+                     {"do_sample": True, "temperature": 0.9, "seed": 3, "acceptance": "typical"}):
+        batched, _ = medusa.generate_batch(prompts, 16, stop_token_ids=set(), **settings)
+        alone = [medusa.generate(p, 16, stop_token_ids=set(), **settings)[0] for p in prompts]
+        assert batched == alone, settings
 
 
 def test_cli_batched_bench(cli_setup, tmp_path, capsys):

@@ -277,6 +277,7 @@ class ToyEngine(engines.Engine):
     keys and values at every forward."""
 
     summary = "recomputes the whole sequence every forward (a test)"
+    supports_batch = False  # its cache is its own (no batched operations on it): one row at a time
 
     def new_cache(self, capacity):
         return {"ids": []}
@@ -313,8 +314,10 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
         assert out == reference
     from medusa.decode.batch import batch_generate
 
-    outs, _ = batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
-    assert outs == [reference, hf_greedy(model, ids_of(7, seed=3), 16)]
+    outs, _ = batch_generate(model, random_heads(model), [ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
+    assert outs == [hf_greedy(model, ids_of(7, seed=3), 16)]  # one row: the engine's one-sequence forward
+    with pytest.raises(ValueError, match="engine 'toy' does not run batched decoding"):
+        batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
     with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, toy"):
         engines.make_engine("turbo", model)
 

@@ -184,6 +184,30 @@ def test_batched_per_step_trees_equal_one_prompt_at_a_time():
     assert taus[3] > taus[1] and taus[0] > taus[1]  # each row kept its own acceptance
 
 
+def test_a_sampling_row_shares_the_per_step_tree_with_greedy_rows():
+    """Each row's candidates are drawn with its own rule's sampler (the sampling row's without replacement, from its
+    own generator) on one tree shape; the greedy rows keep the base's greedy tokens."""
+    from medusa.decode.logits_process import resolve_decoding
+    from medusa.decode.loop import RunningBatch
+
+    model = tiny_model("llama")
+    prompts = prompts_of([12, 4, 20], seed=2)
+    references = [hf_greedy(model, p, 24) for p in prompts]
+    oracles = [OracleHeads(model, p.tolist() + r, [0, 1, None], model.config.vocab_size)
+               for p, r in zip(prompts, references, strict=True)]
+    heads = BatchOracle(oracles)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3))
+    batch = RunningBatch(model, drafter, make_engine("eager", model))
+    sampling = resolve_decoding(do_sample=True, temperature=0.8, seed=1)
+    out = [batch.join(i, p, 24, set(), None, sampling if i == 1 else None).tokens for i, p in enumerate(prompts)]
+    shapes = []
+    while batch.rows:
+        shapes.append(len(batch.rows))
+        for i, s in batch.step():
+            out[i] += s.tokens
+    assert shapes[0] == 3 and out[0] == references[0] and out[2] == references[2] and len(out[1]) == 24
+
+
 class CalibratedTableHeads(TableHeads):
     """The sampling tests' table heads, with the config a calibration identifies heads by."""
 

@@ -14,6 +14,7 @@ from test_decoding import WIDE_TREE, random_heads
 from tiny import tiny_model, tiny_tokenizer
 
 from medusa.decode.batch import RunningBatch
+from medusa.decode.loop import decode_steps
 from medusa.drafters.composite import tree_drafter
 from medusa.model import MedusaModel
 from medusa.serve.app import ServeConfig, Server
@@ -309,32 +310,46 @@ def test_a_row_that_leaves_does_not_disturb_the_others():
     assert tokens[1] == alone(model, heads, prompts[1], 20)
 
 
-def test_sampling_and_greedy_requests_all_advance_every_round():
+def test_sampling_and_greedy_requests_share_every_verify_forward_and_all_advance_every_round():
     from medusa.decode.logits_process import resolve_decoding
 
     model = tiny_medusa()
-    scheduler = Scheduler(model, max_running=8, max_waiting=8)
+    scheduler = Scheduler(model, max_running=8, max_waiting=8, speculation="on")
+    calls = []
+    forward_rows = model.engine.forward_rows
+    model.engine.forward_rows = lambda *a, **k: calls.append(a[0].shape[0]) or forward_rows(*a, **k)
     rounds, jobs, events = [], [], {}
     g = torch.Generator().manual_seed(2)
-    for i, sample in enumerate([False, True, False, True, False]):
-        decoding = resolve_decoding(None, do_sample=sample, temperature=0.8 if sample else None, seed=i)
+    for i, (sample, acceptance) in enumerate([(False, None), (True, "rejection"), (False, None),
+                                              (True, "typical"), (False, None)]):
+        decoding = resolve_decoding(None, do_sample=sample, temperature=0.8 if sample else None, seed=i,
+                                    **({"acceptance": acceptance} if acceptance else {}))
         events[i] = []
         job = Job(torch.randint(3, 300, (8 + i,), generator=g), 20, decoding, events[i].append)
         jobs.append(job)
         scheduler.submit(job)
     scheduler._admit()
-    while scheduler.jobs or scheduler.solo:
-        before = [len(events[i]) for i in range(len(jobs))]
-        running = [i for i, j in enumerate(jobs) if not j.stats.stopped_by]
-        scheduler._drop_cancelled()
-        if scheduler.jobs:
+    sizes, sampling = [], []
+    try:
+        while scheduler.jobs:
+            before = [len(events[i]) for i in range(len(jobs))]
+            running = [i for i, j in enumerate(jobs) if not j.stats.stopped_by]
+            scheduler._drop_cancelled()
+            sizes.append(len(scheduler.jobs))
+            sampling.append(sum(j.decoding.do_sample for j in scheduler.jobs.values()))
             scheduler._batched_step()
-        for key in list(scheduler.solo):
-            scheduler._solo_step(key)
-        rounds.append(all(len(events[i]) > before[i] for i in running))
-    assert all(rounds) and len(scheduler.solo) == 0
-    assert scheduler.solo_steps > 0 and scheduler.batch.max_rows == 3
+            rounds.append(all(len(events[i]) > before[i] for i in running))
+    finally:
+        del model.engine.forward_rows
+    assert all(rounds) and sizes[0] == 5
+    # one verify forward per round holds every row, sampling rows included (one row alone: the one-row forward)
+    assert scheduler.batch.forwards == len(sizes) and calls == [n for n in sizes if n > 1]
+    assert scheduler.sampling_row_steps == sum(sampling) and sampling[0] == 2
     assert all(e[-1] == ("done", "length") for e in events.values())
+    for i, job in enumerate(jobs):  # each row decodes as its request alone would
+        alone = [t for s in decode_steps(model.base, model.drafter, job.ids, 20, scheduler.stop_ids, None,
+                                         job.decoding, model.engine) for t in s.tokens]
+        assert [t for e in events[i] if e[0] == "tokens" for t in e[1]] == alone, i
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_scheduler_goes_on():
@@ -417,14 +432,14 @@ def test_streamed_text_never_splits_a_character_and_holds_back_a_partial_stop():
 
 def test_the_base_generation_config_is_honoured_as_generate_honours_it():
     model = tiny_medusa(seed=3)
-    model.base.generation_config.repetition_penalty = 1.5  # a logits processor: the request runs its own steps
+    model.base.generation_config.repetition_penalty = 1.5  # a logits processor, applied to the request's own row
     running = Running(model)
     try:
         ids = torch.tensor(model.tokenizer("hello world")["input_ids"])
         r = running.client.completions.create(model=NAME, prompt="hello world", max_tokens=30, temperature=0)
         assert r.choices[0].text == generated_text(model, ids, 30, do_sample=False)
         assert r.choices[0].text != decode(model.tokenizer, alone(model.base, model.heads, ids, 30))
-        assert running.health()["solo_steps"] > 0
+        assert running.health()["batched_forwards"] > 0
     finally:
         running.close()
     model.base.generation_config.num_beams = 2

@@ -6,6 +6,9 @@ Pure tensor code. An acceptance rule is picked once per decode call (:func:`acce
 - ``sampler``: how the drafter must draw candidates for this rule (:mod:`medusa.drafters.base`: the top-k, or a
   sample without replacement from q); the rule never draws drafts itself;
 - ``next_token(logits (V,)) -> ()``: the base's own token from processed logits (the prefill token);
+- ``rows_at_once``: whether ``accept_rows(tokens (R, N), layout, predicted, next_tokens_at)`` accepts several rows
+  of a batched step together from the base's greedy tokens (greedy acceptance without logits processors: one set
+  of tensor operations for all of them); the other rules accept row by row;
 - ``accept(draft, logits_at, predicted=None) -> Acceptance``: walk the tree from the root. ``logits_at(node)``
   returns the base's processed logits ``(V,)`` after that node (every generation setting already applied for the
   node's own prefix); only the nodes on the walk are asked for. ``predicted`` ``(N,)``, when the base's greedy token
@@ -23,7 +26,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from medusa.decode.greedy import Acceptance, greedy_accept, greedy_accept_along_path
+from medusa.decode.greedy import (
+    Acceptance,
+    NextTokens,
+    greedy_accept,
+    greedy_accept_along_path,
+    greedy_paths,
+    greedy_walk,
+)
+from medusa.decode.tree import TreeBuffers
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
 from medusa.registry import claim
 
@@ -42,11 +53,13 @@ class AcceptanceRule(Protocol):
     Attributes:
         lossless: the output is distributed exactly as the base's (greedy: the base's greedy tokens).
         sampler: how the drafter draws candidates for this rule.
+        rows_at_once: rows without logits processors may be accepted together (``accept_rows``).
     """
 
     name: str
     lossless: bool
     sampler: DraftSampler
+    rows_at_once: bool
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor: ...
 
@@ -144,6 +157,7 @@ class GreedyAcceptance:
     name = "greedy"
     lossless = True
     sampler = TopK()
+    rows_at_once = True
 
     @staticmethod
     def next_token(logits: torch.Tensor) -> torch.Tensor:
@@ -153,6 +167,23 @@ class GreedyAcceptance:
         if predicted is not None:
             return greedy_accept(draft.tokens, predicted, draft.layout)
         return greedy_accept_along_path(draft.tokens, lambda node: logits_at(node).argmax(), draft.layout)
+
+    @staticmethod
+    def accept_rows(tokens: torch.Tensor, layout: TreeBuffers, predicted: torch.Tensor | None,
+                    next_tokens_at: NextTokens | None = None) -> list[Acceptance]:
+        """Greedy acceptance of ``R`` rows' trees of one layout at once (no logits processor): from the base's
+        greedy token at every node ``predicted`` ``(R, N)`` (:func:`medusa.decode.greedy.greedy_paths`), or, when
+        ``None``, asking ``next_tokens_at`` along the rows' paths (:func:`medusa.decode.greedy.greedy_walk`).
+
+        Args:
+            tokens: ``(R, N)`` long node tokens per row.
+        """
+        if predicted is not None:
+            paths, accepted = greedy_paths(tokens, predicted, layout)  # (R, D+1), (R,)
+            bonus = predicted.gather(1, paths.gather(1, accepted[:, None]))[:, 0]  # (R,)
+        else:
+            paths, accepted, bonus = greedy_walk(tokens, next_tokens_at, layout)
+        return [Acceptance(a, paths[r, : a + 1], bonus[r]) for r, a in enumerate(accepted.tolist())]
 
 
 class _SampledToken:
@@ -208,6 +239,7 @@ class RejectionSampling(_SampledToken):
 
     name = "rejection"
     lossless = True
+    rows_at_once = False
 
     def __init__(self, vocab_size: int, draft_warp: Callable[[torch.Tensor], torch.Tensor],
                  generator: torch.Generator | None):
@@ -285,6 +317,7 @@ class TypicalAcceptance(_SampledToken):
     name = "typical"
     lossless = False
     sampler = TopK()
+    rows_at_once = False
 
     def __init__(self, epsilon: float, delta: float, generator: torch.Generator | None):
         self.epsilon, self.delta, self.generator = epsilon, delta, generator

@@ -1,9 +1,13 @@
-"""The generation loop: prefill, then draft -> verify -> accept steps, yielding tokens as they are accepted.
+"""The decode step and the loops around it: prefill, then draft -> verify -> accept steps, yielding tokens.
 
-One generator (:func:`decode_steps`) is the core, over any drafter (:mod:`medusa.drafters`), engine
-(:mod:`medusa.engines`) and acceptance rule (:mod:`medusa.decode.acceptance`); :func:`medusa_steps` is the same for
-heads and a tree file, :func:`medusa_generate` collects it and streaming callers iterate it directly. Batch size 1 (as
-in the Medusa and EAGLE reference implementations); several prompts: :mod:`medusa.decode.batch`.
+One step (:meth:`RunningBatch.step`) verifies the trees of ``B`` rows in one engine forward and applies each row's
+acceptance rule (:mod:`medusa.decode.acceptance`: greedy, rejection sampling, typical, each row with its own
+settings and random generator), over any drafter (:mod:`medusa.drafters`) and engine (:mod:`medusa.engines`). One
+sequence is a batch of one row: :func:`decode_steps` (what ``generate`` and ``stream`` run) joins its prompt to a
+:class:`RunningBatch` and steps it; several prompts (:mod:`medusa.decode.batch`) and the server's rows
+(:mod:`medusa.serve.scheduler`) share the same step. With one row the forward is the engine's one-sequence forward (no
+padding, no batched mask); with more, its batched forward over a cache with per-row holes
+(:mod:`medusa.engines.kv_cache`, "batched decoding"), on the engine's own cache.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa.decode.acceptance import acceptance_rule
+from medusa.decode.acceptance import AcceptanceRule, acceptance_rule
 from medusa.decode.greedy import Acceptance
 from medusa.decode.logits_process import Decoding, resolve_decoding
-from medusa.decode.tree import Tree
+from medusa.decode.tree import Tree, TreeBuffers, tree_buffers
 from medusa.drafters import DraftTree
-from medusa.drafters.composite import tree_drafter
-from medusa.engines import kv_cache, make_engine
+from medusa.drafters.base import RowsDrafter
+from medusa.drafters.composite import CompositeDrafter, tree_drafter
+from medusa.engines import EagerEngine, kv_cache, make_engine
 
 STEP_PARTS = ("draft", "choose", "verify_forward", "accept", "cache")
 """A decode step's parts: the heads' draft, choosing the tree's shape (a per-step tree's overhead,
@@ -104,11 +109,11 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
                  ) -> Iterator[Step]:
     """Speculative decoding, one :class:`Step` per base forward: draft -> verify -> accept -> compact -> update.
 
-    Each step the drafter proposes a tree below the base's latest token (:mod:`medusa.drafters.base`), the engine
-    runs the base once over every node with tree attention, the acceptance rule keeps the longest path the base
-    agrees with (:mod:`medusa.decode.greedy`, :mod:`medusa.decode.acceptance`), the cache keeps only that path, and
-    the drafter is told what was accepted. Greedy: exactly the base's greedy tokens; rejection sampling: exactly the
-    base's distribution.
+    A :class:`RunningBatch` of this one row, stepped until it stops: each step the drafter proposes a tree below the
+    base's latest token (:mod:`medusa.drafters.base`), the engine runs the base once over every node with tree
+    attention, the acceptance rule keeps the longest path the base agrees with (:mod:`medusa.decode.greedy`,
+    :mod:`medusa.decode.acceptance`), the cache keeps only that path, and the drafter is told what was accepted.
+    Greedy: exactly the base's greedy tokens; rejection sampling: exactly the base's distribution.
 
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
@@ -128,45 +133,13 @@ def decode_steps(model, drafter, input_ids: torch.Tensor, max_new_tokens: int,
     Raises:
         ValueError: the prompt and budget do not fit the context.
     """
-    stats = stats if stats is not None else GenerationStats()
-    stop = stop_token_ids or set()
-    check_context(model, len(input_ids), max_new_tokens, drafter.max_depth)
-    device = input_ids.device
-    decoding = decoding if decoding is not None else resolve_decoding()
-    processors = decoding.processors(len(input_ids), max_new_tokens, stop, device)
-    rule = acceptance_rule(decoding, model.config.get_text_config(decoder=True).vocab_size, device)
+    check_context(model, len(input_ids), max_new_tokens, drafter.max_depth)  # before an engine is made
     engine = engine if engine is not None else make_engine(None, model, step_size=drafter.max_nodes)
-    all_nodes = engine.scores_all_nodes if scores_all_nodes is None else scores_all_nodes
-    cache = engine.new_cache(len(input_ids) + max_new_tokens + drafter.max_nodes)
-    start = time.perf_counter()
-    positions = torch.arange(len(input_ids), device=device)
-    logits, _, states = base_forward(engine, drafter.base_layers, input_ids, positions,
-                                     kv_cache.causal_mask(len(input_ids), device), cache, logits_for=slice(-1, None))
-    root = rule.next_token(_processed(processors, input_ids, logits[-1]))
-    sequence = torch.cat([input_ids, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
-    state = drafter.new_state()
-    drafter.start(state, states, sequence[1:])
-    stats.prefill_s = time.perf_counter() - start
-    yield _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
-    while not stats.stopped_by:
-        start = time.perf_counter()
-        prefix_len = engine.cache_length(cache)
-        draft = drafter.propose(state, root, sequence, rule.sampler)
-        check_draft(drafter, draft)
-        drafted = time.perf_counter()
-        result, states = verify(engine, draft, prefix_len, cache, rule, processors, sequence, all_nodes,
-                                drafter.base_layers)
-        verified = time.perf_counter()
-        engine.keep_positions(cache, prefix_len, result.path_nodes)
-        root = result.next_token
-        emitted = torch.cat([draft.tokens[result.path_nodes[1:]], root[None]])  # (accepted + 1,)
-        drafter.update(state, draft, result.path_nodes, states[result.path_nodes], emitted)
-        _add_step_times(stats, (start, drafted, verified, time.perf_counter()), engine.last_forward_s, draft.choose_s)
-        stats.tree_nodes.append(len(draft.tokens))
-        sequence = torch.cat([sequence, emitted])
-        stats.decode_s += time.perf_counter() - start
-        yield _emit(emitted.tolist(), result.accepted, stats, max_new_tokens, stop,
-                    copied=copied_on_path(draft, result.path_nodes))
+    batch = RunningBatch(model, drafter, engine, scores_all_nodes)
+    yield batch.join(0, input_ids, max_new_tokens, stop_token_ids, stats, decoding)
+    while batch.rows:
+        ((_, step),) = batch._step()  # decode_steps runs in inference mode already
+        yield step
 
 
 def copied_on_path(draft: DraftTree, path_nodes: torch.Tensor) -> int:
@@ -240,27 +213,37 @@ def base_forward(engine, layers: tuple[int, ...], input_ids: torch.Tensor, posit
 
 def verify(engine, draft: DraftTree, prefix_len: int, cache, rule, processors, sequence: torch.Tensor,
            all_nodes: bool, layers: tuple[int, ...] = ()) -> tuple[Acceptance, torch.Tensor]:
-    """One forward of the base over the drafted tree, then ``rule`` accepts a path; returns ``(Acceptance, states
-    (N, ...))``: the hidden states ``(N, H)``, or with ``layers`` the base states :func:`base_forward` returns.
+    """One row's verification: one forward of the base over the drafted tree (the engine's one-sequence forward),
+    then ``rule`` accepts a path; returns ``(Acceptance, states (N, ...))``: the hidden states ``(N, H)``, or with
+    ``layers`` the base states :func:`base_forward` returns.
 
     With ``all_nodes`` every node's logits come from one lm_head product, else one row at a time as the rule walks.
     At node n the processors see ``sequence`` (prompt and emitted tokens, the root last) followed by the path below
     the root down to n: the input ids ``generate`` would have at that point.
     """
-    tokens, layout = draft.tokens, draft.layout
+    layout = draft.layout
     rows = None if all_nodes else slice(0, 0)
-    logits, hidden, states = base_forward(engine, layers, tokens, prefix_len + layout.depth, layout.ancestor_mask,
-                                          cache, logits_for=rows)  # (N or 0, V), (N, H), (N, ...)
+    logits, hidden, states = base_forward(engine, layers, draft.tokens, prefix_len + layout.depth,
+                                          layout.ancestor_mask, cache, logits_for=rows)  # (N or 0, V), (N, H), (N, ..)
+    return _accept(engine, draft, logits if all_nodes else None, hidden, rule, processors, sequence), states
+
+
+def _accept(engine, draft: DraftTree, logits: torch.Tensor | None, hidden: torch.Tensor, rule, processors,
+            sequence: torch.Tensor) -> Acceptance:
+    """``rule`` accepts a path of one row's tree from its forward's ``logits`` ``(N, V)`` (every node scored), or
+    ``None`` and the hidden states ``hidden`` ``(N, H)``: the lm_head then scores the nodes the rule asks for, one
+    at a time (:meth:`medusa.engines.Engine.lm_logits_rows`)."""
+    tokens, layout = draft.tokens, draft.layout
 
     def logits_at(node: int) -> torch.Tensor:
-        raw = logits[node] if rows is None else engine.lm_logits_rows(hidden[node : node + 1])[0]  # (V,)
+        raw = logits[node] if logits is not None else engine.lm_logits_rows(hidden[node : node + 1])[0]  # (V,)
         if not processors:
             return raw
         path = tokens[layout.node_paths[node, 1 : int(layout.depth[node]) + 1]]  # below the root, down to node
         return _processed(processors, torch.cat([sequence, path]), raw)
 
-    predicted = logits.argmax(dim=-1) if rows is None and not processors else None  # (N,)
-    return rule.accept(draft, logits_at, predicted), states
+    predicted = logits.argmax(dim=-1) if logits is not None and not processors else None  # (N,)
+    return rule.accept(draft, logits_at, predicted)
 
 
 def _add_step_times(stats: GenerationStats, marks: tuple[float, ...], forward_s: float, choose_s: float = 0.0) -> None:
@@ -304,3 +287,251 @@ def medusa_generate(model, heads, input_ids: torch.Tensor, tree: Tree, max_new_t
                              decoding, engine):
         out.extend(step.tokens)
     return out, stats
+
+
+@dataclass
+class _Row:
+    """One sequence of a :class:`RunningBatch`."""
+
+    key: object
+    state: object
+    """The drafter's per-sequence state."""
+    sequence: torch.Tensor
+    """``(S,)`` the prompt and the emitted tokens, the root last (what the processors and prompt lookup read)."""
+    root: torch.Tensor
+    """``()`` long: the row's latest token, the root of its next tree."""
+    length: int
+    """Cached positions of this row (slot == position, see :mod:`medusa.engines.kv_cache`)."""
+    budget: int
+    stop: set[int]
+    stats: GenerationStats
+    rule: AcceptanceRule
+    """The row's acceptance rule, with its own random generator when it samples."""
+    processors: object
+    """The row's logits processors (a ``LogitsProcessorList``, empty for none)."""
+
+
+class RunningBatch:
+    """The decode step over ``B`` rows, and continuous batching: rows join and leave between steps.
+
+    :meth:`join` prefills one prompt on its own (the engine's one-sequence forward into a fresh cache of the engine:
+    no padding computed) and, when rows are running, appends its cache as one more row of the batched cache
+    (:meth:`medusa.engines.Engine.stack_rows`: no other row's prefix moves); :meth:`step` verifies every row's tree
+    in one forward and applies each row's own acceptance rule; a row leaves when it stops (stop token, budget) or is
+    asked to (:meth:`leave`), so it costs nothing afterwards. Each row decodes as its prompt decoded alone would,
+    whenever it joined and whoever shares its steps: greedy rows get exactly the base's greedy tokens, sampling rows
+    are distributed exactly as the base's samples (rejection sampling) and, with a fixed tree, consume their random
+    draws in the same order as alone.
+
+    Args:
+        model: the base ``*ForCausalLM`` (eval mode).
+        drafter: proposes each row's tree (:class:`medusa.drafters.base.Drafter`); one state per row. All rows of a
+            step must get trees of one layout (one forward holds them all): a fixed tree, or a drafter that proposes
+            for all rows at once (:class:`medusa.drafters.base.RowsDrafter`).
+        engine: where the cache lives and how a forward runs (:class:`medusa.engines.Engine`); ``None``: the eager
+            engine. Several rows need its ``supports_batch``.
+        scores_all_nodes: score every node with the lm_head in one product (``True``) or only the nodes along each
+            row's path (``False``); both accept the same tokens. ``None``: what the engine declares cheaper
+            (:attr:`medusa.engines.Engine.scores_all_nodes`).
+    """
+
+    def __init__(self, model, drafter, engine=None, scores_all_nodes: bool | None = None):
+        engine = engine if engine is not None else EagerEngine(model)
+        self.model, self.drafter, self.engine = model, drafter, engine
+        self.all_nodes = engine.scores_all_nodes if scores_all_nodes is None else scores_all_nodes
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.rows: list[_Row] = []
+        self.cache = None
+        self._greedy: Decoding | None = None
+        self.forwards = 0
+        """Verify forwards run."""
+        self.row_forwards = 0
+        """Rows summed over those forwards."""
+        self.max_rows = 0
+        """The most rows one forward held."""
+
+    @property
+    def keys(self) -> list:
+        """The keys of the rows running, in cache order."""
+        return [r.key for r in self.rows]
+
+    @torch.inference_mode()
+    def join(self, key, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int] | None = None,
+             stats: GenerationStats | None = None, decoding: Decoding | None = None) -> Step:
+        """Prefill ``prompt`` ``(T,)`` as a new row ``key`` decoded with ``decoding`` (``None``: plain greedy, no
+        logits processor) and return its first token's :class:`Step`; a row that stops on it (a stop token, a
+        budget of 1) does not join.
+
+        Raises:
+            ValueError: the prompt is empty or does not fit the context, an unknown acceptance rule, or a second
+                row on an engine without batched decoding.
+        """
+        check_context(self.model, len(prompt), max_new_tokens, self.drafter.max_depth)
+        if self.rows and not self.engine.supports_batch:
+            raise ValueError(f"engine {self.engine.name!r} does not run batched decoding")
+        stats = stats if stats is not None else GenerationStats()
+        stop = stop_token_ids or set()
+        device = prompt.device
+        if decoding is None:  # resolved once per batch: resolving reads a whole generation config
+            self._greedy = decoding = self._greedy or resolve_decoding()
+        processors = decoding.processors(len(prompt), max_new_tokens, stop, device)
+        rule = acceptance_rule(decoding, self.vocab_size, device)
+        cache = self.engine.new_cache(len(prompt) + max_new_tokens + self.drafter.max_nodes)
+        start = time.perf_counter()
+        positions = torch.arange(len(prompt), device=device)
+        logits, _, states = base_forward(self.engine, self.drafter.base_layers, prompt, positions,
+                                         kv_cache.causal_mask(len(prompt), device), cache, logits_for=slice(-1, None))
+        root = rule.next_token(_processed(processors, prompt, logits[-1]))
+        sequence = torch.cat([prompt, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
+        state = self.drafter.new_state()
+        self.drafter.start(state, states, sequence[1:])
+        stats.prefill_s = time.perf_counter() - start
+        step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
+        if stats.stopped_by:
+            return step
+        self.cache = cache if self.cache is None else self.engine.stack_rows([self.cache, cache])
+        self.rows.append(_Row(key, state, sequence, root, len(prompt), max_new_tokens, stop, stats, rule,
+                              processors))
+        return step
+
+    @torch.inference_mode()
+    def leave(self, keys) -> None:
+        """Drop the rows ``keys`` (unknown keys are ignored): one copy of the rows that stay."""
+        gone = set(keys)
+        stay = [j for j, r in enumerate(self.rows) if r.key not in gone]
+        if len(stay) == len(self.rows):
+            return
+        self.rows = [self.rows[j] for j in stay]
+        if not stay:
+            self.cache = None
+            return
+        keep = torch.tensor(stay, dtype=torch.long, device=self.model.device)
+        self.engine.select_rows(self.cache, keep, max(r.length for r in self.rows))
+
+    @torch.inference_mode()
+    def step(self, plain: bool = False) -> list[tuple[object, Step]]:
+        """One verify forward for every row: draft, verify, accept, compact, update. Returns ``(key, Step)`` per
+        row, in cache order; rows that stop leave the batch. ``plain``: each tree is the root alone (a plain
+        decoding step; the drafter's state still sees the accepted token), whatever the drafter would propose.
+
+        Raises:
+            ValueError: no row is running, a tree larger than the drafter declared, or rows drafted with different
+                tree layouts.
+        """
+        return self._step(plain)
+
+    def _step(self, plain: bool = False) -> list[tuple[object, Step]]:
+        """:meth:`step`, for a caller already in inference mode (no context switch per step)."""
+        rows = self.rows
+        if not rows:
+            raise ValueError("the batch holds no running row")
+        start = time.perf_counter()
+        drafts = self._propose(plain)
+        drafted = time.perf_counter()
+        accepted, states = self._verify(drafts)
+        verified = time.perf_counter()
+        if len(rows) == 1:
+            self.engine.keep_positions(self.cache, rows[0].length, accepted[0].path_nodes)
+        else:
+            # The cache held the longest row before the forward (stack_rows, keep_row_paths, select_rows keep so).
+            valid_len = torch.tensor([r.length for r in rows], dtype=torch.long, device=self.model.device)
+            self.engine.keep_row_paths(self.cache, max(r.length for r in rows), valid_len,
+                                       [a.path_nodes for a in accepted])
+        emitted = []
+        for row, draft, result, st in zip(rows, drafts, accepted, states, strict=True):
+            row.length += len(result.path_nodes)
+            row.root = result.next_token
+            tokens = torch.cat([draft.tokens[result.path_nodes[1:]], row.root[None]])  # (accepted + 1,)
+            self.drafter.update(row.state, draft, result.path_nodes, st[result.path_nodes], tokens)
+            emitted.append(tokens)
+        marks = (start, drafted, verified, time.perf_counter())
+        out = []
+        for row, draft, result, tokens in zip(rows, drafts, accepted, emitted, strict=True):
+            _add_step_times(row.stats, marks, self.engine.last_forward_s, draft.choose_s)
+            row.stats.tree_nodes.append(len(draft.tokens))
+            row.sequence = torch.cat([row.sequence, tokens])
+            row.stats.decode_s += time.perf_counter() - start
+            out.append((row.key, _emit(tokens.tolist(), result.accepted, row.stats, row.budget, row.stop,
+                                       copied=copied_on_path(draft, result.path_nodes))))
+        self.forwards += 1
+        self.row_forwards += len(rows)
+        self.max_rows = max(self.max_rows, len(rows))
+        if any(r.stats.stopped_by for r in rows):
+            self.leave([r.key for r in rows if r.stats.stopped_by])
+        return out
+
+    def _propose(self, plain: bool) -> list[DraftTree]:
+        """Each row's tree: the root alone (``plain``), the drafter's for one row, or for all rows at once (a
+        :class:`medusa.drafters.base.RowsDrafter`: one shape for all), else row by row; each drawn with its row's
+        rule's sampler."""
+        rows, drafter = self.rows, self.drafter
+        if plain:
+            drafts = _root_drafts(drafter, [r.root for r in rows])
+        elif len(rows) == 1:
+            row = rows[0]
+            drafts = [drafter.propose(row.state, row.root, row.sequence, row.rule.sampler)]
+        elif isinstance(drafter, RowsDrafter):
+            samplers = [r.rule.sampler for r in rows]
+            sampler = samplers[0] if all(s is samplers[0] for s in samplers) else samplers
+            drafts = drafter.propose_rows([r.state for r in rows], torch.stack([r.root for r in rows]),
+                                          [r.sequence for r in rows], sampler)
+        else:
+            drafts = [drafter.propose(r.state, r.root, r.sequence, r.rule.sampler) for r in rows]
+        layout = drafts[0].layout
+        for b, draft in enumerate(drafts):
+            check_draft(drafter, draft)
+            if draft.layout is not layout and not same_shape(draft.layout, layout):
+                raise ValueError(f"batched decoding verifies all rows' trees in one forward, so they need one shape "
+                                 f"per step: row {b}'s tree differs from row 0's (parents "
+                                 f"{draft.layout.parents.tolist()} vs {layout.parents.tolist()})")
+        return drafts
+
+    def _verify(self, drafts: list[DraftTree]) -> tuple[list[Acceptance], list[torch.Tensor]]:
+        """One forward over every row's tree, then each row's rule; returns per row its :class:`Acceptance` and
+        its states ``(N, ...)`` (what the drafter reads, :func:`base_forward`)."""
+        rows, engine, layers = self.rows, self.engine, self.drafter.base_layers
+        if len(rows) == 1:  # the engine's one-sequence forward: no padding, no batched mask
+            row = rows[0]
+            result, states = verify(engine, drafts[0], row.length, self.cache, row.rule, row.processors,
+                                    row.sequence, self.all_nodes, layers)
+            return [result], [states]
+        layout = drafts[0].layout
+        tokens = torch.stack([d.tokens for d in drafts])  # (B, N)
+        valid_len = torch.tensor([r.length for r in rows], dtype=torch.long, device=tokens.device)  # (B,)
+        positions = valid_len[:, None] + layout.depth[None, :]  # (B, N)
+        out = engine.forward_rows(tokens, positions, valid_len, layout.ancestor_mask, self.cache, layers)
+        hidden, states = (out, out) if not layers else (out[0], torch.cat(out, dim=-1))  # (B, N, H), (B, N, ...)
+        batch, n = tokens.shape
+        # The engine's cheapest product over many rows (the onednn engine's packed lm_head).
+        logits = engine.lm_logits_rows(hidden.flatten(0, 1)).view(batch, n, -1) if self.all_nodes else None
+        together = [b for b, r in enumerate(rows) if r.rule.rows_at_once and not r.processors]
+        results: list[Acceptance | None] = [None] * batch
+        if len(together) > 1:  # one set of tensor operations for all of them (medusa.decode.greedy)
+            picked = torch.tensor(together, device=tokens.device)
+            predicted = None if logits is None else logits[picked].argmax(dim=-1)  # (R, N)
+
+            def next_tokens_at(r: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+                return engine.batch_lm_logits(hidden[picked[r], nodes]).argmax(dim=-1)  # (R',)
+
+            accepted = rows[together[0]].rule.accept_rows(tokens[picked], layout, predicted, next_tokens_at)
+            for b, result in zip(together, accepted, strict=True):
+                results[b] = result
+        for b, row in enumerate(rows):
+            if results[b] is None:
+                results[b] = _accept(engine, drafts[b], None if logits is None else logits[b], hidden[b], row.rule,
+                                     row.processors, row.sequence)
+        return results, list(states)
+
+
+def same_shape(a: TreeBuffers, b: TreeBuffers) -> bool:
+    """Whether two layouts are the same tree (the same parents, children in the same walk order)."""
+    return a.children == b.children and torch.equal(a.parents, b.parents)
+
+
+def _root_drafts(drafter, roots: list[torch.Tensor]) -> list[DraftTree]:
+    """Trees of the root alone for rows ``roots`` (``()`` each): a plain step through ``drafter``'s states. A
+    composite drafter's update reads each part's own draft, so each part gets the root alone too."""
+    layout = tree_buffers(Tree.chain(0), roots[0].device)
+    parts = len(drafter.parts) if isinstance(drafter, CompositeDrafter) else 0
+    return [DraftTree(r[None], layout, parts=[DraftTree(r[None], layout) for _ in range(parts)] or None)
+            for r in roots]

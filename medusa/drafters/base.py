@@ -215,9 +215,9 @@ class RowsDrafter(Protocol):
     chooses that shape from all rows' drafts. Other drafters propose row by row."""
 
     def propose_rows(self, states: list, roots: torch.Tensor, sequences: list[torch.Tensor],
-                     sampler: DraftSampler) -> list[DraftTree]:
+                     sampler: DraftSampler | list[DraftSampler]) -> list[DraftTree]:
         """``B`` trees of one layout, below ``roots`` ``(B,)``; ``sequences[b]`` ``(S_b,)`` as in
-        :meth:`Drafter.propose`."""
+        :meth:`Drafter.propose`; ``sampler``: one for every row, or one per row (each row's acceptance rule's)."""
         ...
 
 

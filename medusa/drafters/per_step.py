@@ -297,14 +297,15 @@ class PerStepDrafter:
         return self._tables[device]
 
     def propose_rows(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
-                     sampler: DraftSampler) -> list[DraftTree]:
+                     sampler: DraftSampler | list[DraftSampler]) -> list[DraftTree]:
         """One tree shape for ``B`` rows, each filled with its own drafts (see module docstring).
 
         Args:
             states: each row's drafting state.
             roots: ``(B,)`` long, each row's tree root.
             sequences: each row's prompt and emitted tokens ``(S_b,)``, the root last.
-            sampler: how candidates are drawn (:meth:`medusa.drafters.base.TopK.draw_ranked`).
+            sampler: how candidates are drawn (:meth:`medusa.drafters.base.TopK.draw_ranked`), one for all rows or
+                one per row (rows that sample, each with its own generator, beside greedy rows).
 
         Returns:
             ``B`` :class:`medusa.drafters.base.DraftTree` s of one layout; the first carries the time spent choosing
@@ -313,6 +314,7 @@ class PerStepDrafter:
         start = time.perf_counter()
         in_heads = 0.0
         device, batch = roots.device, len(roots)
+        samplers = sampler if isinstance(sampler, list) else [sampler] * batch
         inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
         tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
         cost = self.cost
@@ -351,7 +353,7 @@ class PerStepDrafter:
                     seconds += call
                     draft_s += call
                     heads_start = time.perf_counter()
-                    level = self._draft_level(depth, states, tree, chosen, sampler, acceptance, inner_edges, vocab)
+                    level = self._draft_level(depth, states, tree, chosen, samplers, acceptance, inner_edges, vocab)
                     in_heads += time.perf_counter() - heads_start
                     levels.append(level)
                     for slot, node in enumerate(chosen):
@@ -383,7 +385,8 @@ class PerStepDrafter:
             depth += 1
         if cost.buckets is not None:
             tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, draft_s, batch,
-                                                  isinstance(sampler, TopK), None if step_rate else running)
+                                                  all(isinstance(s, TopK) for s in samplers),
+                                                  None if step_rate else running)
             seconds = draft_s + cost.verify(len(tree.parents), batch)
         for state in states:
             state.last_seconds = seconds
@@ -392,7 +395,7 @@ class PerStepDrafter:
         return drafts
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
-                     sampler: DraftSampler, acceptance: torch.Tensor, inner_edges: torch.Tensor,
+                     samplers: list[DraftSampler], acceptance: torch.Tensor, inner_edges: torch.Tensor,
                      vocab: torch.Tensor) -> _Level:
         """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
@@ -403,7 +406,7 @@ class PerStepDrafter:
             path_tokens = torch.tensor([[tree.tokens[b][i] for i in path] for path in paths], dtype=torch.long,
                                        device=vocab.device)  # (P, depth + 1)
             row_logits = self.heads.draft_logits(depth, state.hidden, path_tokens)  # (P, Vh)
-            c, q, ranked = sampler.draw_ranked(row_logits, self.top_k)  # (P, k), (P, Vh) or None, (P, k)
+            c, q, ranked = samplers[b].draw_ranked(row_logits, self.top_k)  # (P, k), (P, Vh) or None, (P, k)
             ranked = ranked.float()
             accept = acceptance[depth][torch.bucketize(ranked, inner_edges, right=True)] * (ranked > 0)  # (P, k)
             parent = torch.tensor([tree.values[b][i] for i in chosen], device=accept.device)  # (P,)

@@ -75,9 +75,10 @@ class Engine(abc.ABC):
     """Cache plus forward: what the decoding loops ask of the base model, with shapes.
 
     A base class, not a ``Protocol``: every engine needs the same timing and attention-kernel block around its
-    forward, the same owned transposed lm_head for few-row products and the same batched decoding on a
-    ``DynamicCache``, so those live here once and an engine writes only its cache and its forward (the four abstract
-    methods). A new engine is one subclass and one :func:`register_engine` line.
+    forward and the same owned transposed lm_head for few-row products, so those live here once and an engine
+    writes only its cache and its forward (the four abstract methods), and, when its cache is not a
+    ``DynamicCache``, the batched operations on it (``stack_rows`` ... ``select_rows``). A new engine is one subclass
+    and one :func:`register_engine` line.
 
     Args:
         model: a transformers ``*ForCausalLM``.
@@ -95,7 +96,9 @@ class Engine(abc.ABC):
     """The step sizes this engine pads a step up to, or ``None``: any step size costs the same to set up (no
     engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
     supports_batch: ClassVar[bool] = True
-    """Batched decoding (:mod:`medusa.decode.batch`) can run through this engine's batch operations."""
+    """Several rows can share a forward (:class:`medusa.decode.loop.RunningBatch`) through this engine's batch
+    operations (the ones here work on a ``DynamicCache``: an engine with a cache of its own overrides them, or
+    declares this False); one row always can."""
     returns_layers: ClassVar[bool] = True
     """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
@@ -215,29 +218,35 @@ class Engine(abc.ABC):
         auto = {} if self.choice is None else {"auto": self.choice.to_dict()}
         return {"engine": self.name, "scores_all_nodes": self.scores_all_nodes} | auto
 
-    # -- batched decoding (medusa.decode.batch): a DynamicCache with per-row holes, see medusa.engines.kv_cache --
+    # -- several rows (medusa.decode.loop.RunningBatch): the batched layout of medusa.engines.kv_cache -----------
+    # Each engine batches on its own cache: here a DynamicCache (kv_cache's functions); the static engines override
+    # these with their SlotCache's (medusa.engines.static_cache). Rows are prefilled on their own (new_cache +
+    # forward, as one sequence), then stacked.
     def _batch_decoder(self) -> torch.nn.Module | None:
         """The decoder stack batched forwards run (``None``: the model's own)."""
         return None
 
-    def prefill_row(self, input_ids: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple:
-        """One prompt's own forward ``(T,)`` into a fresh single-row cache: ``(cache, logits (1, V) of its last
-        position, hidden (T, H))``; with ``layers``, also those decoder layers' outputs ``(T, len(layers) * H)``
+    def prefill_row(self, input_ids: torch.Tensor, layers: tuple[int, ...] = (), capacity: int | None = None
+                    ) -> tuple:
+        """One prompt's own forward ``(T,)`` into a fresh cache of this engine for ``capacity`` positions (``None``:
+        the prompt's; a batched step needs room for its tree): ``(cache, logits (1, V) of its last position, hidden
+        (T, H))``; with ``layers``, also those decoder layers' outputs ``(T, len(layers) * H)``
         (:meth:`forward_features`)."""
-        cache = kv_cache.new_cache()
         n = len(input_ids)
+        cache = self.new_cache(n if capacity is None else capacity)
         positions = torch.arange(n, device=input_ids.device)
-        out = kv_cache.forward(self.model, input_ids, positions, kv_cache.causal_mask(n, input_ids.device), cache,
-                               logits_for=slice(-1, None), decoder=self._batch_decoder(), layers=tuple(layers))
-        return (cache, *out)
+        mask = kv_cache.causal_mask(n, input_ids.device)
+        if layers:
+            return (cache, *self.forward_features(input_ids, positions, mask, cache, layers, slice(-1, None)))
+        return (cache, *self.forward(input_ids, positions, mask, cache, logits_for=slice(-1, None)))
 
     def stack_rows(self, caches: list):
-        """One batched cache from :meth:`prefill_row` caches of different lengths
+        """One batched cache from caches of this engine holding one row or more each, of different lengths
         (:func:`medusa.engines.kv_cache.stack_rows`)."""
         return kv_cache.stack_rows(caches)
 
     def rows_cache_length(self, cache) -> int:
-        """Slots in a batched cache (the longest row's length)."""
+        """Slots in use in a batched cache (the longest row's length)."""
         return kv_cache.cache_length(cache)
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
@@ -245,9 +254,17 @@ class Engine(abc.ABC):
         """One forward over ``(B, N)`` new tokens at ``(B, N)`` positions, rows with ``valid_len`` ``(B,)`` cached
         positions; ``new_visible`` ``(N, N)`` or ``(B, N, N)`` bool among the new tokens. Returns the hidden states
         ``(B, N, H)``; with ``layers``, ``(hidden, features (B, N, len(layers) * H))``
-        (:func:`medusa.engines.kv_cache.forward_rows`)."""
+        (:func:`medusa.engines.kv_cache.forward_rows`); times itself (:attr:`last_forward_s`)."""
+        start = time.perf_counter()
+        out = self._forward_rows(input_ids, positions, valid_len, new_visible, cache, tuple(layers))
+        if self.sync_timing and self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.last_forward_s = time.perf_counter() - start
+        return out
+
+    def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
         return kv_cache.forward_rows(self.model, input_ids, positions, valid_len, new_visible, cache,
-                                     self._batch_decoder(), tuple(layers))
+                                     self._batch_decoder(), layers)
 
     def keep_row_paths(self, cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]
                        ) -> torch.Tensor:
@@ -261,8 +278,8 @@ class Engine(abc.ABC):
         kv_cache.select_rows(cache, rows, length)
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of ``(M, H)`` rows picked from a batched forward: one row through the transposed copy, several
-        through the base's lm_head (the same on every engine: batched decoding never uses a packed lm_head)."""
+        """Logits of ``(M, H)`` rows picked from a batched forward along the rows' paths: one row through the
+        transposed copy, several through the base's lm_head."""
         return self._transposed.logits(self.model, hidden) if len(hidden) == 1 else self.lm_logits(hidden)
 
 

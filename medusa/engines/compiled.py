@@ -63,9 +63,9 @@ class CompiledEngine(StaticEngine):
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         n = len(input_ids)
-        if self.decoder is None or cache.length == 0 or layers:
+        if self.decoder is None or cache.length == 0 or layers or not cache.fixed_shape:
             # the prefill (any length) runs eagerly, and so do forwards asked for intermediate layers (the
-            # compiled graph returns the last hidden state only)
+            # compiled graph returns the last hidden state only) and a row of a batched cache (no fixed shape)
             return static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask, None,
                                         logits_for, layers)
         key = f"{n}@{cache.capacity}"  # one compilation per step size and capacity

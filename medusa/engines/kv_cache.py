@@ -370,6 +370,19 @@ def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[t
     Returns:
         ``(B,)`` the new ``valid_len`` (``valid_len + A_b``).
     """
+    rows, src, dst, new_len = row_path_slots(prefix_len, valid_len, keep)
+    move_slots(cache, src, 0, rows, dst, end=int(new_len.max()))
+    return new_len
+
+
+def row_path_slots(prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]):
+    """Where each row's kept nodes go in a batched cache (the one index computation of :func:`keep_row_paths`, for
+    a ``DynamicCache`` and a :class:`medusa.engines.static_cache.SlotCache` alike).
+
+    Returns:
+        ``(rows (M,), src (M,), dst (M,), new_len (B,))``: the batch row, source slot and destination slot of each
+        kept node, and each row's new cached length.
+    """
     device = valid_len.device
     counts = torch.tensor([len(k) for k in keep], dtype=torch.long, device=device)  # (B,)
     new_len = valid_len + counts
@@ -377,8 +390,7 @@ def keep_row_paths(cache, prefix_len: int, valid_len: torch.Tensor, keep: list[t
     offsets = torch.arange(len(rows), device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     dst = valid_len[rows] + offsets  # (M,)
     src = torch.cat([k.to(device) for k in keep]) + prefix_len  # (M,)
-    move_slots(cache, src, 0, rows, dst, end=int(new_len.max()))
-    return new_len
+    return rows, src, dst, new_len
 
 
 def stack_rows(caches: list) -> DynamicCache:

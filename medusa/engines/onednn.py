@@ -193,7 +193,8 @@ class OneDNNEngine(StaticEngine):
     Where those cannot run (:func:`medusa.engines.onednn_unavailable`) it is exactly :class:`StaticEngine`;
     :attr:`fallback_reason` says why, and on a CPU a ``RuntimeWarning`` says it too. It also runs as static while
     the model's lm_head module, dtype or device is no longer the one it packed. Batched forwards run on the shadow
-    decoder too; batched logits stay the base lm_head's (:meth:`Engine.batch_lm_logits`).
+    decoder too (on the static engine's cache), and every node's logits on the packed lm_head
+    (:meth:`lm_logits_rows`, as :attr:`scores_all_nodes` declares).
     """
 
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "

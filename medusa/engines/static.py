@@ -54,6 +54,25 @@ class StaticEngine(Engine):
     def keep_positions(self, cache, prefix_len: int, keep: torch.Tensor) -> None:
         cache.keep(prefix_len, keep)
 
+    # Batched decoding on this engine's own SlotCache (medusa.engines.static_cache), eagerly on the decoder
+    # stack batched forwards run (a compiled stack is compiled for one row's fixed shapes).
+    def stack_rows(self, caches: list):
+        return static_cache.stack_rows(caches)
+
+    def rows_cache_length(self, cache) -> int:
+        return cache.length
+
+    def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
+        return static_cache.forward_rows(self.model, input_ids, positions, valid_len, new_visible, cache,
+                                         self._batch_decoder(), layers)
+
+    def keep_row_paths(self, cache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]
+                       ) -> torch.Tensor:
+        return static_cache.keep_row_paths(cache, prefix_len, valid_len, keep)
+
+    def select_rows(self, cache, rows: torch.Tensor, length: int) -> None:
+        static_cache.select_rows(cache, rows, length)
+
     def settings(self) -> dict:
         backends = None if self.sdpa_backends is None else [b.name for b in self.sdpa_backends]
         return super().settings() | {"max_cache_len": self.max_cache_len, "cuda_sdpa_backends": backends}

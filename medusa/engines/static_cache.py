@@ -14,6 +14,12 @@ by one gather per layer (:meth:`SlotCache.keep`).
 
 Like :func:`medusa.engines.kv_cache.new_cache`, every position is kept in every layer, sliding-window ones included;
 the window is enforced by the mask.
+
+Batched decoding (:class:`medusa.decode.loop.RunningBatch`) runs on this cache too, in the batched layout of
+:mod:`medusa.engines.kv_cache` (row b's slot s holds its position s up to its own length, holes after it hidden by the
+mask): :func:`stack_rows` puts rows prefilled on their own into one ``(B, H_kv, capacity, d)`` cache,
+:func:`forward_rows` writes a step of ``(B, N)`` tokens after the longest row, :func:`keep_row_paths` moves each row's
+accepted path down after its own prefix and :func:`select_rows` drops rows. ``length`` is then the longest row's.
 """
 
 from __future__ import annotations
@@ -204,3 +210,79 @@ def forward(model, input_ids, positions, tree_mask, cache: SlotCache, mask: Stat
     if layers:
         return kv_cache.lm_logits(model, selected), hidden, kv_cache.layer_features(out, layers)[0]  # (N, k*H)
     return kv_cache.lm_logits(model, selected), hidden
+
+
+# Batched decoding on a SlotCache (see the module docstring): the batched layout of medusa.engines.kv_cache, in the
+# preallocated slots; a batched cache reads only up to its last written slot (no fixed shape).
+
+
+def stack_rows(caches: list[SlotCache]) -> SlotCache:
+    """One batched cache from caches of one row or more each (their rows in order), each row's slots from 0, zero
+    holes after the shorter rows; its capacity is the largest one's (each row's own need: prompt + budget + tree).
+    """
+    capacity, length = max(c.capacity for c in caches), max(c.length for c in caches)
+    out = SlotCache(len(caches[0].layers), capacity)
+    out.to_device(caches[0]._slots.device)
+    for i, layer in enumerate(out.layers):
+        rows = [c.layers[i] for c in caches]
+        if any(r.keys is None for r in rows):
+            continue
+        for name in ("keys", "values"):
+            parts = [getattr(r, name)[:, :, :length] for r in rows]  # (b, H_kv, <= length, d) each
+            batch, heads, _, dim = parts[0].shape
+            t = parts[0].new_zeros((sum(p.shape[0] for p in parts), heads, capacity, dim))
+            start = 0
+            for p in parts:
+                t[start : start + p.shape[0], :, : p.shape[2]] = p
+                start += p.shape[0]
+            setattr(layer, name, t)
+        layer.is_initialized = True
+    out.length = length
+    return out
+
+
+def forward_rows(model, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
+                 new_visible: torch.Tensor, cache: SlotCache, decoder: torch.nn.Module | None = None,
+                 layers: tuple[int, ...] = ()):
+    """:func:`medusa.engines.kv_cache.forward_rows` on a batched :class:`SlotCache`: ``(B, N)`` new tokens written
+    at slots ``length .. length+N-1`` of every row (a row shorter than ``length`` keeps a hole before them).
+
+    Returns:
+        ``(B, N, H)`` last hidden states; with ``layers``, ``(hidden, features (B, N, len(layers) * H))``.
+
+    Raises:
+        CacheFullError: the step does not fit the preallocated slots.
+    """
+    stack = kv_cache.decoder_of(model)
+    length, n = cache.length, input_ids.shape[1]
+    cache.begin_step(n)
+    dtype = model.get_output_embeddings().weight.dtype
+    mask = kv_cache.build_rows_attention_mask(model.config, valid_len, length, positions, new_visible, dtype)
+    kwargs = {kv_cache._cache_kwarg(type(stack)): cache}
+    if layers:
+        kwargs["output_hidden_states"] = True
+    run = stack if decoder is None else decoder
+    out = run(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+    cache.length += n
+    if layers:
+        return out.last_hidden_state, kv_cache.layer_features(out, layers)  # (B, N, H), (B, N, k*H)
+    return out.last_hidden_state  # (B, N, H)
+
+
+def keep_row_paths(cache: SlotCache, prefix_len: int, valid_len: torch.Tensor, keep: list[torch.Tensor]
+                   ) -> torch.Tensor:
+    """:func:`medusa.engines.kv_cache.keep_row_paths` on a batched :class:`SlotCache` (only the kept slots are
+    copied; ``length`` becomes the new longest row's). Returns ``(B,)`` the new ``valid_len``."""
+    rows, src, dst, new_len = kv_cache.row_path_slots(prefix_len, valid_len, keep)
+    kv_cache.move_slots(cache, src, 0, rows, dst)
+    cache.length = int(new_len.max())
+    return new_len
+
+
+def select_rows(cache: SlotCache, rows: torch.Tensor, length: int) -> None:
+    """Keep only batch rows ``rows`` ``(B',)`` (in that order), ``length`` slots in use (one copy of those rows)."""
+    for layer in cache.layers:
+        if layer.keys is not None:
+            r = rows.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(0, r), layer.values.index_select(0, r)
+    cache.length = length

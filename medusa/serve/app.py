@@ -36,7 +36,7 @@ class ServeConfig:
     api_key: str | None = None
     """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>``."""
     max_running: int = 16
-    """Requests decoding at once (rows of the batch plus sampling requests)."""
+    """Requests decoding at once (rows of the batch, greedy and sampling alike)."""
     max_waiting: int = 64
     """Requests queued beyond those running; more get 429."""
     max_body_bytes: int = 1 << 20

@@ -1,14 +1,13 @@
 """Continuous batching: one thread owns the model and runs every request's decode steps.
 
-Greedy requests (no logits processor) are rows of one :class:`medusa.decode.batch.RunningBatch`: a request joins at
-the next step (its prompt prefilled on its own), shares every verify forward with the rows running, and leaves when
-it stops, is cancelled (the client went away, a stop string matched, its deadline passed) or fails. Requests that
-sample, or whose settings need a logits processor, run their own one-sequence step
-(:func:`medusa.decode.loop.decode_steps`, whose rejection sampling batched decoding does not have) between two batched
-steps. Every running request advances once per round of the loop, and a round runs at most one batched step and one
-step per sampling request (at most ``max_running`` of them): no request waits more than a bounded number of steps.
+Every request is a row of one :class:`medusa.decode.loop.RunningBatch`, greedy or sampling alike: a request joins at
+the next step (its prompt prefilled on its own), shares every verify forward with the rows running, each row accepted
+with its own rule, settings and random generator (:mod:`medusa.decode.acceptance`), and leaves when it stops, is
+cancelled (the client went away, a stop string matched, its deadline passed) or fails. Every running request advances
+once per round of the loop, and a round runs one batched step: no request waits more than a bounded number of steps.
 
-Each batched step is speculative or plain (the root alone) as :class:`StepChoice` decides for the batch size at hand.
+Each batched step is speculative or plain (the root alone) as :class:`StepChoice` decides for the batch size at hand;
+speculative while a row samples, so that a seeded request draws as ``generate`` with that seed does.
 """
 
 from __future__ import annotations
@@ -17,21 +16,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from medusa.decode.batch import RunningBatch
 from medusa.decode.logits_process import Decoding
-from medusa.decode.loop import GenerationStats, Step, decode_steps
+from medusa.decode.loop import GenerationStats, RunningBatch, Step
 from medusa.drafters.composite import NoDrafter
 
 logger = logging.getLogger(__name__)
 
 SPECULATION = ("auto", "on", "off")
 """``auto``: each batched step speculative or plain, whichever measured faster at that batch size; ``on``: always
-speculative; ``off``: plain decoding throughout (sampling requests included)."""
+speculative; ``off``: plain decoding throughout."""
 
 
 class QueueFull(Exception):
@@ -127,7 +125,7 @@ class Scheduler:
 
     Args:
         model: a :class:`medusa.model.MedusaModel`.
-        max_running: the most requests decoding at once (rows of the batch plus sampling requests).
+        max_running: the most requests decoding at once (rows of the batch).
         max_waiting: the most requests waiting to start; :meth:`submit` raises :class:`QueueFull` beyond.
         speculation: one of :data:`SPECULATION`.
     """
@@ -138,9 +136,8 @@ class Scheduler:
         self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
         self.choice = StepChoice(speculation)
         drafter = NoDrafter() if speculation == "off" else model.drafter
-        # Every node scored in one product where the engine says it is cheaper (as generate does), else the path.
-        self.batch = RunningBatch(model.base, drafter, model.engine, model.engine.scores_all_nodes)
-        self.solo: dict[int, tuple[Job, Iterator[Step]]] = {}  # sampling jobs, each its own decode_steps
+        # Every node scored in one product where the engine declares it cheaper (as generate does), else the path.
+        self.batch = RunningBatch(model.base, drafter, model.engine)
         self.jobs: dict[int, Job] = {}  # the batch's rows by key
         self.waiting: deque[Job] = deque()
         self.stop_ids = model.stop_token_ids()
@@ -149,8 +146,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.plain_steps = 0
         """Batched steps run plain (the root alone)."""
-        self.solo_steps = 0
-        """One-sequence steps of sampling requests."""
+        self.sampling_row_steps = 0
+        """Rows that sampled, summed over the batched steps (they share the forwards with the greedy rows)."""
 
     # -- from other threads -------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -185,9 +182,9 @@ class Scheduler:
         with self._lock:
             waiting = len(self.waiting)
         batch = self.batch
-        return {"running": len(self.jobs) + len(self.solo), "waiting": waiting, "batched_forwards": batch.forwards,
+        return {"running": len(self.jobs), "waiting": waiting, "batched_forwards": batch.forwards,
                 "max_rows_per_forward": batch.max_rows, "row_forwards": batch.row_forwards,
-                "plain_steps": self.plain_steps, "solo_steps": self.solo_steps}
+                "plain_steps": self.plain_steps, "sampling_row_steps": self.sampling_row_steps}
 
     # -- the scheduler thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -195,7 +192,7 @@ class Scheduler:
             with self._lock:
                 if self._stopping:
                     break
-                if not self.waiting and not self.jobs and not self.solo:
+                if not self.waiting and not self.jobs:
                     self._lock.wait(0.05)
                     continue
             try:
@@ -206,17 +203,15 @@ class Scheduler:
         self._fail_all("the server is shutting down")
 
     def _round(self) -> None:
-        """Admit, drop the cancelled, then one batched step and one step per sampling job."""
+        """Admit, drop the cancelled, then one batched step for every running job."""
         self._admit()
         self._drop_cancelled()
         if self.jobs:
             self._batched_step()
-        for key in list(self.solo):
-            self._solo_step(key)
 
     def _admit(self) -> None:
         """Start waiting jobs while slots are free (each prefilled now: it joins the batch's next step)."""
-        while len(self.jobs) + len(self.solo) < self.max_running:
+        while len(self.jobs) < self.max_running:
             with self._lock:
                 if not self.waiting:
                     return
@@ -225,28 +220,13 @@ class Scheduler:
                 continue
             key = id(job)
             try:
-                if self._batched(job):
-                    self._deliver(job, self.batch.join(key, job.ids, job.max_new_tokens, self.stop_ids, job.stats))
-                    if not job.stats.stopped_by:
-                        self.jobs[key] = job
-                else:
-                    steps = self._solo_steps(job)
-                    self._deliver(job, next(steps))
-                    if not job.stats.stopped_by:
-                        self.solo[key] = (job, steps)
+                self._deliver(job, self.batch.join(key, job.ids, job.max_new_tokens, self.stop_ids, job.stats,
+                                                   job.decoding))
+                if not job.stats.stopped_by:
+                    self.jobs[key] = job
             except Exception as e:  # one bad request must not stop the others
                 logger.exception("prefill failed")
                 job.deliver(("error", f"decoding failed: {e}", 500))
-
-    def _batched(self, job: Job) -> bool:
-        """Whether ``job`` runs as a row of the batched greedy decode (no sampling, no logits processor)."""
-        return not job.decoding.do_sample and not job.decoding.processors(len(job.ids), job.max_new_tokens,
-                                                                          self.stop_ids, job.ids.device)
-
-    def _solo_steps(self, job: Job) -> Iterator[Step]:
-        drafter = self.batch.drafter if self.choice.mode != "off" else NoDrafter()
-        return decode_steps(self.model.base, drafter, job.ids, job.max_new_tokens, self.stop_ids, job.stats,
-                            job.decoding, self.model.engine)
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled jobs; each gets an error event, so that whoever still waits on it stops waiting."""
@@ -254,41 +234,29 @@ class Scheduler:
         if gone:
             self.batch.leave(gone)
         dropped = [self.jobs.pop(key) for key in gone]
-        dropped += [self.solo.pop(key)[0] for key in [k for k, (job, _) in self.solo.items() if job.cancelled]]
         for job in dropped:
             job.deliver(("error", "the request was cancelled", 499))
 
     def _batched_step(self) -> None:
         size = len(self.jobs)
-        plain = self.choice.plain(size)
+        # Speculative whenever a row samples: a plain step would draw that row's random numbers in another order
+        # than generate() with the same seed (greedy rows get the same tokens either way).
+        plain = self.choice.plain(size) and not any(job.decoding.do_sample for job in self.jobs.values())
         start = time.perf_counter()
         try:
             out = self.batch.step(plain)
         except Exception as e:
             logger.exception("batched step failed")
-            self._fail_running(f"decoding failed: {e}", solo=False)
+            self._fail_running(f"decoding failed: {e}")
             return
         self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start)
         self.plain_steps += plain
+        self.sampling_row_steps += sum(self.jobs[key].decoding.do_sample for key, _ in out)
         for key, step in out:
             job = self.jobs[key]
             self._deliver(job, step)
             if job.stats.stopped_by:
                 del self.jobs[key]
-
-    def _solo_step(self, key: int) -> None:
-        job, steps = self.solo[key]
-        try:
-            step = next(steps)
-        except Exception as e:
-            logger.exception("sampling step failed")
-            del self.solo[key]
-            job.deliver(("error", f"decoding failed: {e}", 500))
-            return
-        self.solo_steps += 1
-        self._deliver(job, step)
-        if job.stats.stopped_by:
-            del self.solo[key]
 
     @staticmethod
     def _deliver(job: Job, step: Step) -> None:
@@ -297,21 +265,18 @@ class Scheduler:
         if job.stats.stopped_by:
             job.deliver(("done", "stop" if job.stats.stopped_by == "stop_token" else "length"))
 
-    def _fail_running(self, message: str, solo: bool = True) -> None:
-        """End the batch's rows (and with ``solo`` the sampling jobs) with a 500 error."""
+    def _fail_running(self, message: str) -> None:
+        """End the batch's rows with a 500 error."""
         self.batch.leave(list(self.jobs))
-        failed = list(self.jobs.values()) + ([job for job, _ in self.solo.values()] if solo else [])
+        failed = list(self.jobs.values())
         self.jobs.clear()
-        if solo:
-            self.solo.clear()
         for job in failed:
             job.deliver(("error", message, 500))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
-            left = [*self.waiting, *self.jobs.values(), *(job for job, _ in self.solo.values())]
+            left = [*self.waiting, *self.jobs.values()]
             self.waiting.clear()
         for job in left:
             job.deliver(("error", message, 503))
         self.jobs.clear()
-        self.solo.clear()

@@ -169,8 +169,8 @@ def time_batch_forwards(engine, model, batch: int, sizes=BATCH_STEP_SIZES, repea
     """:func:`time_forwards` for ``batch`` rows through the engine's batch operations (:mod:`medusa.decode.batch`)."""
     device, vocab = model.device, model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(1)
-    caches = [engine.prefill_row(torch.randint(0, vocab, (prefix_len,), generator=generator).to(device))[0]
-              for _ in range(batch)]
+    caches = [engine.prefill_row(torch.randint(0, vocab, (prefix_len,), generator=generator).to(device),
+                                 capacity=prefix_len + max(sizes))[0] for _ in range(batch)]
     cache = engine.stack_rows(caches)
     valid_len = torch.full((batch,), prefix_len, dtype=torch.long, device=device)
     empty = [torch.empty(0, dtype=torch.long, device=device)] * batch
