@@ -1,0 +1,361 @@
+"""Weight-only quantized engines: the base's linear layers on 4-bit or 8-bit weights, on a CPU.
+
+``int4``: every linear layer of the decoder (``nn.Linear`` and GPT-2's ``Conv1D``) becomes an :class:`Int4Linear`
+running torch's int4 weight-only CPU kernel (``torch.ops.aten._weight_int4pack_mm_for_cpu``) on weights packed
+group-wise (:data:`GROUP_SIZE` input features share a scale and a zero point) with bfloat16 activations: the
+activation is cast to bfloat16 at the module's input and the result back to the model's dtype at its output, so
+the rest of the forward (norms, attention, rotary) runs in the model's own dtype. ``int8``: the same with one scale
+per output channel (``torch.ops.aten._weight_int8pack_mm``). The kernel's formula for a weight is
+
+    w = (q - 8) * scale + zero      (q in 0..15, scale and zero per group of GROUP_SIZE input features)
+
+(checked against the kernel in fp32 by ``tests/test_quantized.py``). The codes come either from the base's own
+weights (min-max rounding per group, :func:`quantize_int4`) or, for a base prepared from a 4-bit GGUF, from the
+file's own blocks (:mod:`medusa.io.gguf_pack`), so nothing is rounded a second time.
+
+Like the onednn engine, the engine runs a shadow of the decoder (new module objects sharing the base's parameters
+and buffers) in which only the linear layers are replaced; the base model is not changed and runs as before
+everywhere else. The quantized copies are a snapshot of the weights when the engine was made: after changing the
+base's weights, call :meth:`QuantizedEngine.refresh` (checking every layer's version on every forward would cost a
+one-token forward more than it saves). A linear layer the kernel cannot take (its output size not a multiple of 16,
+its input size not a multiple of the group size) stays dense and is named in :meth:`QuantizedEngine.settings`.
+
+The lm_head stays dense by default (``lm_head=True`` quantizes it too; docs/quantized.md has the measurement that
+chose the default), and the input embedding always does: one row is read per token.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from medusa.engines import kv_cache, static_cache
+from medusa.engines.base import register_engine
+from medusa.engines.static import StaticEngine
+
+GROUP_SIZE = 32
+"""Input features sharing one int4 scale and zero point (the block size of GGUF's Q4_0/Q4_1/Q4_K)."""
+INNER_K_TILES = 2
+"""The int4 packing's inner tile count (``_convert_weight_to_int4pack_for_cpu``; only its CPU layout)."""
+ACTIVATION_DTYPE = torch.bfloat16
+"""The kernels' fast path on a CPU (fp32 activations take a slow path, fp16 slower still: docs/quantized.md)."""
+KINDS = ("int4", "int8")
+
+
+def quantize_unavailable(kind: str, device) -> str | None:
+    """Why the ``kind`` kernel cannot run on ``device`` with this torch, or ``None`` when it can (a tiny trial).
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight quantization {kind!r}: choose one of {', '.join(KINDS)}")
+    device = torch.device(device)
+    if device.type != "cpu":
+        return (f"the {kind} engine runs torch's weight-only CPU kernels and the model is on {device}: move the "
+                "model to the CPU, or use engine 'static' or 'compiled' there")
+    try:
+        if kind == "int4":
+            codes = torch.zeros(16, GROUP_SIZE, dtype=torch.uint8)
+            layer = Int4Linear(codes, torch.ones(16, 1), torch.zeros(16, 1))
+        else:
+            layer = Int8Linear(torch.zeros(16, GROUP_SIZE, dtype=torch.int8), torch.ones(16))
+        layer(torch.zeros(1, GROUP_SIZE))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        op = "_weight_int4pack_mm_for_cpu" if kind == "int4" else "_weight_int8pack_mm"
+        return (f"torch {torch.__version__} cannot run torch.ops.aten.{op} with bfloat16 activations here "
+                f"({str(e).splitlines()[0]}): use engine 'onednn' or 'static'")
+    return None
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """Min-max int4 codes of ``weight`` ``(N, K)``, per group of ``group_size`` input features.
+
+    Returns:
+        ``(codes (N, K) uint8 in 0..15, scale (N, K // group_size) fp32, zero (N, K // group_size) fp32)`` with
+        ``(codes - 8) * scale + zero`` the rounded weight (:func:`dequantize_int4`).
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``group_size``.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4 groups of {group_size} need the input size to be a multiple of it, got {k}")
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)  # (N, G, S)
+    low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, scale, low + 8 * scale
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights ``(N, K)`` int4 codes ``(N, K)`` stand for: ``(codes - 8) * scale + zero`` per group."""
+    group_size = codes.shape[1] // scale.shape[1]
+    return ((codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 codes of ``weight`` ``(N, K)``: ``(codes (N, K) int8, scale (N,) fp32)``
+    with ``codes * scale[:, None]`` the rounded weight."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` int4 codes packed for ``_weight_int4pack_mm_for_cpu``; bfloat16 inside, the
+    input's dtype outside.
+
+    Args:
+        codes: ``(N, K)`` uint8 in 0..15 (``N`` a multiple of 16, ``K`` of the group size).
+        scale, zero: ``(N, K // group_size)``; the weight is ``(codes - 8) * scale + zero`` (rounded to bfloat16
+            in the kernel).
+        bias: ``(N,)`` or ``None``; added in the input's dtype.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = codes.shape
+        self.in_features, self.out_features = k, n
+        self.group_size = k // scale.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                          INNER_K_TILES)  # (N, K / 2) uint8
+        self.scale_zeros = torch.stack([scale.t(), zero.t()], -1).to(ACTIVATION_DTYPE).contiguous()  # (G, N, 2)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` int8 codes and one scale per output channel (``_weight_int8pack_mm``).
+
+    Args:
+        codes: ``(N, K)`` int8.
+        scale: ``(N,)``; the weight is ``codes * scale[:, None]`` (the scale rounded to bfloat16 in the kernel).
+        bias: ``(N,)`` or ``None``.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.codes = codes.contiguous()
+        self.scale = scale.to(ACTIVATION_DTYPE)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """Int4 codes for one weight ``(N, K)`` as :class:`Int4Linear` takes them, from a source other than the weight
+    itself (a GGUF's blocks, :mod:`medusa.io.gguf_pack`)."""
+
+    codes: torch.Tensor
+    """``(N, K)`` uint8 in 0..15."""
+    scale: torch.Tensor
+    """``(N, K // GROUP_SIZE)`` fp32."""
+    zero: torch.Tensor
+    """``(N, K // GROUP_SIZE)`` fp32."""
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The ``(out, in)`` weight of a plain ``nn.Linear`` or a transformers ``Conv1D`` (which stores it transposed),
+    or ``None`` for any other module (a subclass with a forward of its own is not a plain linear)."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return module.weight
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.t()
+    return None
+
+
+def _unpackable(kind: str, weight: torch.Tensor) -> str | None:
+    n, k = weight.shape
+    if kind == "int4" and (n % 16 or k % GROUP_SIZE):
+        return f"int4 packing needs the output size a multiple of 16 and the input size of {GROUP_SIZE}, got {n}x{k}"
+    return None
+
+
+def quantized_linear(kind: str, module: nn.Module, codes: Int4Codes | None = None) -> nn.Module:
+    """``module`` (see :func:`linear_weight`) as an :class:`Int4Linear` or :class:`Int8Linear`, from ``codes`` when
+    given (int4 only) or else from its own weight."""
+    weight = linear_weight(module)
+    if kind == "int8":
+        return Int8Linear(*quantize_int8(weight), module.bias)
+    if codes is None:
+        codes = Int4Codes(*quantize_int4(weight))
+    return Int4Linear(codes.codes, codes.scale, codes.zero, module.bias)
+
+
+class QuantizedLinears:
+    """A shadow of ``decoder`` whose linear layers are quantized copies of the base's (see the module docstring),
+    and optionally a quantized ``lm_head``.
+
+    Args:
+        decoder: the base's decoder stack (``model.model``).
+        lm_head: the base's output embedding.
+        kind: one of :data:`KINDS`.
+        quantize_lm_head: quantize the lm_head too (else it stays the base's dense module).
+        codes: int4 codes by the module's qualified name under ``decoder`` (``"lm_head"`` for the lm_head), taken
+            instead of quantizing that module's weight (:mod:`medusa.io.gguf_pack`).
+        keep_dense: modules (same names) to leave dense, with the reason (a GGUF tensor that is not 4-bit).
+    """
+
+    def __init__(self, decoder: nn.Module, lm_head: nn.Module, kind: str, quantize_lm_head: bool = False,
+                 codes: dict[str, Int4Codes] | None = None, keep_dense: dict[str, str] | None = None):
+        self.kind = kind
+        self.codes = dict(codes or {})
+        self.keep_dense = dict(keep_dense or {})
+        self.dense: dict[str, str] = {}
+        """Linear layers left dense, by qualified name, with the reason."""
+        self.source: dict[str, str] = {}
+        """Where each quantized layer's codes came from (``"weights"`` or ``"codes"``), by qualified name."""
+        self.base_decoder, self.base_lm_head, self.quantize_lm_head = decoder, lm_head, quantize_lm_head
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Quantize again from the base as it is now (codes given at construction are used again)."""
+        self.dense, self.source = {}, {}
+        self.decoder = self._shadow(self.base_decoder, "", {})
+        self.lm_head = None
+        if self.quantize_lm_head:
+            head = self._quantized("lm_head", self.base_lm_head)
+            self.lm_head = None if head is self.base_lm_head else head
+
+    def _quantized(self, name: str, module: nn.Module) -> nn.Module:
+        weight = linear_weight(module)
+        if weight is None:
+            self.dense[name] = f"{type(module).__name__} is not a plain linear layer"
+            return module
+        reason = self.keep_dense.get(name) or _unpackable(self.kind, weight)
+        if reason is not None:
+            self.dense[name] = reason
+            return module
+        codes = self.codes.get(name) if self.kind == "int4" else None
+        self.source[name] = "weights" if codes is None else "codes"
+        return quantized_linear(self.kind, module, codes)
+
+    def _shadow(self, module: nn.Module, name: str, made: dict[int, nn.Module]) -> nn.Module:
+        if id(module) in made:  # a module used twice stays one module
+            return made[id(module)]
+        if linear_weight(module) is not None:
+            made[id(module)] = self._quantized(name, module)
+            return made[id(module)]
+        shadow = copy.copy(module)  # a new object; its _parameters/_buffers dicts are the base's own
+        shadow.__dict__["_modules"] = {}
+        made[id(module)] = shadow
+        for child_name, child in module._modules.items():
+            shadow._modules[child_name] = None if child is None else self._shadow(
+                child, f"{name}.{child_name}" if name else child_name, made)
+        return shadow
+
+    def nbytes(self) -> int:
+        """Bytes held by the quantized copies (codes, scales, zeros)."""
+        total = 0
+        layers = [m for m in self.decoder.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        for layer in [*layers, *([self.lm_head] if self.lm_head is not None else [])]:
+            tensors = (layer.packed, layer.scale_zeros) if isinstance(layer, Int4Linear) else (layer.codes,
+                                                                                                 layer.scale)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+
+class QuantizedEngine(StaticEngine):
+    """:class:`StaticEngine` whose forwards run a shadow of the decoder on weight-only quantized linear layers
+    (:mod:`medusa.engines.quantized`); the base's own modules are left as they are.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` on a CPU.
+        max_cache_len, scores_all_nodes: as :class:`StaticEngine`.
+        lm_head: quantize the lm_head too (from a GGUF only where its tensor is 4-bit).
+        gguf: the 4-bit GGUF this base was prepared from (``medusa prepare-model``): the codes are its own blocks
+            (:func:`medusa.io.gguf_pack.gguf_codes`), and a layer whose tensor is not 4-bit stays dense.
+
+    Raises:
+        ValueError: the kernel cannot run for this model's device or in this torch (the message names what works);
+            a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``).
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None,
+                 lm_head: bool = False, gguf: str | Path | None = None):
+        reason = quantize_unavailable(self.kind, model.get_output_embeddings().weight.device)
+        if reason is not None:
+            raise ValueError(reason)
+        codes, keep_dense, self.gguf = {}, {}, None if gguf is None else str(gguf)
+        if gguf is not None:
+            if self.kind != "int4":
+                raise ValueError(f"a GGUF's 4-bit blocks are int4 codes; the {self.kind} engine quantizes from the "
+                                 "weights: use the int4 engine with gguf=")
+            from medusa.io.gguf_pack import gguf_codes  # the io layer sits above the engines
+
+            read = gguf_codes(gguf, model)
+            codes, keep_dense, self.gguf_max_abs_error = read.codes, read.dense, read.max_abs_error
+        self.quantized = QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), self.kind,
+                                          lm_head, codes, keep_dense)
+        super().__init__(model, max_cache_len, scores_all_nodes)
+
+    def _scores_all_nodes(self) -> bool:
+        """With a quantized lm_head its few-row product is cheap enough to score every node."""
+        return super()._scores_all_nodes() or self.quantized.lm_head is not None
+
+    def refresh(self) -> None:
+        """Quantize again from the base's weights as they are now (see the module docstring)."""
+        self.quantized.refresh()
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
+        _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
+                                                    self.quantized.decoder, slice(0, 0), layers)
+        selected = hidden if logits_for is None else hidden[logits_for]
+        return self.lm_logits_rows(selected), hidden, *features
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized.lm_head is None:
+            return super().lm_logits(hidden)
+        return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized.lm_head is None:
+            return super().lm_logits_rows(hidden)
+        return self.lm_logits(hidden)
+
+    def _batch_decoder(self) -> torch.nn.Module | None:
+        return self.quantized.decoder
+
+    def settings(self) -> dict:
+        sources = set(self.quantized.source.values())
+        return super().settings() | {
+            "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
+            "activation_dtype": str(ACTIVATION_DTYPE).removeprefix("torch."),
+            "lm_head_quantized": self.quantized.lm_head is not None, "dense_layers": dict(self.quantized.dense),
+            "codes_from": sorted(sources), "gguf": self.gguf, "quantized_bytes": self.quantized.nbytes()}
+
+
+@register_engine("int4")
+class Int4Engine(QuantizedEngine):
+    """Linear layers on int4 weights, group size 32 (:mod:`medusa.engines.quantized`)."""
+
+    kind = "int4"
+    summary = ("static + the linear layers on int4 weights (group 32, bf16 activations; CPU; from a GGUF's own "
+               "blocks when given)")
+
+
+@register_engine("int8")
+class Int8Engine(QuantizedEngine):
+    """Linear layers on int8 weights, one scale per output channel (:mod:`medusa.engines.quantized`)."""
+
+    kind = "int8"
+    summary = "static + the linear layers on int8 weights (per channel, bf16 activations; CPU)"
