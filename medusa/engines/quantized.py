@@ -341,7 +341,8 @@ class QuantizedEngine(StaticEngine):
             "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
             "activation_dtype": str(ACTIVATION_DTYPE).removeprefix("torch."),
             "lm_head_quantized": self.quantized.lm_head is not None, "dense_layers": dict(self.quantized.dense),
-            "codes_from": sorted(sources), "gguf": self.gguf, "quantized_bytes": self.quantized.nbytes()}
+            "codes_from": sorted(sources), "gguf": self.gguf,
+            "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes()}
 
 
 @register_engine("int4")
