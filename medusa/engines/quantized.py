@@ -26,7 +26,10 @@ chose the default), and the input embedding always does: one row is read per tok
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -45,6 +48,9 @@ INNER_K_TILES = 2
 ACTIVATION_DTYPE = torch.bfloat16
 """The kernels' fast path on a CPU (fp32 activations take a slow path, fp16 slower still: docs/quantized.md)."""
 KINDS = ("int4", "int8")
+ROW_INVARIANT_ATTENTION = "medusa_row_invariant"
+"""The attention implementation the shadow's attention modules run (:func:`row_invariant_attention`)."""
+_ROW_INVARIANT = contextvars.ContextVar("medusa_row_invariant", default=False)
 
 
 def quantize_unavailable(kind: str, device) -> str | None:
@@ -171,6 +177,76 @@ class Int4Codes:
     """``(N, K // GROUP_SIZE)`` fp32."""
 
 
+def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention whose result for a query row depends only on that row and the keys it may see, in slot order.
+
+    Why: the kernels' bfloat16 activations turn any one-ulp fp32 difference into a bfloat16 rounding step at the
+    next linear layer, and torch's CPU attention gives a row last-bit different results with other rows beside it,
+    with more (masked) keys, or on another path for one query row. Plain decoding (one row) and a Medusa tree (many
+    rows, other nodes masked) would then drift apart. During decoding steps (:func:`row_invariant_steps`) each row
+    here runs alone on exactly the keys its mask lets it see (gathered in slot order, contiguous), so a token gets
+    the same result whichever way it is decoded; elsewhere (a prompt's own forward) the base's implementation runs
+    as usual. Takes and returns what transformers' attention functions do: ``query (B, H, N, D)``, ``key/value
+    (B, Hkv, S, D)``, an additive or boolean mask ``(B or 1, 1, N, S)``; returns ``((B, N, H, D), None)``.
+    """
+    inner = _base_attention(module)
+    if not _ROW_INVARIANT.get() or attention_mask is None:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+        attention_mask.dtype).min / 2  # (B or 1, 1, N, S)
+    rows = []
+    for b in range(query.shape[0]):
+        visible = mask[min(b, mask.shape[0] - 1), 0]  # (N, S)
+        out = []
+        for i in range(query.shape[2]):
+            keep = visible[i].nonzero()[:, 0]  # (S_i,) the slots row i sees, in order
+            k, v = key[b:b + 1].index_select(2, keep), value[b:b + 1].index_select(2, keep)  # (1, Hkv, S_i, D)
+            out.append(inner(module, query[b:b + 1, :, i:i + 1].contiguous(), k, v, None, is_causal=False,
+                             **kwargs)[0])  # (1, 1, H, D)
+        rows.append(torch.cat(out, 1))
+    return torch.cat(rows, 0), None
+
+
+def _base_attention(module):
+    """The attention function ``module`` would run in the base (its config's original implementation)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.config.medusa_base_attention
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+@contextlib.contextmanager
+def row_invariant_steps(on: bool = True):
+    """Within this block (a decoding step after the prompt) the shadow's attention runs row by row
+    (:func:`row_invariant_attention`)."""
+    token = _ROW_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def _uses_row_invariant_attention(shadow: nn.Module) -> None:
+    """Give each attention module of a shadow decoder its own config copy naming :data:`ROW_INVARIANT_ATTENTION`
+    (registered once in transformers' ``AttentionInterface``, its documented extension point); the base's modules
+    and config are not touched."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ROW_INVARIANT_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ROW_INVARIANT_ATTENTION, row_invariant_attention)
+    for module in shadow.modules():
+        config = getattr(module, "config", None)
+        if type(module).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
+            own = copy.copy(config)
+            own.medusa_base_attention = config._attn_implementation
+            own._attn_implementation = ROW_INVARIANT_ATTENTION
+            module.config = own
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
     """The ``(out, in)`` weight of a plain ``nn.Linear`` or a transformers ``Conv1D`` (which stores it transposed),
     or ``None`` for any other module (a subclass with a forward of its own is not a plain linear)."""
@@ -229,6 +305,7 @@ class QuantizedLinears:
         """Quantize again from the base as it is now (codes given at construction are used again)."""
         self.dense, self.source = {}, {}
         self.decoder = self._shadow(self.base_decoder, "", {})
+        _uses_row_invariant_attention(self.decoder)
         self.lm_head = None
         if self.quantize_lm_head:
             head = self._quantized("lm_head", self.base_lm_head)
@@ -317,8 +394,9 @@ class QuantizedEngine(StaticEngine):
         self.quantized.refresh()
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
-        _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
-                                                    self.quantized.decoder, slice(0, 0), layers)
+        with row_invariant_steps(cache.length > 0):
+            _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache,
+                                                        self.mask, self.quantized.decoder, slice(0, 0), layers)
         selected = hidden if logits_for is None else hidden[logits_for]
         return self.lm_logits_rows(selected), hidden, *features
 
@@ -334,6 +412,10 @@ class QuantizedEngine(StaticEngine):
 
     def _batch_decoder(self) -> torch.nn.Module | None:
         return self.quantized.decoder
+
+    def forward_rows(self, *args, **kwargs):
+        with row_invariant_steps():  # batched decoding steps (the prompts' own forwards run as usual)
+            return super().forward_rows(*args, **kwargs)
 
     def settings(self) -> dict:
         sources = set(self.quantized.source.values())
