@@ -181,3 +181,27 @@ def test_bad_input_is_refused_with_what_works(tmp_path):
         gguf_codes(path, tiny_model("llama", seed=3))  # same shapes, other weights
     with pytest.raises(ValueError, match="not the GGUF this model was prepared from"):
         gguf_codes(path, tiny_model("llama", intermediate_size=96))
+
+
+def test_a_decoding_steps_attention_gives_each_row_the_bits_of_attending_alone():
+    # torch's CPU attention gives a query row last-bit different results beside other rows or with more (masked)
+    # keys; the int4 kernels' bfloat16 activations then round those apart, and a Medusa tree would drift from plain
+    # decoding. In decoding steps the engine attends row by row on exactly the keys a row sees.
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, n, 64, generator=gen) for n in (8, 88, 88))  # 80 cached keys, 8 new rows
+    mask = torch.full((1, 1, 8, 88), torch.finfo(torch.float32).min)
+    for i in range(8):
+        mask[..., i, :81 + i] = 0  # row i: the 80 cached keys, the new rows up to itself
+    module = SimpleNamespace(config=SimpleNamespace(medusa_base_attention="sdpa"), num_key_value_groups=1,
+                             is_causal=True)
+    with quantized.row_invariant_steps():
+        together = quantized.row_invariant_attention(module, q, k, v, mask, scaling=0.125)[0]  # (1, 8, H, D)
+        for i in range(8):
+            alone = quantized.row_invariant_attention(module, q[:, :, i:i + 1], k[:, :, :81 + i], v[:, :, :81 + i],
+                                                      mask[..., i:i + 1, :81 + i], scaling=0.125)[0]
+            assert torch.equal(together[:, i:i + 1], alone)
+    with quantized.row_invariant_steps(False):  # outside decoding steps: the base's own attention
+        base = quantized.row_invariant_attention(module, q, k, v, mask, scaling=0.125)[0]
+    torch.testing.assert_close(base, together)
