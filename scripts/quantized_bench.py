@@ -26,6 +26,7 @@ from torch import nn
 VARIANTS = {  # label -> (engine, options)
     "fp32 onednn": ("onednn", {}),
     "int4 gguf, lm_head fp32": ("int4", {"gguf": None}),
+    "int4 gguf, base attention (not row-invariant)": ("int4", {"gguf": None}),
     "int4 weights, lm_head int4": ("int4", {"lm_head": True}),
     "int8 weights, lm_head fp32": ("int8", {}),
 }
@@ -52,6 +53,27 @@ def without_linears(engine):
     return engine
 
 
+def base_attention(engine):
+    """``engine`` with its decoding steps on the base's own attention (all rows at once): what row-invariance costs.
+    Speculation through it is no longer exact (docs/quantized.md)."""
+    from medusa.engines import quantized
+
+    steps, forward = quantized.row_invariant_steps, engine._forward
+    engine._forward = lambda *a, **k: _without_invariance(steps, forward, *a, **k)
+    return engine
+
+
+def _without_invariance(steps, forward, *args, **kwargs):
+    from medusa.engines import quantized
+
+    quantized.row_invariant_steps = lambda on=True: steps(False)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        quantized.row_invariant_steps = steps
+
+
+@torch.inference_mode()
 def time_forwards(engines: dict, prompt: torch.Tensor, sizes=(1, 8, 16), rounds: int = 15) -> dict:
     """Median ms of one forward over ``n`` new tokens after ``prompt``, per engine, interleaved by round."""
     setups = {}
@@ -75,6 +97,7 @@ def time_forwards(engines: dict, prompt: torch.Tensor, sizes=(1, 8, 16), rounds:
     return {label: {str(n): round(statistics.median(times[(label, n)]), 2) for n in sizes} for label in engines}
 
 
+@torch.inference_mode()
 def profile_one_token(engine, prompt: torch.Tensor, steps: int = 20, top: int = 12) -> list[dict]:
     """The ops taking the most self CPU time over ``steps`` one-token forwards (torch.profiler), ms per forward."""
     from torch.profiler import ProfilerActivity, profile
@@ -143,6 +166,7 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     made = {label: registry.make_engine(name, base, **options) for label, (name, options) in VARIANTS.items()}
+    base_attention(made["int4 gguf, base attention (not row-invariant)"])
     result["build_s"] = round(time.perf_counter() - start, 1)
     result["settings"] = {label: {k: v for k, v in e.settings().items() if k not in ("auto",)}
                           for label, e in made.items()}
@@ -158,6 +182,8 @@ def main() -> int:
     fp32_tokens = []
     for label, (name, options) in VARIANTS.items():
         medusa.use_engine(name, **options)
+        if "base attention" in label:
+            base_attention(medusa.engine)
         plain_tokens, medusa_tokens, plain_s, medusa_s, steps = [], [], 0.0, 0.0, 0
         for ids in prompts:
             t = time.perf_counter()

@@ -131,6 +131,11 @@ def test_an_engine_packed_from_the_gguf_decodes_medusa_equal_to_its_plain_greedy
     assert settings["codes_from"] == ["codes"] and "Q8_0" in settings["gguf_unpackable"]["lm_head"]
     assert greedy(medusa) == greedy(medusa, Tree.chain(0))
     assert hf_greedy(model, IDS, 24) == reference  # the base itself runs as before
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+    medusa.engine.refresh()  # the changed layer's GGUF codes no longer hold: it is quantized from its weight
+    assert medusa.engine.quantized.source["layers.0.mlp.up_proj"] == "weights"
+    assert medusa.engine.quantized.source["layers.0.mlp.down_proj"] == "codes"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

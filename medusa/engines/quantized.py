@@ -302,7 +302,12 @@ class QuantizedLinears:
         self.refresh()
 
     def refresh(self) -> None:
-        """Quantize again from the base as it is now (codes given at construction are used again)."""
+        """Quantize again from the base as it is now; codes given at construction are used again where they still
+        give the module's weight exactly, and are dropped (the weight quantized instead) where it changed."""
+        if hasattr(self, "decoder"):  # a refresh, not the first build: keep only the codes still matching
+            modules = dict(self.base_decoder.named_modules()) | {"lm_head": self.base_lm_head}
+            self.codes = {name: c for name, c in self.codes.items() if name in modules and torch.equal(
+                dequantize_int4(c.codes, c.scale, c.zero), linear_weight(modules[name]).detach().float())}
         self.dense, self.source = {}, {}
         self.decoder = self._shadow(self.base_decoder, "", {})
         _uses_row_invariant_attention(self.decoder)
