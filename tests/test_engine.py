@@ -314,7 +314,7 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
 
     outs, _ = batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
     assert outs == [reference, hf_greedy(model, ids_of(7, seed=3), 16)]
-    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, toy"):
+    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, int4, int8, toy"):
         engines.make_engine("turbo", model)
 
 
