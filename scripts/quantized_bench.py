@@ -97,6 +97,33 @@ def time_forwards(engines: dict, prompt: torch.Tensor, sizes=(1, 8, 16), rounds:
     return {label: {str(n): round(statistics.median(times[(label, n)]), 2) for n in sizes} for label in engines}
 
 
+def interleaved_decode(medusa, gguf: str, prompts: list, max_new_tokens: int, rounds: int = 2) -> dict:
+    """Tok/s of fp32 ``onednn`` and ``int4`` (GGUF codes) run back to back per prompt and tree (best round), and
+    how many prompts each tree's tokens equal plain decoding's through the same engine."""
+    from medusa.decode.tree import Tree
+    from medusa.model import MedusaModel
+
+    models = {"fp32 onednn": medusa, "int4 gguf": MedusaModel(medusa.base, medusa.heads, tree=medusa.tree,
+                                                              tokenizer=medusa.tokenizer, engine="int4", gguf=gguf)}
+    medusa.use_engine("onednn")
+    trees = {"plain": Tree.chain(0), "chain2": Tree.chain(2), "shipped, no lookup": medusa.tree.with_lookup(0),
+             "shipped": medusa.tree}
+    seconds, outs = {}, {}
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            for tree_name, tree in trees.items():
+                for label, model in models.items():
+                    start = time.perf_counter()
+                    outs[(label, tree_name, i)] = model.generate(ids, max_new_tokens, tree=tree, stop_token_ids=set(),
+                                                                 do_sample=False)[0]
+                    seconds.setdefault((label, tree_name), [0.0] * rounds)[r] += time.perf_counter() - start
+    total, n = max_new_tokens * len(prompts), len(prompts)
+    return {f"{label} / {tree_name}": {
+        "tok_s": round(total / min(s), 2), "tok_s_rounds": [round(total / x, 2) for x in s],
+        "identical_to_plain": sum(outs[(label, tree_name, i)] == outs[(label, "plain", i)] for i in range(n))}
+        for (label, tree_name), s in seconds.items()}
+
+
 @torch.inference_mode()
 def profile_one_token(engine, prompt: torch.Tensor, steps: int = 20, top: int = 12) -> list[dict]:
     """The ops taking the most self CPU time over ``steps`` one-token forwards (torch.profiler), ms per forward."""
@@ -139,6 +166,8 @@ def main() -> int:
     parser.add_argument("--prompts", default="benchmarks/prompts/sharegpt-held-out.jsonl")
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--interleaved-decode-only", action="store_true",
+                        help="only fp32 onednn against int4 decoding, back to back per prompt and tree")
     parser.add_argument("--profile-only", action="store_true",
                         help="only profile the int4 engine's one-token forward (torch.profiler, top ops)")
     args = parser.parse_args()
@@ -158,6 +187,11 @@ def main() -> int:
     result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
               "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens, "gguf": gguf}
 
+    if args.interleaved_decode_only:
+        result["interleaved_decode"] = interleaved_decode(medusa, gguf, prompts, args.max_new_tokens)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["interleaved_decode"], indent=1))
+        return 0
     if args.profile_only:
         prompt = torch.cat(prompts)[:64]
         result["profile_int4_one_token"] = profile_one_token(registry.make_engine("int4", base, gguf=gguf), prompt)
