@@ -16,9 +16,14 @@ file's own blocks (:mod:`medusa.io.gguf_pack`), so nothing is rounded a second t
 Like the onednn engine, the engine runs a shadow of the decoder (new module objects sharing the base's parameters
 and buffers) in which only the linear layers are replaced; the base model is not changed and runs as before
 everywhere else. The quantized copies are a snapshot of the weights when the engine was made: after changing the
-base's weights, call :meth:`QuantizedEngine.refresh` (checking every layer's version on every forward would cost a
-one-token forward more than it saves). A linear layer the kernel cannot take (its output size not a multiple of 16,
-its input size not a multiple of the group size) stays dense and is named in :meth:`QuantizedEngine.settings`.
+base's weights, call :meth:`QuantizedEngine.refresh` (a check of every layer on every forward is Python work on the
+one-token path this engine is meant to shorten). A linear layer the kernel cannot take (its output size not a
+multiple of 16, its input size not a multiple of the group size) stays dense and is named in
+:meth:`QuantizedEngine.settings`.
+
+Exactness: the bfloat16 casts turn a last-bit fp32 difference into a bfloat16 step, and torch's CPU attention gives
+a query row last-bit different results beside other rows; so in decoding steps the shadow attends row by row
+(:func:`row_invariant_attention`), and greedy Medusa through the engine equals plain greedy through it.
 
 The lm_head stays dense by default (``lm_head=True`` quantizes it too; docs/quantized.md has the measurement that
 chose the default), and the input embedding always does: one row is read per token.
