@@ -22,6 +22,8 @@ _moved.install()
 
 _PUBLIC = {
     "MedusaModel": "medusa.model",
+    "DecodeConfig": "medusa.build",
+    "build_model": "medusa.build",
     "load_base": "medusa.base",
     "Tree": "medusa.decode.tree",
     "load_tree": "medusa.decode.tree",

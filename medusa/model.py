@@ -16,7 +16,7 @@ from medusa.decode.loop import GenerationStats, Step, decode_steps
 from medusa.decode.tree import Tree, load_tree
 from medusa.drafters.composite import tree_drafter
 from medusa.drafters.heads import HydraHeads, MedusaHeads
-from medusa.engines import make_engine
+from medusa.engines import AUTO, make_engine
 from medusa.io.adapter import check_adapter_folder, merge_adapter
 from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
 
@@ -27,52 +27,92 @@ CALIBRATION_NOTE = ("the heads folder has no calibration.json, so every step use
                     "--base BASE --heads DIR --data VALIDATION.jsonl` measures one and turns on the per-step tree")
 
 
+def _default_engine() -> str:
+    """The engine name ``None`` means now (read when called: the test suite pins it)."""
+    from medusa.engines import base
+
+    return base.DEFAULT_ENGINE
+
+
 class MedusaModel(nn.Module):
     """A base causal LM (frozen, stock transformers) with Medusa heads on its last hidden state.
 
     Args:
         base: a transformers ``*ForCausalLM``.
-        heads: heads trained for this base (same device and dtype as the base after construction).
-        tree: default candidate tree; ``None`` means the top-1 chain over all heads.
+        heads: heads trained for this base (same device and dtype as the base after construction); ``None`` for a
+            model that drafts without heads (a draft model, prompt lookup, a registered drafter).
+        tree: default candidate tree; ``None`` means the top-1 chain over all heads (over the draft model's depth;
+            no node without either).
         tokenizer: optional, used for stop tokens and by the CLI.
         engine: the decode engine's name (:func:`medusa.engines.make_engine`; ``engine_options`` go to it).
-        drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads on ``tree`` (with its
-            prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
+        drafter: what proposes each step's tree (:mod:`medusa.drafters`); ``None``: the heads (or the draft model)
+            on ``tree`` (with its prompt-lookup chain), :func:`medusa.drafters.tree_drafter`.
+        draft_model: a separate draft model (:class:`medusa.drafters.draft_model.DraftModelHeads`) drafting the
+            tree's nodes instead of heads (:meth:`from_draft_model`).
+
+    Raises:
+        ValueError: both ``heads`` and ``draft_model`` given.
     """
 
-    def __init__(self, base, heads: MedusaHeads | HydraHeads, tree: Tree | None = None, tokenizer=None,
-                 engine: str | None = None, drafter=None, **engine_options):
+    def __init__(self, base, heads: MedusaHeads | HydraHeads | None, tree: Tree | None = None, tokenizer=None,
+                 engine: str | None = None, drafter=None, draft_model=None, **engine_options):
         super().__init__()
+        if heads is not None and draft_model is not None:
+            raise ValueError("a model drafts with heads or with a draft model, not both")
+        dtype = base.get_output_embeddings().weight.dtype
         self.base = base
-        self.heads = heads.to(device=base.device, dtype=base.get_output_embeddings().weight.dtype)
+        self.heads = heads.to(device=base.device, dtype=dtype) if heads is not None else None
+        self.draft_model = draft_model.to(device=base.device, dtype=dtype) if draft_model is not None else None
+        """The separate draft model the drafter drafts with (:mod:`medusa.drafters.draft_model`), or ``None``."""
         self.tokenizer = tokenizer
-        self.tree = tree or Tree.chain(heads.config.num_heads)  # also makes self.drafter: the heads on this tree
+        network = self.drafts_from
+        # Also makes self.drafter: the heads (or draft model) on this tree.
+        self.tree = tree or Tree.chain(network.config.num_heads if network is not None else 0)
         if drafter is not None:
             self.drafter = drafter
         self.dtype_reason: str | None = None
-        """Why this dtype, when ``--dtype auto`` chose it (:func:`medusa.profile.choose_dtype`)."""
+        """Why this dtype, when ``--dtype auto`` chose it (:func:`medusa.tools.measure.choose_dtype`)."""
         self.use_engine(engine, **engine_options)
 
-    def use_engine(self, name: str | None = None, step_size: int | None = None, **options) -> None:
+    def use_engine(self, name: str | None = None, step_size: int | None = None, measure: bool = False,
+                   **options) -> None:
         """Decode through the engine ``name`` (:func:`medusa.engines.make_engine`; ``options`` go to it, e.g.
-        ``scores_all_nodes=``; ``None``: the default, ``"auto"``: chosen from this machine's profile for steps of
-        this model's tree). The engine declares whether one lm_head product over all tree nodes or one row at a
-        time along the accepted path is cheaper (:attr:`medusa.engines.Engine.scores_all_nodes`); both accept the
-        same tokens.
+        ``scores_all_nodes=``; ``None``: the default, ``"auto"``: chosen from this machine's stored profile for steps
+        of this model's tree, or the static default, said in one log line, where none is stored).
+
+        ``measure`` with ``auto``: measure the profile first when none is stored, announced with its duration (about
+        30 s, :func:`medusa.tools.measure.ensure_profile`); nothing is measured otherwise. The engine declares whether
+        one lm_head product over all tree nodes or one row at a time along the accepted path is cheaper
+        (:attr:`medusa.engines.Engine.scores_all_nodes`); both accept the same tokens.
         """
         self.engine = None  # the previous engine (and the packed copy it owns) is freed first
         step_size = step_size or getattr(self.drafter, "typical_nodes", self.drafter.max_nodes)
+        if measure and (name or _default_engine()) == AUTO:
+            from medusa.profile import FALLBACK_ENGINE, EngineChoice
+            from medusa.tools.measure import ensure_profile, stderr_progress
+
+            try:
+                options["profile"] = ensure_profile(self.base, announce=stderr_progress)
+            except Exception as e:  # noqa: BLE001 - a failure to measure falls back, and says why
+                reason = f"{FALLBACK_ENGINE}: measuring this machine failed ({type(e).__name__}: {e})"
+                logger.warning("--engine auto: %s", reason)
+                self.engine = make_engine(FALLBACK_ENGINE, self.base, step_size=step_size, **options)
+                self.engine.choice = EngineChoice(FALLBACK_ENGINE, reason, step_size)
+                return
         self.engine = make_engine(name, self.base, step_size=step_size, **options)
 
-    def use_per_step_tree(self, calibration, profile=None, **options) -> None:
+    def use_per_step_tree(self, calibration, profile=None, measure: bool = False, **options) -> None:
         """Decode with a tree grown each step from the heads' calibrated confidence and this machine's measured
         cost (:class:`medusa.drafters.per_step.PerStepDrafter`), through the current engine.
 
         Args:
             calibration: a :class:`medusa.drafters.calibration.Calibration`, or a heads folder holding
                 ``calibration.json`` (its weights digest is then checked too).
-            profile: this machine's :class:`medusa.profile.MachineProfile` (default: loaded, measured if none is
-                stored); the engine's forward costs and the heads' drafting cost are read from it.
+            profile: this machine's :class:`medusa.profile.MachineProfile` (default: the stored one); the engine's
+                forward costs and the heads' drafting cost are read from it. Figures it lacks are measured into it
+                with ``measure``, else stand-in costs are used and said in one log line
+                (:meth:`medusa.drafters.per_step.StepCost.from_profile`).
+            measure: measure what the profile lacks (the profile itself, this engine, the heads' cost).
             options: :class:`medusa.drafters.per_step.PerStepDrafter` options (``max_nodes``, ``lookup_length``...).
 
         Raises:
@@ -80,7 +120,7 @@ class MedusaModel(nn.Module):
                 folder, a damaged one, or one for other heads.
         """
         from medusa.drafters.per_step import DEFAULT_BUCKETS, PerStepDrafter, StepCost
-        from medusa.profile import ensure_engine, load_profile, stderr_progress
+        from medusa.profile import stored_profile
 
         if isinstance(calibration, str | Path):
             from medusa.drafters.calibration import (
@@ -95,12 +135,20 @@ class MedusaModel(nn.Module):
             calibration = load_calibration(folder / CALIBRATION_FILE_NAME)
             check_calibration(calibration, heads_identity(self.heads, folder / HEADS_WEIGHTS_NAME),
                               f"calibration file {folder / CALIBRATION_FILE_NAME}")
-        profile = profile if profile is not None else load_profile(self.base, progress=stderr_progress)
-        profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
+        why = "given"
+        level_s = None
+        if measure:
+            from medusa.tools.measure import ensure_engine, ensure_profile, heads_level_s, stderr_progress
+
+            profile = profile if profile is not None else ensure_profile(self.base, announce=stderr_progress)
+            profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
+            level_s = heads_level_s(profile, self.heads)
+        elif profile is None:
+            profile, why = stored_profile(self.base)
         # The sizes a tree settles on: the engine's buckets, else the sizes the profile measured (a forward's cost
         # jumps between sizes, by kernel choice, more than interpolation shows).
         buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else "measured")
-        cost = StepCost.from_profile(profile, self.engine.name, self.heads, buckets)
+        cost = StepCost.from_profile(profile, self.engine.name, self.heads, buckets, level_s=level_s, why=why)
         self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)
 
     @property
@@ -201,8 +249,8 @@ class MedusaModel(nn.Module):
             tree = tree.with_lookup(lookup, lookup_ngram)
         check_quantize(draft_quantize, torch.device(device), dtype)  # before the models load
         model, tokenizer = load_base(base, dtype, device)
-        heads = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine, quantize=draft_quantize)
-        return cls(model, heads, tree, tokenizer, engine, **engine_options)
+        drafting = load_draft_model(draft, model, tokenizer, draft_tokens, draft_engine, quantize=draft_quantize)
+        return cls(model, None, tree, tokenizer, engine, draft_model=drafting, **engine_options)
 
     @property
     def tree(self) -> Tree:
@@ -213,9 +261,16 @@ class MedusaModel(nn.Module):
 
     @tree.setter
     def tree(self, tree: Tree) -> None:
-        tree.check_fits(self.heads.config.num_heads, self.heads.head_vocab_size)
+        network = self.drafts_from
+        if network is not None:
+            tree.check_fits(network.config.num_heads, network.head_vocab_size)
         self._tree = tree
-        self.drafter = tree_drafter(self.heads, tree)
+        self.drafter = tree_drafter(network, tree)
+
+    @property
+    def drafts_from(self):
+        """What a tree's nodes are drafted with: the heads, the draft model (:attr:`draft_model`), or ``None``."""
+        return self.heads if self.heads is not None else self.draft_model
 
     @property
     def device(self) -> torch.device:

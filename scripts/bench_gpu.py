@@ -1,5 +1,5 @@
 """One device, no downloads: decode-step costs of every engine, HF ``generate``, plain and Medusa decoding, and the
-weight-read floor, written to one JSON (issue 7). ``scripts/bench_gpu.sh`` runs it on a CUDA device.
+weight-read floor, written to one JSON (issue 7). ``studies/bench_gpu.sh`` runs it on a CUDA device.
 
 Without ``--base`` a Llama-2-7B-shaped model with random weights is built on the device (``--shape tiny``: a
 2-layer model, what the CPU test suite runs with ``--device cpu``). Random heads (4 Medusa heads) give a low tau:

@@ -32,8 +32,10 @@ from bench_gpu import SHAPES  # noqa: E402
 import medusa.profile as prof  # noqa: E402
 from medusa.base import hf_greedy_batch  # noqa: E402
 from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig  # noqa: E402
+from medusa.engines import auto_candidates  # noqa: E402
 from medusa.model import MedusaModel  # noqa: E402
 from medusa.tools.bench import divergence  # noqa: E402
+from medusa.tools.measure import load_profile  # noqa: E402
 from medusa.tools.report import profile_table  # noqa: E402
 
 
@@ -73,12 +75,12 @@ def main(argv=None) -> int:
     def progress(text):
         print(text, flush=True)
 
-    profile, measure_s = timed(lambda: prof.load_profile(base, folder=folder, progress=progress))
+    profile, measure_s = timed(lambda: load_profile(base, folder=folder, progress=progress))
     step_sizes = [1, 16, 64]
     print(profile_table(profile.to_dict(), str(profile.path), {n: profile.choose_engine(n).reason
                                                                for n in step_sizes}))
     failures = []
-    stored, read_s = timed(lambda: prof.load_profile(base, folder=folder))
+    stored, read_s = timed(lambda: load_profile(base, folder=folder))
     if stored.measured != profile.measured or stored.to_dict()["engines"].keys() != profile.engines.keys():
         failures.append("the stored profile was measured again instead of read back")
     if "onednn" in stored.usable() and device.type != "cpu":
@@ -91,8 +93,9 @@ def main(argv=None) -> int:
     os.environ["MEDUSA_CACHE_DIR"] = str(folder)
     model = MedusaModel(base, heads, engine="auto")
     choice = model.engine.choice
-    if choice is None or choice.engine not in prof.CANDIDATES or choice.profile != str(profile.path):
-        failures.append(f"auto's choice {choice} is not one of {prof.CANDIDATES} read from {profile.path}")
+    candidates = auto_candidates(device, dtype)
+    if choice is None or choice.engine not in candidates or choice.profile != str(profile.path):
+        failures.append(f"auto's choice {choice} is not one of {candidates} read from {profile.path}")
     ids = torch.randint(3, vocab, (64,), generator=torch.Generator().manual_seed(1)).to(device)
     model.generate(ids, max_new_tokens=4)  # warm-up
     hf_greedy_batch(base, [ids], 4, set(), 0)

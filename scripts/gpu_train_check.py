@@ -47,7 +47,6 @@ from train.config import TrainConfig  # noqa: E402
 from train.loop import fit  # noqa: E402
 from train.run import Run  # noqa: E402
 from train.setup import (  # noqa: E402
-    base_position_weight,
     freeze_base,
     full_base_weights,
     heads_base_layers,
@@ -185,10 +184,10 @@ def make_run(config: TrainConfig, accelerator, model, examples: list[dict], stor
     """The :class:`train.run.Run` :func:`train.setup.setup` would build for ``config`` from these examples (fresh
     heads of ``config.head_type``, AdamW over their trainable parameters, cosine schedule), without reading chat
     data or a tokenizer; nothing is held out."""
-    lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each
+    lm_head, embed = full_base_weights(model, config.trainable.reads_embeddings)  # (V, H) each
     always = sorted(stop_token_ids(model.generation_config))
     heads = heads_for_training(config, lm_head, embed, examples, always, model.config.get_text_config(decoder=True),
-                               base_position_weight(config, model))
+                               config.trainable.position_weight(config, model))
     optimizer = make_optimizer(heads, config)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps)
@@ -253,7 +252,7 @@ def heads_roundtrip(run: Run, folder: Path) -> dict:
     "heads_logits_equal"}``."""
     heads = run.accelerator.unwrap_model(run.heads).eval()
     save_heads(heads, folder, extra_config={"steps": run.step, "check": "gpu_train_check"})
-    lm_head, embed = full_base_weights(run.model, heads.config.head_type)  # (V, H) each
+    lm_head, embed = full_base_weights(run.model, run.config.trainable.reads_embeddings)  # (V, H) each
     layers = run.model.config.get_text_config(decoder=True).num_hidden_layers
     loaded = load_heads(folder, lm_head, embed_weight=embed, num_base_layers=layers).eval()
     saved, back = heads.state_dict(), loaded.state_dict()

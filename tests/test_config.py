@@ -84,3 +84,19 @@ def test_accelerate_configs_load(path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     assert load_config_from_file(str(path)).num_processes >= 1
+
+
+def test_drafter_is_a_validated_synonym_of_head_type(tmp_path):
+    assert load_config(write(tmp_path, "base: m\ndrafter: hydra\n")).head_type == "hydra"
+    assert load_config(write(tmp_path, "base: m\ndrafter: eagle\nhead_type: eagle\n")).head_type == "eagle"
+    with pytest.raises(ValueError, match="drafter 'eagle' and head_type 'hydra' name the same setting"):
+        load_config(write(tmp_path, "base: m\ndrafter: eagle\nhead_type: hydra\n"))
+    with pytest.raises(ValueError, match=r"head_type must be one of .*got 'nope'"):
+        load_config(write(tmp_path, "base: m\ndrafter: nope\n"))
+    parser = add_train_arguments(argparse.ArgumentParser())
+    yaml_path = write(tmp_path, "base: m\ndrafter: hydra\n")
+    assert config_from_args(parser.parse_args(["--config", str(yaml_path), "--drafter", "medusa"])).head_type == \
+        "medusa"  # the command line overrides the YAML file, under either name
+    with pytest.raises(ValueError, match="overrides: drafter 'eagle' and head_type 'hydra'"):
+        config_from_args(parser.parse_args(["--config", str(yaml_path), "--drafter", "eagle", "--head-type",
+                                            "hydra"]))

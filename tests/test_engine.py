@@ -300,7 +300,8 @@ class ToyEngine(engines.Engine):
 def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
     monkeypatch.setitem(engines.ENGINES, "toy", ToyEngine)
     engines.register_engine("toy")(ToyEngine)  # registering the same class again is fine
-    with pytest.raises(ValueError, match="taken by"):
+    with pytest.raises(ValueError, match=r"'toy' is already registered to \S*test_engine\.ToyEngine; cannot "
+                                         r"register \S*Other"):
         engines.register_engine("toy")(type("Other", (ToyEngine,), {}))
     model = tiny_model("llama")
     ids = ids_of(12)

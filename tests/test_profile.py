@@ -1,5 +1,6 @@
-"""The machine profile (medusa.profile): measured, stored and read back, re-measured when its key or its file is not
-this machine's, and ``--engine auto`` / ``--dtype auto`` chosen from it."""
+"""The machine profile: measured (medusa.tools.measure), stored and read back (medusa.profile), re-measured when its
+key or its file is not this machine's, ``--engine auto`` / ``--dtype auto`` chosen from it, and nothing measured
+unless asked."""
 
 import json
 import logging
@@ -10,8 +11,11 @@ from conftest import SHIPPED_DEFAULT_ENGINE
 from tiny import save_tiny, tiny_model
 
 import medusa.profile as prof
+import medusa.tools.measure as measure
 from medusa.cli import main
-from medusa.engines import AUTO, make_engine
+from medusa.engines import AUTO, auto_candidates, make_engine
+
+CANDIDATES = auto_candidates("cpu", torch.float32)  # eager, static, onednn where oneDNN runs
 
 
 def fake_profile(key: dict, hf_ms: float, engines: dict[str, tuple[float, dict[int, float]]]) -> prof.MachineProfile:
@@ -58,7 +62,7 @@ def test_interpolation_between_and_beyond_the_measured_sizes():
 
 def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
     model = tiny_model("llama")
-    profile = prof.load_profile(model, folder=tmp_path)
+    profile = measure.load_profile(model, folder=tmp_path)
     assert profile.path.is_file() and profile.path.parent == tmp_path / "profiles"
     assert {"eager", "static"} <= set(profile.usable()) and profile.hf_generate_token_s > 0
     entry = profile.engines["static"]
@@ -69,13 +73,14 @@ def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
     def must_not_measure(*args, **kwargs):
         raise AssertionError("a matching stored profile was measured again")
 
-    monkeypatch.setattr(prof, "measure_profile", must_not_measure)
-    again = prof.load_profile(model, folder=tmp_path)
+    monkeypatch.setattr(measure, "measure_profile", must_not_measure)
+    again = measure.load_profile(model, folder=tmp_path)
     assert json.loads(json.dumps(again.to_dict())) == json.loads(profile.path.read_text())
     assert again.forward_s("static", 4) == profile.forward_s("static", 4)  # int sizes survive the JSON round trip
     assert again.engines["onednn"]["batch_forward_s"][4][16] > 0
     # A drafter's cost is measured once and stored with the profile.
     calls = []
+    assert again.drafter_cost("toy") is None  # nothing stored, nothing asked: not measured
     assert again.drafter_cost("toy", lambda: calls.append(1) or [0.001, 0.002]) == [0.001, 0.002]
     assert again.drafter_cost("toy", lambda: calls.append(1) or [9.0]) == [0.001, 0.002] and calls == [1]
     assert json.loads(profile.path.read_text())["drafters"]["toy"]["per_depth_s"] == [0.001, 0.002]
@@ -86,11 +91,11 @@ def fast_measure(monkeypatch):
     """``measure_profile`` replaced by a quick fake that records its calls (what it measures is tested above)."""
     calls = []
 
-    def measure(model, candidates=prof.CANDIDATES, progress=None):
+    def fake_measure(model, candidates=None, progress=None):
         calls.append(model)
         return fake_profile(prof.profile_key(model), 50.0, AMD_LIKE)
 
-    monkeypatch.setattr(prof, "measure_profile", measure)
+    monkeypatch.setattr(measure, "measure_profile", fake_measure)
     return calls
 
 
@@ -106,8 +111,8 @@ def test_a_profile_whose_key_does_not_match_is_measured_again_naming_the_mismatc
     key = prof.profile_key(model)
     path = prof.profile_path(key, tmp_path)
     fake_profile(key | {field: value}, 50.0, INTEL_LIKE).save(path)
-    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
-        profile = prof.load_profile(model, folder=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="medusa.tools.measure"):
+        profile = measure.load_profile(model, folder=tmp_path)
     assert len(fast_measure) == 1 and "measured for another setup" in caplog.text and named in caplog.text
     assert json.loads(path.read_text())["key"] == key  # the new measurement replaced it
     assert profile.choose_engine(15).engine == "onednn"
@@ -131,44 +136,143 @@ def test_a_corrupt_profile_is_measured_again_with_a_warning(tmp_path, fast_measu
     path = prof.profile_path(prof.profile_key(model), tmp_path)
     path.parent.mkdir(parents=True)
     path.write_bytes(content.encode("utf-8", "surrogateescape"))
-    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
-        prof.load_profile(model, folder=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="medusa.tools.measure"):
+        measure.load_profile(model, folder=tmp_path)
     assert len(fast_measure) == 1 and "is unreadable" in caplog.text and "not trusting it" in caplog.text
     assert prof.MachineProfile.from_dict(json.loads(path.read_text())).engines  # now a valid profile
 
 
-def test_auto_falls_back_to_static_with_the_reason_when_measuring_fails(monkeypatch, caplog):
-    def broken(*args, **kwargs):
-        raise RuntimeError("perf counters unavailable")
-
-    monkeypatch.setattr(prof, "measure_profile", broken)
-    monkeypatch.setenv("MEDUSA_CACHE_DIR", "/nonexistent/never-written")
-    model = tiny_model("llama")
-    with caplog.at_level(logging.WARNING, logger="medusa.profile"):
-        engine = make_engine(AUTO, model, step_size=15)
-    assert engine.name == prof.FALLBACK_ENGINE == "static"
-    assert "measuring this machine failed (RuntimeError: perf counters unavailable)" in engine.choice.reason
-    assert "perf counters unavailable" in caplog.text
-    assert engine.settings()["auto"]["engine"] == "static"
-
-
-def test_auto_is_the_shipped_default_and_decodes_through_the_chosen_engine(tmp_path, monkeypatch):
-    from medusa.base import hf_greedy_batch
+def _heads_for(base):
     from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig
+
+    return MedusaHeads(MedusaHeadsConfig(num_heads=2, hidden_size=64, vocab_size=base.config.vocab_size),
+                       base.get_output_embeddings().weight)
+
+
+@pytest.fixture
+def no_timings(monkeypatch):
+    """Every timer of the measurer raises: a test under it proves nothing was measured."""
+    def timed(*args, **kwargs):
+        raise AssertionError("the machine was timed without being asked")
+
+    for name in ("time_forwards", "time_batch_forwards", "time_plain_decoding", "time_hf_generate",
+                 "time_heads_levels", "measure_profile", "_measure_engines"):
+        monkeypatch.setattr(measure, name, timed)
+
+
+def _files_under(folder):
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def test_building_a_model_with_no_stored_profile_measures_nothing_and_says_so_once(tmp_path, monkeypatch, caplog,
+                                                                                   no_timings):
+    import medusa.engines.base as engine_base
+    from medusa.base import hf_greedy_batch
+    from medusa.decode.loop import GenerationStats, decode_steps
+    from medusa.drafters.composite import NoDrafter
     from medusa.model import MedusaModel
 
     assert SHIPPED_DEFAULT_ENGINE == AUTO  # the suite pins its own default (conftest); the package's is auto
+    monkeypatch.setattr(engine_base, "DEFAULT_ENGINE", SHIPPED_DEFAULT_ENGINE)
     monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
     base = tiny_model("llama")
-    heads = MedusaHeads(MedusaHeadsConfig(num_heads=2, hidden_size=64, vocab_size=base.config.vocab_size),
-                        base.get_output_embeddings().weight)
-    model = MedusaModel(base, heads, engine=AUTO)
+    with caplog.at_level(logging.INFO):
+        model = MedusaModel(base, _heads_for(base))  # engine=None: the shipped default, auto
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("medusa")]
+    assert len(lines) == 1 and "not measured" in lines[0] and "medusa profile" in lines[0]
+    assert model.engine.name == prof.FALLBACK_ENGINE and "none stored" in model.engine.choice.reason
+    ids = torch.tensor([5, 9, 2, 7])
+    tokens, _ = model.generate(ids, max_new_tokens=8)
+    assert tokens == hf_greedy_batch(base, [ids], 8, set(), 0)[0]
+    stats = GenerationStats()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert len(list(decode_steps(base, NoDrafter(), ids, 4, set(), stats))) > 0  # engine=None: auto, read only
+        assert make_engine(None, base, step_size=15).name == prof.FALLBACK_ENGINE
+    assert caplog.records == []  # said once, not once per decode call
+    assert measure.choose_dtype(base, 15)[0] == torch.float32
+    assert _files_under(tmp_path) == []  # nothing written under MEDUSA_CACHE_DIR
+
+
+def test_a_per_step_tree_with_no_stored_profile_uses_stand_in_costs_said_once(tmp_path, monkeypatch, caplog,
+                                                                              no_timings):
+    from test_per_step import flat_calibration
+
+    from medusa.drafters.per_step import STAND_IN_LEVEL_S
+    from medusa.model import MedusaModel
+
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    model = MedusaModel(base, _heads_for(base), engine="static")
+    with caplog.at_level(logging.WARNING):
+        model.use_per_step_tree(flat_calibration(model.heads, 0.8))
+    assert len(caplog.records) == 1 and "stand-in costs" in caplog.text and "none stored" in caplog.text
+    assert model.per_step and model.drafter.cost.level_s == [STAND_IN_LEVEL_S] * 2
+    assert model.drafter.cost.buckets == prof.STEP_SIZES
+    tokens, _ = model.generate(torch.tensor([5, 9, 2, 7]), max_new_tokens=6)
+    assert len(tokens) == 6 and _files_under(tmp_path) == []
+    # A stored profile's own figures are read (its heads' cost too), still without measuring.
+    stored = fake_profile(prof.profile_key(base), 50.0, AMD_LIKE)
+    stored.drafters[prof.heads_key(model.heads)] = {"per_depth_s": [0.004, 0.005]}
+    stored.save(prof.profile_path(stored.key))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        model.use_per_step_tree(flat_calibration(model.heads, 0.8))
+    assert caplog.records == [] and model.drafter.cost.level_s == [0.004, 0.005]
+    assert model.drafter.cost.forward(16) == pytest.approx(stored.forward_s("static", 16))
+
+
+def test_auto_reads_a_stored_profile_without_measuring(tmp_path, monkeypatch, no_timings):
+    from medusa.model import MedusaModel
+
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    key = prof.profile_key(base)
+    fake_profile(key, 65.2, AMD_LIKE).save(prof.profile_path(key))
+    model = MedusaModel(base, _heads_for(base), engine=AUTO)
+    assert model.engine.name == "onednn" and model.engine.choice.profile.startswith(str(tmp_path))
+    fake_profile(key, 51.5, INTEL_LIKE).save(prof.profile_path(key))
+    assert make_engine(AUTO, base, step_size=15).name == "static"
+
+
+def test_measure_true_measures_once_announced_and_decodes_through_the_chosen_engine(tmp_path, monkeypatch, capsys):
+    from medusa.base import hf_greedy_batch
+    from medusa.model import MedusaModel
+
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    model = MedusaModel(base, _heads_for(base), engine="eager")
+    model.use_engine(AUTO, measure=True)
     choice = model.engine.choice
-    assert choice.engine == model.engine.name in prof.CANDIDATES and choice.step_size == model.tree.num_nodes
+    assert choice.engine == model.engine.name in CANDIDATES and choice.step_size == model.tree.num_nodes
     assert choice.profile.startswith(str(tmp_path))
+    assert _files_under(tmp_path) == [prof.profile_path(prof.profile_key(base))]
+    err = capsys.readouterr().err
+    assert "measuring this machine for LlamaForCausalLM in float32 on cpu once (none stored" in err
+    assert "measured this machine in " in err
+    model.use_engine(AUTO, measure=True)  # stored now: read back, not announced again
+    assert "measuring" not in capsys.readouterr().err
     ids = torch.tensor([5, 9, 2, 7])
     tokens, _ = model.generate(ids, max_new_tokens=12)
     assert tokens == hf_greedy_batch(base, [ids], 12, set(), 0)[0]
+
+
+def test_auto_falls_back_to_static_with_the_reason_when_measuring_fails(tmp_path, monkeypatch, caplog):
+    from medusa.model import MedusaModel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("perf counters unavailable")
+
+    monkeypatch.setattr(measure, "measure_profile", broken)
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    model = MedusaModel(base, _heads_for(base), engine="eager")
+    with caplog.at_level(logging.WARNING, logger="medusa.model"):
+        model.use_engine(AUTO, measure=True)
+    assert model.engine.name == prof.FALLBACK_ENGINE == "static"
+    assert "measuring this machine failed (RuntimeError: perf counters unavailable)" in model.engine.choice.reason
+    assert "perf counters unavailable" in caplog.text
+    assert model.engine.settings()["auto"]["engine"] == "static"
 
 
 def test_profile_command_prints_the_table_and_auto_choice(tmp_path, fast_measure, capsys, monkeypatch):
@@ -189,22 +293,25 @@ def test_profile_command_prints_the_table_and_auto_choice(tmp_path, fast_measure
 def test_dtype_auto_keeps_float32_without_bf16_hardware_and_takes_bf16_where_it_pays(monkeypatch, tmp_path):
     model = tiny_model("llama")
     monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx2"]})
-    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path)
+    dtype, reason = measure.choose_dtype(model, 15, folder=tmp_path, measure=True)
     assert dtype == torch.float32 and "no bfloat16 matrix instructions" in reason
     monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx512f", "amx_bf16"]})
     by_dtype = {"float32": {"static": (50.0, {1: 45.0, 16: 100.0})},
                 "bfloat16": {"static": (30.0, {1: 28.0, 16: 40.0})}}
 
-    def measure(model, candidates=prof.CANDIDATES, progress=None):
+    def fake_measure(model, candidates=None, progress=None):
         key = prof.profile_key(model)
         return fake_profile(key, 50.0, by_dtype[key["dtype"]])
 
-    monkeypatch.setattr(prof, "measure_profile", measure)
-    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path)
+    monkeypatch.setattr(measure, "measure_profile", fake_measure)
+    dtype, reason = measure.choose_dtype(model, 15, folder=tmp_path)  # not asked to measure: the exact default
+    assert dtype == torch.float32 and "not measured" in reason and not (tmp_path / "profiles").exists()
+    dtype, reason = measure.choose_dtype(model, 15, folder=tmp_path, measure=True)
     assert dtype == torch.bfloat16 and "bfloat16 pays here" in reason
     assert model.dtype == torch.float32  # the model asked about is left as it was
+    assert measure.choose_dtype(model, 15, folder=tmp_path)[0] == torch.bfloat16  # both stored now: read
     by_dtype["bfloat16"]["static"] = (55.0, {1: 50.0, 16: 98.0})
-    dtype, reason = prof.choose_dtype(model, 15, folder=tmp_path / "other")
+    dtype, reason = measure.choose_dtype(model, 15, folder=tmp_path / "other", measure=True)
     assert dtype == torch.float32 and "does not pay" in reason
 
 
@@ -220,7 +327,7 @@ def test_gpu_profile_check_script_runs_on_the_cpu(tmp_path):
     assert gpu_profile_check.main(["--tiny", "--device", "cpu", "--new-tokens", "8", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert not result["failures"] and result["decode"]["identical"] and result["decode"]["plain_identical"]
-    assert result["bench_choice"]["engine"] in prof.CANDIDATES and result["bench_choice"]["reason"]
+    assert result["bench_choice"]["engine"] in CANDIDATES and result["bench_choice"]["reason"]
     assert Path(result["profile_path"]).is_file() and set(result["choices"]) == {"1", "16", "64"}
 
 
@@ -232,35 +339,67 @@ def test_only_missing_or_failed_engines_are_measured_into_a_stored_profile(tmp_p
     stored.save(prof.profile_path(key, tmp_path))
     measured = []
 
-    def measure(profile, model, names, progress):
+    def fake_measure(profile, model, names, progress):
         measured.extend(names)
         for name in names:
             profile.engines[name] = fake_profile(key, 50.0, {name: AMD_LIKE[name]}).engines[name]
 
-    monkeypatch.setattr(prof, "_measure_engines", measure)
-    profile = prof.load_profile(model, folder=tmp_path)
+    monkeypatch.setattr(measure, "_measure_engines", fake_measure)
+    profile = measure.load_profile(model, folder=tmp_path)
     assert sorted(measured) == ["eager", "onednn"]  # static was there; eager had failed; onednn was missing
-    assert set(profile.usable()) == set(prof.CANDIDATES)
+    assert set(profile.usable()) == set(CANDIDATES)
     measured.clear()
-    prof.load_profile(model, folder=tmp_path)
+    measure.load_profile(model, folder=tmp_path)
     assert measured == []  # complete now: read, not measured
 
 
-def test_an_engine_that_cannot_run_for_the_model_is_recorded_not_measured_as_another(monkeypatch, tmp_path):
-    monkeypatch.setattr(prof, "_why_not_here", lambda engine, model: "no oneDNN here" if engine == "onednn" else None)
+def test_auto_measures_and_chooses_among_the_engines_that_declare_themselves_candidates(monkeypatch, tmp_path):
+    from medusa.engines import ENGINES, OneDNNEngine, StaticEngine
+
+    class Turbo(StaticEngine):
+        name = "turbo"
+
+        @classmethod
+        def candidate_for(cls, device, dtype):
+            return torch.device(device).type == "cpu"
+
+    monkeypatch.setattr(OneDNNEngine, "candidate_for", classmethod(lambda cls, device, dtype: False))
+    monkeypatch.setitem(ENGINES, "turbo", Turbo)
+    assert auto_candidates("cpu", torch.float32) == ["eager", "static", "turbo"]
+    assert auto_candidates("cuda", torch.float32) == ["eager", "static"]
     measured = []
 
-    def measure(profile, model, names, progress):
+    def fake_measure(profile, model, names, progress):
         measured.extend(names)
-        profile.engines.update({n: fake_profile({}, 50.0, {n: AMD_LIKE[n]}).engines[n] for n in names})
+        costs = {"turbo": (40.0, {1: 30.0, 16: 50.0}), **AMD_LIKE}
+        profile.engines.update({n: fake_profile({}, 50.0, {n: costs[n]}).engines[n] for n in names})
 
-    monkeypatch.setattr(prof, "_measure_engines", measure)
-    monkeypatch.setattr(prof, "time_hf_generate", lambda model: 0.05)
+    monkeypatch.setattr(measure, "_measure_engines", fake_measure)
+    monkeypatch.setattr(measure, "time_hf_generate", lambda model: 0.05)
     model = tiny_model("llama")
-    profile = prof.load_profile(model, folder=tmp_path)
-    assert measured == ["eager", "static"] and "no oneDNN here" in profile.engines["onednn"]["error"]
+    profile = measure.load_profile(model, folder=tmp_path)
+    assert measured == ["eager", "static", "turbo"] and "onednn" not in profile.engines
+    assert make_engine(AUTO, model, step_size=15, profile=profile).name == "turbo"
     measured.clear()
-    assert prof.load_profile(model, folder=tmp_path).choose_engine(15).engine == "static" and measured == []
+    assert measure.load_profile(model, folder=tmp_path).choose_engine(15).engine == "turbo" and measured == []
+
+
+def test_an_engine_measured_on_request_is_not_a_candidate_of_auto(monkeypatch, tmp_path):
+    model = tiny_model("llama")
+    key = prof.profile_key(model)
+    fake_profile(key, 50.0, INTEL_LIKE).save(prof.profile_path(key, tmp_path))
+    monkeypatch.setattr(measure, "time_forwards", lambda engine, model: {n: 1e-4 for n in prof.STEP_SIZES})
+    monkeypatch.setattr(measure, "time_batch_forwards", lambda engine, model, batch: {n: 1e-4 for n in (1, 16)})
+    monkeypatch.setattr(measure, "time_plain_decoding", lambda engine, model: 1e-4)  # by far the fastest
+    profile = measure.ensure_engine(measure.load_profile(model, folder=tmp_path), model, "eager")
+    assert profile.choose_engine(15).engine == "static"  # eager was there: not measured again
+    monkeypatch.setattr("medusa.engines.compiled.compile_unavailable", lambda device: "not in this test")
+    with pytest.warns(RuntimeWarning, match="runs as 'static'"):
+        profile = measure.ensure_engine(profile, model, "compiled")
+    assert profile.engines["compiled"]["candidate"] is False
+    reread = measure.load_profile(model, folder=tmp_path)
+    assert "compiled" in reread.usable() and reread.choose_engine(15).engine == "static"
+    assert make_engine(AUTO, model, step_size=15, profile=reread).name == "static"
 
 
 def test_make_engine_with_no_name_runs_the_default_auto(monkeypatch, fast_measure, tmp_path):
@@ -268,7 +407,11 @@ def test_make_engine_with_no_name_runs_the_default_auto(monkeypatch, fast_measur
 
     monkeypatch.setattr(engine_base, "DEFAULT_ENGINE", SHIPPED_DEFAULT_ENGINE)
     monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
-    engine = make_engine(None, tiny_model("llama"), step_size=15)
+    model = tiny_model("llama")
+    engine = make_engine(None, model, step_size=15)
+    assert engine.name == "static" and "not measured" in engine.choice.reason and fast_measure == []
+    measure.load_profile(model)  # asked for: measured (the fake) and stored
+    engine = make_engine(None, model, step_size=15)
     assert engine.name == "onednn" and engine.choice.engine == "onednn" and len(fast_measure) == 1
 
 
@@ -281,8 +424,10 @@ def test_auto_falls_back_when_the_chosen_engine_cannot_be_made(monkeypatch, fast
 
     monkeypatch.setitem(ENGINES, "onednn", Broken)
     monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    measure.load_profile(model)
     with caplog.at_level(logging.WARNING, logger="medusa.engines.base"):
-        engine = make_engine(AUTO, tiny_model("llama"), step_size=15)
+        engine = make_engine(AUTO, model, step_size=15)
     assert engine.name == "static" and "the chosen onednn engine could not be made" in engine.choice.reason
     assert "no packed weights today" in caplog.text
 
@@ -293,13 +438,13 @@ def test_dtype_auto_through_the_cli_converts_the_model_and_the_bench_records_why
     monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(prof, "cpu_info", lambda: {"model": "test cpu", "flags": ["avx512f", "avx512_bf16"]})
 
-    def measure(model, candidates=prof.CANDIDATES, progress=None):
+    def fake_measure(model, candidates=None, progress=None):
         key = prof.profile_key(model)
         scale = 0.5 if key["dtype"] == "bfloat16" else 1.0  # bf16 twice as fast; static the fastest engine
         return fake_profile(key, 50.0, {name: (scale * plain, {n: scale * ms for n, ms in curve.items()})
                                         for name, (plain, curve) in INTEL_LIKE.items()})
 
-    monkeypatch.setattr(prof, "measure_profile", measure)
+    monkeypatch.setattr(measure, "measure_profile", fake_measure)
     base, prompts = save_cli_files(tmp_path, [{"prompt": "hello world"}])
     out = tmp_path / "bench.json"
     assert main(["bench", "--base", str(base), "--heads", str(tmp_path / "heads"), "--prompts", str(prompts),

@@ -163,6 +163,10 @@ def test_the_shadow_shares_the_bases_parameters_and_quantizes_every_linear():
     assert not any(isinstance(m, quantized.Int4Linear) for m in model.modules())
 
 
+def test_auto_never_chooses_a_quantized_engine():
+    assert not {"int4", "int8"} & set(engines.auto_candidates(torch.device("cpu"), torch.float32))
+
+
 def test_a_layer_the_kernel_cannot_take_stays_dense_and_is_named():
     model = tiny_model("llama", vocab_size=312)  # 312 rows: not a multiple of 16
     engine = engines.make_engine("int4", model, lm_head=True)

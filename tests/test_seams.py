@@ -316,3 +316,37 @@ def test_setting_the_model_tree_makes_the_drafter_draft_on_it():
     assert tokens == hf_greedy(base, ids, 10) and max(stats.accepted_per_step) <= 2
     with pytest.raises(ValueError):
         model.tree = Tree.from_paths([[0], [0, 0], [0, 0, 0]])  # three levels for two heads
+
+
+@pytest.mark.parametrize("kind", ["engine", "drafter", "acceptance rule", "head type"])
+def test_registering_a_taken_name_is_an_error_that_names_both(kind):
+    from medusa.decode import acceptance
+    from medusa.drafters import heads
+
+    def first():
+        pass
+
+    def second():
+        pass
+
+    register, table = {"engine": (register_engine, ENGINES), "drafter": (register_drafter, None),
+                       "acceptance rule": (acceptance.register_acceptance, acceptance._RULES),
+                       "head type": (heads.register_head_type, heads.HEAD_TYPES)}[kind]
+    if kind == "drafter":
+        from medusa.drafters import base
+
+        table = base._DRAFTERS
+    if kind in ("engine", "drafter", "head type"):
+        first, second = type("First", (CountingEngine,), {}), type("Second", (CountingEngine,), {})
+    try:
+        register("test-twice")(first)
+        register("test-twice")(first)  # the same object again (a module imported twice) is fine
+        with pytest.raises(ValueError) as error:
+            register("test-twice")(second)
+        message = str(error.value)
+        assert f"{kind} name 'test-twice' is already registered to" in message
+        assert f"{first.__module__}.{first.__qualname__}" in message
+        assert f"cannot register {second.__module__}.{second.__qualname__}" in message
+        assert table["test-twice"] is first
+    finally:
+        table.pop("test-twice", None)

@@ -453,7 +453,7 @@ def test_training_time_test_unrolls_ttt_steps_on_the_drafters_own_outputs(base_d
     loss scores ``ttt_steps`` outputs, whatever ``num_heads`` (the drafting depth evaluation uses) is; with a
     training window, inside the window."""
     from medusa.drafters.eagle import EagleLayer
-    from train import loop
+    from train import loop, objective
 
     calls, scored = [], []
     finish = EagleLayer.finish
@@ -463,14 +463,14 @@ def test_training_time_test_unrolls_ttt_steps_on_the_drafters_own_outputs(base_d
         calls.append((hidden.detach().clone(), out.detach().clone()))  # (B, T, H) each
         return out
 
-    real_loss = loop.mixed_step_loss
+    real_loss = objective.mixed_step_loss
 
     def scoring(run, logits, hidden, batch, *counts):
         scored.append((logits.shape, counts[0].shape, hidden.detach().clone(), batch["input_ids"].clone()))
         return real_loss(run, logits, hidden, batch, *counts)
 
     monkeypatch.setattr(EagleLayer, "finish", recording)
-    monkeypatch.setattr(loop, "mixed_step_loss", scoring)
+    monkeypatch.setattr(objective, "mixed_step_loss", scoring)
     config = make_config(base_dir, chats, tmp_path / "run", head_type="eagle", num_heads=2, ttt_steps=ttt_steps,
                          eagle_layers=[1, 0], loss="teacher", train_window=window, eval_every=0, save_every=0)
     run = setup(config)

@@ -16,16 +16,18 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
 
-from medusa.io.checkpoint import save_heads
 from medusa.io.files import atomic_folder, read_json, remove_folder
-from train.config import TrainConfig, resume_mismatch
 from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.run import Run
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def read_checkpoint_state(checkpoint: Path, config: TrainConfig) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("config"),
                                                                                                   dict):
         raise ValueError(f"trainer state {path} must be a JSON object with an integer 'step' and a 'config' object")
-    problems = resume_mismatch(state["config"], config)
+    problems = config.resume_mismatch(state["config"])
     if problems:
         raise ValueError(
             f"cannot resume from {checkpoint}: the config differs in fields that matter:\n  " + "\n  ".join(problems)
@@ -107,8 +109,8 @@ def save_checkpoint(run: Run) -> Path:
         optimizer_state = save_optimizer_state(run, tmp)
         accelerator.wait_for_everyone()
         if main:
-            save_heads(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR, extra_config={"steps": run.step},
-                       state_dict=heads_state)
+            run.config.trainable.save(accelerator.unwrap_model(run.heads), tmp / HEADS_DIR,
+                                      extra_config={"steps": run.step}, state_dict=heads_state)
             if run.lora_params is not None:
                 save_adapter(run.model, tmp / ADAPTER_DIR)
             if optimizer_state is not None:

@@ -15,7 +15,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """Add ``--config`` and one ``--field-name`` flag per :class:`TrainConfig` field to ``parser``.
 
     Flags default to ``None`` (not given), so only flags on the command line override the YAML file. Booleans get
-    ``--flag/--no-flag``; optional fields accept ``none``.
+    ``--flag/--no-flag``; optional fields accept ``none``. ``--drafter`` is a synonym of ``--head-type``.
     """
     parser.add_argument("--config", default=None, metavar="YAML", help="YAML file of TrainConfig fields")
     docs = field_docs()
@@ -29,12 +29,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             # Values stay strings here; TrainConfig converts and validates them with the YAML values.
             parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
                                 help=help_text)
+    parser.add_argument("--drafter", dest="drafter", default=None, metavar="NAME",
+                        help="the same as --head-type: the registered name of the drafter to train")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` for parsed arguments: defaults, then ``--config`` YAML, then the flags given."""
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(TrainConfig)}
+    overrides["drafter"] = getattr(args, "drafter", None)
     return load_config(args.config, overrides)
 
 
@@ -53,6 +56,5 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"medusa train: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        what = "Draft model" if config.head_type == "draft_model" else "Medusa heads"
-        print(f"{what} written to {heads_dir}")
+        print(f"{config.trainable.label} written to {heads_dir}")
     return 0

@@ -18,8 +18,6 @@ MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 LOSS_CHOICES = ("hard", "teacher", "mixed")
 TRACKER_CHOICES = ("none", "tensorboard", "wandb")
 TRAINING_MODE_CHOICES = ("medusa1", "medusa2")
-DRAFT_MODEL = "draft_model"
-"""The head type that trains a separate draft model (:mod:`train.draft_model`) rather than heads."""
 
 # Fields that may change between a run and its resumption: they do not change what the heads learn.
 RESUMABLE_FIELDS = frozenset(
@@ -67,7 +65,8 @@ class TrainConfig:
     output_dir: str = "outputs/medusa"
     """Run folder: checkpoints/, distilled data, heads/ and eval.json are written here."""
     head_type: str = "medusa"
-    """"medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
+    """The registered name of the drafter to train (:mod:`train.drafters`; ``drafter`` in YAML is the same key):
+    "medusa" (each head reads the hidden state at t), "hydra" (head k also reads the input embeddings of the
     tokens t+1 .. t+k+1: sequentially dependent heads, Ankner et al. 2024) or "eagle" (an EAGLE-3-style drafter:
     one decoder layer over fused base layers, drafting each deeper token from its own output, Li et al. 2025;
     :mod:`medusa.drafters.eagle`) or "draft_model" (a separate draft model for classic speculative decoding,
@@ -199,22 +198,18 @@ class TrainConfig:
         _check_choice("tracker", self.tracker, TRACKER_CHOICES)
         _check_choice("data_sample", self.data_sample, ("spread", "first"))
         _check_choice("distill_turns", self.distill_turns, ("all", "first"))
-        from medusa.drafters.heads import (
-            HEAD_TYPES,  # here, not at the top: flag parsing (train.cli) stays free of torch
-        )
+        # Here, not at the top: flag parsing (train.cli) stays free of torch.
+        from train.drafters import check_fields, trainable_names
 
-        _check_choice("head_type", self.head_type, (*HEAD_TYPES, DRAFT_MODEL))
+        _check_choice("head_type", self.head_type, trainable_names())
         _check_choice("loss", self.loss, LOSS_CHOICES)
         _check_choice("training_mode", self.training_mode, TRAINING_MODE_CHOICES)
         self._check_medusa2()
-        self._check_eagle()
-        self._check_draft_model()
-        if self.head_type == "hydra" and self.num_layers < 1:
-            raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
+        for name in ("ttt_steps", "draft_layers"):
+            _check_min(name, getattr(self, name), 1)
         if self.prefix_layers not in (0, 1):
             raise ValueError(f"prefix_layers must be 0 or 1, got {self.prefix_layers}")
-        if self.prefix_layers and self.head_type != "hydra":
-            raise ValueError("prefix_layers needs head_type hydra (its attention reads the next tokens' embeddings)")
+        check_fields(self)  # head_type names a registered drafter; the fields it owns; its own rules
         if self.prefix_window < 1:
             raise ValueError(f"prefix_window must be >= 1, got {self.prefix_window}")
         if not self.teacher_temperature > 0:
@@ -270,47 +265,20 @@ class TrainConfig:
                 raise ValueError(f"training_mode medusa2 adapts the base, so its hidden states change every step: "
                                  f"{name} (states of the frozen base) cannot serve it; unset {name}")
 
-    def _check_eagle(self) -> None:
-        _check_min("ttt_steps", self.ttt_steps, 1)
-        if self.head_type != "eagle":
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            changed = [name for name in ("eagle_layers", "ttt_steps") if getattr(self, name) != defaults[name]]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} belong to head_type eagle, not {self.head_type!r}")
-            return
-        if self.eagle_layers is not None and (not self.eagle_layers or min(self.eagle_layers) < 0):
-            raise ValueError(f"eagle_layers must be a non-empty list of decoder layer indices >= 0 (or null), got "
-                             f"{self.eagle_layers}")
-        if self.num_layers != 1:
-            raise ValueError(f"head_type eagle is one decoder layer: num_layers must be 1, got {self.num_layers}")
-        if not self.share_lm_head:
-            raise ValueError("head_type eagle projects every depth with one lm_head: share_lm_head must be true (the "
-                             "drafter would hold num_heads trainable copies and use one)")
-        if self.training_mode == "medusa2":
-            raise ValueError("head_type eagle reads intermediate base layers, which training_mode medusa2's joint "
-                             "stage does not pass through; use training_mode medusa1")
+    @property
+    def trainable(self):
+        """What the drafter ``head_type`` names declares for training (:func:`train.drafters.trainable_drafter`)."""
+        from train.drafters import trainable_drafter
 
-    def _check_draft_model(self) -> None:
-        _check_min("draft_layers", self.draft_layers, 1)
-        if self.head_type != DRAFT_MODEL:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            changed = [name for name in ("draft_layers", "draft_init") if getattr(self, name) != defaults[name]]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} belong to head_type draft_model, not {self.head_type!r}")
-            return
-        refused = {"training_mode medusa2": self.training_mode == "medusa2",
-                   "hidden_state_store": bool(self.hidden_state_store), "train_window": bool(self.train_window),
-                   "init_heads (use draft_init)": bool(self.init_heads),
-                   "share_lm_head false (the draft projects with its own lm_head, the base's, frozen)":
-                       not self.share_lm_head}
-        bad = [name for name, on in refused.items() if on]
-        if bad:
-            raise ValueError(f"head_type draft_model trains a separate model on the base's distribution: "
-                             f"{', '.join(bad)} cannot be used with it")
+        return trainable_drafter(self.head_type)
 
     def to_dict(self) -> dict:
         # Tuples as lists: the dict is stored as JSON and compared with what JSON gives back.
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    def resume_mismatch(self, stored: dict) -> list[str]:
+        """:func:`resume_mismatch` of ``stored`` against this config."""
+        return resume_mismatch(stored, self)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -404,11 +372,13 @@ def field_docs() -> dict[str, str]:
 
 def load_config(yaml_path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from defaults, then a YAML file, then ``overrides`` (``None`` values skipped).
+    In either, ``drafter`` is a synonym of ``head_type``.
 
     Raises:
         FileNotFoundError: the YAML file does not exist.
-        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, or a value
-            is invalid (a YAML value of the wrong type is reported with the file's name).
+        ValueError: the YAML is not valid or not a mapping, a key (in YAML or overrides) is not a field, ``drafter``
+            and ``head_type`` both given and different, or a value is invalid (a YAML value of the wrong type is
+            reported with the file's name).
     """
     values: dict = {}
     if yaml_path is not None:
@@ -421,6 +391,7 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
             raise ValueError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of TrainConfig fields, got {type(loaded).__name__}")
+        loaded = _head_type_synonym(loaded, f"config file {path}")
         _check_known(loaded, f"config file {path}")
         for name, value in loaded.items():
             try:
@@ -428,10 +399,31 @@ def load_config(yaml_path: str | Path | None = None, overrides: dict | None = No
             except ValueError as e:
                 raise ValueError(f"config file {path}: {e}") from e
         values.update(loaded)
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    overrides = _head_type_synonym({k: v for k, v in (overrides or {}).items() if v is not None}, "overrides")
     _check_known(overrides, "overrides")
     values.update(overrides)
     return TrainConfig(**values)
+
+
+DRAFTER_SYNONYM = "drafter"
+"""A key read as ``head_type`` (the drafter's registered name) in YAML files and overrides."""
+
+
+def _head_type_synonym(values: dict, where: str) -> dict:
+    """``values`` with :data:`DRAFTER_SYNONYM` read as ``head_type``.
+
+    Raises:
+        ValueError: both keys given with different values.
+    """
+    if DRAFTER_SYNONYM not in values:
+        return values
+    values = dict(values)
+    drafter = values.pop(DRAFTER_SYNONYM)
+    if "head_type" in values and values["head_type"] != drafter:
+        raise ValueError(f"{where}: drafter {drafter!r} and head_type {values['head_type']!r} name the same "
+                         "setting: give one")
+    values["head_type"] = drafter
+    return values
 
 
 def _check_known(values: dict, where: str) -> None:

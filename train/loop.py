@@ -27,7 +27,6 @@ from train.medusa2 import (
     kl_sum,
     set_lora_dropout,
 )
-from train.objective import mixed_step_loss, train_logits, training_steps
 from train.run import Run
 
 logger = logging.getLogger(__name__)
@@ -116,7 +115,8 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     step loss (a detached scalar). In Medusa-2's stage 2 the heads' loss is weighted by
     :func:`train.medusa2.heads_loss_weight` and ``kl_weight x KL(frozen || adapted)``, averaged over the step's
     next-token positions, is added; the heads' gradient reaches the LoRA through the adapted hidden states.
-    The eagle drafter gives ``ttt_steps`` outputs (its training-time-test unroll, :func:`train_logits`), each
+    The forward and the loss are the drafter's declared objective (``config.trainable.objective``,
+    :mod:`train.objective`): the eagle drafter's gives ``ttt_steps`` outputs (its training-time-test unroll), each
     scored as the head of its depth.
     """
     config, accelerator = run.config, run.accelerator
@@ -124,7 +124,8 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
     joint = in_stage2(config, run.step)
     if joint:
         set_lora_dropout(run.model, True)
-    num_heads = training_steps(config)  # outputs per position: heads, or the eagle drafter's unrolled steps
+    objective = config.trainable.objective
+    num_heads = objective.outputs(config)  # outputs per position: heads, or the eagle drafter's unrolled steps
     micro = [next(batches) for _ in range(config.grad_accum_steps)]
     collated = [to_device(collate([run.train_examples[i] for i in indices], run.pad_id), accelerator.device)
                 for indices in micro]
@@ -148,8 +149,8 @@ def train_step(run: Run, batches: Iterator[list[int]]) -> torch.Tensor:
         last = m == config.grad_accum_steps - 1
         # Gradients are all-reduced once per optimizer step, on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(run.heads):
-            logits = train_logits(run, hidden, batch["input_ids"])  # (K, B, T, Vh); K: training_steps
-            loss = heads_weight * mixed_step_loss(run, logits, hidden, batch, global_counts, global_supervised)
+            logits = objective.logits(run.heads, hidden, batch["input_ids"], config)  # (K, B, T, Vh); K: outputs
+            loss = heads_weight * objective.loss(run, logits, hidden, batch, global_counts, global_supervised)
             if joint:
                 kl = kl_sum(run.model, hidden, frozen, batch["labels"])
                 loss = loss + config.kl_weight * kl / kl_count.clamp_min(1)

@@ -1,7 +1,10 @@
 """What a training step minimises: Medusa's decayed per-head loss (hard, teacher or mixed) normalised by the targets
 of the whole optimizer step (Cai et al., 2024, section 2.2). The eagle drafter's ``ttt_steps`` unrolled outputs
 (EAGLE-3's training-time test, Li et al. 2025, section 3.3) are scored as heads of their depth; the teacher is the
-base's lm_head over its last hidden state, the first columns of the base states the heads read."""
+base's lm_head over its last hidden state, the first columns of the base states the heads read.
+
+An objective (:class:`DecayedHeadLoss`, :class:`TrainingTimeTest`) is what a trainable drafter declares
+(:mod:`train.drafters`): how many outputs a step scores, the forward that gives them and their loss."""
 
 from __future__ import annotations
 
@@ -35,18 +38,37 @@ def last_hidden(states: torch.Tensor, hidden_size: int) -> torch.Tensor:
     return states[..., :hidden_size]
 
 
-def training_steps(config: TrainConfig) -> int:
-    """How many outputs the heads give per position in a training step: the eagle drafter's training-time-test
-    unroll ``ttt_steps`` (EAGLE-3, section 3.3), else one per head (``num_heads``)."""
-    return config.ttt_steps if config.head_type == "eagle" else config.num_heads
+class DecayedHeadLoss:
+    """The objective of Medusa and Hydra heads (Cai et al., 2024, section 2.2; Ankner et al., 2024, section 3): one
+    output per head, head k's loss weighted ``loss_decay ** k`` (:func:`mixed_step_loss`)."""
+
+    def outputs(self, config: TrainConfig) -> int:
+        """How many outputs per position a training step scores: one per head."""
+        return config.num_heads
+
+    def logits(self, heads: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+               config: TrainConfig) -> torch.Tensor:
+        """The heads' logits ``(outputs, B, T, Vh)`` from base states ``(B, T, (1 + k) H)`` and tokens ``(B, T)``."""
+        return heads(hidden, input_ids)
+
+    def loss(self, run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, counts: torch.Tensor,
+             supervised: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch's share of the step loss (:func:`mixed_step_loss`; ``counts`` and ``supervised``
+        ``(outputs,)``: the step's targets per output inside the head vocabulary and in all)."""
+        return mixed_step_loss(run, logits, hidden, batch, counts, supervised)
 
 
-def train_logits(run: Run, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """The heads' logits ``(training_steps, B, T, Vh)`` of a training step from base states ``(B, T, (1 + k) H)``
-    and tokens ``(B, T)``: the eagle drafter unrolled ``ttt_steps`` steps on its own outputs, heads as they are."""
-    if run.config.head_type == "eagle":
-        return run.heads(hidden, input_ids, steps=run.config.ttt_steps)
-    return run.heads(hidden, input_ids)
+class TrainingTimeTest(DecayedHeadLoss):
+    """The eagle drafter's objective: EAGLE-3's training-time test (Li et al. 2025, section 3.3). Each step unrolls
+    the drafter ``ttt_steps`` times on its own outputs; output j is scored as the depth-j head (``loss_decay ** j``),
+    whatever the drafting depth ``num_heads`` is."""
+
+    def outputs(self, config: TrainConfig) -> int:
+        return config.ttt_steps
+
+    def logits(self, heads: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
+               config: TrainConfig) -> torch.Tensor:
+        return heads(hidden, input_ids, steps=config.ttt_steps)
 
 
 def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):

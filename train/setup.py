@@ -7,14 +7,14 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from medusa.base import check_layer_indices, learned_position_weight, stop_token_ids
-from medusa.drafters.eagle import default_eagle_layers, eagle_base_settings
+from medusa.base import stop_token_ids
 from medusa.drafters.heads import (
     MedusaHeadsConfig,
     build_heads,
@@ -22,7 +22,6 @@ from medusa.drafters.heads import (
     lm_head_fingerprint,
     most_frequent_tokens,
 )
-from medusa.io.checkpoint import load_heads
 from medusa.losses import head_lookup_table
 from train.checkpoints import (
     HEADS_DIR,
@@ -32,7 +31,6 @@ from train.checkpoints import (
     remove_unfinished_checkpoints,
     restore_rng_state,
 )
-from train.config import TrainConfig
 from train.conversations import (
     head_target_totals,
     prepare_conversations,
@@ -46,11 +44,10 @@ from train.run import Run
 from train.sharded import check_sharded_settings, full_weight
 from train.store import ensure_store
 
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+
 logger = logging.getLogger(__name__)
-
-READS_EMBEDDINGS = ("hydra", "eagle")
-"""Head types built over the base's input embeddings too (besides its lm_head)."""
-
 
 def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
     """Accelerator, frozen base, tokenised data, heads (fresh or from the latest checkpoint), optimizer, schedule."""
@@ -83,8 +80,9 @@ def setup(config: TrainConfig, model=None, tokenizer=None) -> Run:
                          accelerator, layers) if config.hidden_state_store else None
     model = adapt_base(config, accelerator, model, checkpoint)
     lora_params = lora_parameters(model) if config.training_mode == "medusa2" else None
-    lm_head, embed = full_base_weights(model, config.head_type)  # (V, H) each; gathered once when sharded
-    position = base_position_weight(config, model)  # (P, H) for the eagle drafter on GPT-2, else None
+    drafter = config.trainable
+    lm_head, embed = full_base_weights(model, drafter.reads_embeddings)  # (V, H) each; gathered once when sharded
+    position = drafter.position_weight(config, model)  # (P, H) for the eagle drafter on GPT-2, else None
     eos = sorted(stop_token_ids(model.generation_config, tokenizer))  # always in a truncated head vocabulary
     heads = initial_heads(config, checkpoint, lm_head, embed, train_examples, eos, base_config, position)
     warn_heads_without_targets(head_target_totals(train_examples, heads.config.num_heads))
@@ -129,50 +127,25 @@ def adapt_base(config: TrainConfig, accelerator: Accelerator, model, checkpoint:
     return model
 
 
-def full_base_weights(model, head_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The base's whole lm_head ``(V, H)`` and, for Hydra heads and the eagle drafter, its whole input embeddings
-    ``(V, H)`` (else ``None``): gathered once (:func:`full_weight`) when sharded training holds them partitioned."""
+def full_base_weights(model, reads_embeddings: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The base's whole lm_head ``(V, H)`` and, for heads that read them (Hydra heads, the eagle drafter), its whole
+    input embeddings ``(V, H)`` (else ``None``): gathered once (:func:`full_weight`) when sharded training holds
+    them partitioned."""
     lm_head = full_weight(model.get_output_embeddings().weight, "lm_head")
-    if head_type not in READS_EMBEDDINGS:
+    if not reads_embeddings:
         return lm_head, None
     return lm_head, full_weight(model.get_input_embeddings().weight, "input embeddings")
 
 
-def base_position_weight(config: TrainConfig, model) -> torch.Tensor | None:
-    """The base's whole learned position embedding ``(P, H)`` when the eagle drafter needs it (a base with learned
-    absolute positions, GPT-2), else ``None``."""
-    if config.head_type != "eagle":
-        return None
-    if eagle_base_settings(model.config.get_text_config(decoder=True))["positions"] != "learned":
-        return None
-    return full_weight(learned_position_weight(model), "position embedding")
-
-
 def heads_base_layers(config: TrainConfig, base_config) -> tuple[int, ...]:
-    """The base's decoder layers (0-based) whose outputs the heads read after its last hidden state: none for
-    Medusa and Hydra heads; for the eagle drafter ``config.eagle_layers`` (null: EAGLE-3's low, middle and high
-    layers of this base, :func:`medusa.drafters.eagle.default_eagle_layers`).
-
-    Checked as soon as the base loads (before data, store or heads): the eagle layers must lie inside the base, the
-    base's kind of layer must be one the drafter can be (:func:`medusa.drafters.eagle.eagle_base_settings`), and a
-    training window needs rotary positions (the drafter's positions start at the window; a base with learned
-    positions would see window-relative positions in training and absolute ones when drafting).
+    """The base's decoder layers (0-based) whose outputs the heads read after its last hidden state, as the drafter
+    declares (:meth:`train.drafters.HeadsTraining.base_layers`: none for Medusa and Hydra heads, the fused layers of
+    the eagle drafter). Checked as soon as the base loads (before data, store or heads).
 
     Raises:
-        ValueError: a layer index outside the base (naming it and the base's layer count), a rotary embedding the
-            drafter does not support, or ``train_window`` on a base with learned positions.
+        ValueError: what the drafter refuses of this base (a layer index outside it, naming both).
     """
-    if config.head_type != "eagle":
-        return ()
-    settings = eagle_base_settings(base_config)
-    count = settings["num_hidden_layers"]
-    layers = default_eagle_layers(count) if config.eagle_layers is None else config.eagle_layers
-    check_layer_indices(layers, count, "eagle_layers")
-    if config.train_window and settings["positions"] == "learned":
-        raise ValueError(f"train_window={config.train_window} with head_type eagle needs a base with rotary "
-                         f"positions: this {settings['model_type']} base has learned positions, which the drafter "
-                         "would see window-relative in training; set train_window: null")
-    return tuple(layers)
+    return config.trainable.base_layers(config, base_config)
 
 
 def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.Tensor, embed: torch.Tensor | None,
@@ -185,10 +158,11 @@ def initial_heads(config: TrainConfig, checkpoint: Path | None, lm_head: torch.T
     layers = heads_base_layers(config, base_config) if base_config is not None else ()
     num_layers = None if base_config is None else base_config.num_hidden_layers
     loaded = {"embed_weight": embed, "position_weight": position_weight, "num_base_layers": num_layers}
+    drafter = config.trainable
     if checkpoint:
-        return load_heads(checkpoint / HEADS_DIR, lm_head, **loaded)
+        return drafter.load(checkpoint / HEADS_DIR, lm_head, **loaded)
     if config.init_heads:
-        heads = load_heads(config.init_heads, lm_head, **loaded)
+        heads = drafter.load(config.init_heads, lm_head, **loaded)
         check_init_heads(config, heads.config, layers)
         logger.info("heads initialised from %s", config.init_heads)
         return heads
@@ -303,7 +277,8 @@ def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.
             not fit.
     """
     lm_head = full_weight(lm_head, "lm_head")  # (V, H); a no-op on a whole weight
-    embed = full_weight(embed, "input embeddings") if config.head_type in READS_EMBEDDINGS else embed  # (V, H)
+    drafter = config.trainable
+    embed = full_weight(embed, "input embeddings") if drafter.reads_embeddings else embed  # (V, H)
     vocab, hidden = lm_head.shape
     head_vocab = config.head_vocab_size if config.head_vocab_size and config.head_vocab_size < vocab else None
     token_map = None
@@ -320,7 +295,8 @@ def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.
         hidden_size=hidden, vocab_size=vocab, num_heads=config.num_heads, num_layers=config.num_layers,
         head_vocab_size=head_vocab, share_lm_head=config.share_lm_head, base_model_name_or_path=config.base,
         lm_head_fingerprint=lm_head_fingerprint(lm_head), head_type=config.head_type,
-        prefix_layers=config.prefix_layers, prefix_window=config.prefix_window, **eagle_fields(config, base_config),
+        prefix_layers=config.prefix_layers, prefix_window=config.prefix_window,
+        **drafter.heads_fields(config, base_config),
     )
     # The initial weights are a function of the seed alone: every process of a sharded run (FSDP2 keeps each
     # process's own shard of them) and a run after any other random draws start from the same heads.
@@ -329,22 +305,12 @@ def heads_for_training(config: TrainConfig, lm_head: torch.Tensor, embed: torch.
         return build_heads(heads_config, lm_head, embed, token_map, position_weight=position_weight)
 
 
-def eagle_fields(config: TrainConfig, base_config) -> dict:
-    """The eagle drafter's :class:`MedusaHeadsConfig` fields (``eagle_layers``, ``eagle_base``) from the base's text
-    config; none for other head types."""
-    if config.head_type != "eagle":
-        return {}
-    if base_config is None:
-        raise ValueError("head_type eagle needs the base's config (its layer count, attention and MLP shape)")
-    return {"eagle_layers": list(heads_base_layers(config, base_config)),
-            "eagle_base": eagle_base_settings(base_config)}
-
-
 def make_optimizer(heads: torch.nn.Module, config: TrainConfig,
                    lora_params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:
-    """AdamW over the heads' trainable parameters only; weight decay on matrices, not on biases. Medusa-2 adds the
-    base's LoRA parameters as a group of their own at ``lora_learning_rate`` (no weight decay)."""
-    params = [p for p in heads.parameters() if p.requires_grad]
+    """AdamW over the parameters the drafter declares trainable (``config.trainable.trainable_parameters``) only;
+    weight decay on matrices, not on biases. Medusa-2 adds the base's LoRA parameters as a group of their own at
+    ``lora_learning_rate`` (no weight decay)."""
+    params = config.trainable.trainable_parameters(heads)
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from medusa.io.checkpoint import save_heads
 from train.checkpoints import (  # noqa: F401 (public names, importable from here)
     CHECKPOINT_PREFIX,
     CHECKPOINTS_DIR,
@@ -45,7 +45,6 @@ from train.checkpoints import (  # noqa: F401 (public names, importable from her
     rng_state,
     save_checkpoint,
 )
-from train.config import DRAFT_MODEL, TrainConfig
 from train.conversations import (  # noqa: F401
     head_target_totals,
     prepare_conversations,
@@ -70,6 +69,9 @@ from train.setup import (  # noqa: F401
     resolve_mixed_precision,
     setup,
 )
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +105,8 @@ def write_calibration(run: Run, heads, heads_dir: Path) -> Path | None:
 
 
 def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
-    """Train Medusa heads as ``config`` says and write them to ``output_dir/heads``.
+    """Train the drafter ``config.head_type`` names as it declares (:mod:`train.drafters`): heads through
+    :func:`train_heads`, the draft model through :func:`train.draft_model.train_draft_model`.
 
     Args:
         config: the run configuration.
@@ -111,17 +114,30 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
         tokenizer: its tokenizer; loaded from ``config.base`` when ``None``.
 
     Returns:
-        The heads folder (loadable with :func:`medusa.io.checkpoint.load_heads`); with ``head_type: draft_model``
-        the distilled draft model's folder (:func:`train.draft_model.train_draft_model`).
+        The folder written: the heads folder, or the distilled draft model's folder.
+
+    Raises:
+        ValueError: as the drafter's training raises (see :func:`train_heads`).
+    """
+    return config.trainable.train(config, model, tokenizer)
+
+
+def train_heads(config: TrainConfig, model=None, tokenizer=None) -> Path:
+    """Train heads as ``config`` says (their objective, parameters and folder as their drafter declares,
+    ``config.trainable``) and write them to ``output_dir/heads``.
+
+    Args:
+        config: the run configuration.
+        model: an already loaded base causal LM to use instead of loading ``config.base`` (it is frozen in place).
+        tokenizer: its tokenizer; loaded from ``config.base`` when ``None``.
+
+    Returns:
+        The heads folder (loadable with :func:`medusa.io.checkpoint.load_heads`).
 
     Raises:
         ValueError: the data holds nothing to train on, or ``output_dir`` holds a checkpoint written with a
             different config (the message names the differing fields).
     """
-    if config.head_type == DRAFT_MODEL:  # a separate draft model, not heads: its own loop
-        from train.draft_model import train_draft_model
-
-        return train_draft_model(config, model, tokenizer)
     run = setup(config, model, tokenizer)
     fit(run)
     metrics = evaluate(run) if any_held_out(run) else {}
@@ -130,7 +146,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
     if run.accelerator.is_main_process:
         heads = run.accelerator.unwrap_model(run.heads)
         extra = {"config": config.to_dict(), "steps": run.step, "held_out": metrics}
-        save_heads(heads, out / HEADS_DIR, extra_config=extra, state_dict=state)
+        config.trainable.save(heads, out / HEADS_DIR, extra_config=extra, state_dict=state)
         write_calibration(run, heads, out / HEADS_DIR)
         if run.lora_params is not None:  # Medusa-2: the heads were trained over the adapted base
             save_adapter(run.model, out / ADAPTER_DIR)

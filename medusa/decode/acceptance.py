@@ -19,13 +19,16 @@ base ids by ``Draws.vocab``; q is zero outside it); copied nodes are determinist
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from medusa.decode.greedy import Acceptance, greedy_accept, greedy_accept_along_path
-from medusa.decode.logits_process import Decoding
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
+from medusa.registry import claim
+
+if TYPE_CHECKING:  # annotations only: logits_process reads this module's registry (the arrow points that way)
+    from medusa.decode.logits_process import Decoding
 
 __all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
            "register_acceptance", "residual", "sample", "sample_without_replacement", "sampling_rules"]
@@ -63,9 +66,7 @@ def register_acceptance(name: str):
     """
 
     def register(factory):
-        if _RULES.get(name, factory) is not factory:
-            raise ValueError(f"acceptance rule {name!r} is already registered to {_RULES[name].__qualname__}")
-        _RULES[name] = factory
+        claim(_RULES, name, factory, "acceptance rule")
         return factory
 
     return register

@@ -19,6 +19,10 @@ from medusa.drafters.base import (
 from medusa.drafters.composite import CompositeDrafter, NoDrafter, tree_drafter
 from medusa.drafters.per_step import PerStepDrafter, StepCost
 
+# The eagle head type builds on medusa.drafters.heads; importing it here (every import of a drafters module runs this
+# file first) registers it wherever heads are built, without heads.py importing it back.
+from medusa.drafters import eagle  # noqa: E402, F401  isort: skip
+
 __all__ = ["CompositeDrafter", "DraftSampler", "DraftTree", "Drafter", "Draws", "NoDrafter", "PerStepDrafter",
            "SampleWithoutReplacement", "StepCost", "TopK", "drafter_class", "drafter_names", "register_drafter",
            "tree_drafter"]

@@ -16,7 +16,10 @@ A drafter owns its per-sequence state (the Hydra heads' attention-layer cache to
 tomorrow): :meth:`Drafter.new_state`, fed the prompt after the prefill (:meth:`Drafter.start`) and told which nodes
 the base accepted after every step (:meth:`Drafter.update`). Trees may differ in shape from one step to the next.
 
-Registry: :func:`register_drafter` names a drafter class; :func:`drafter_class` finds it by name.
+Registry: :func:`register_drafter` names a drafter class; :func:`drafter_class` finds it by name. The commands choose
+a drafter by that name (``--drafter NAME``, :func:`medusa.build.build_model`): a class registered from outside the
+package builds itself there with a classmethod ``from_decode_config(config, base)`` (a
+:class:`medusa.build.DecodeConfig` and the loaded base).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from medusa.decode.tree import TreeBuffers
+from medusa.registry import claim
 
 
 @dataclass
@@ -228,9 +232,7 @@ def register_drafter(name: str) -> Callable[[type], type]:
     """
 
     def register(cls: type) -> type:
-        if _DRAFTERS.get(name, cls) is not cls:
-            raise ValueError(f"drafter name {name!r} is already registered to {_DRAFTERS[name].__name__}")
-        _DRAFTERS[name] = cls
+        claim(_DRAFTERS, name, cls, "drafter")
         cls.name = name
         return cls
 

@@ -315,7 +315,8 @@ class DraftModelDrafter(HeadsDrafter):
     """
 
     trainable = True
-    training_objective = "KL(p_base || q_draft) at every position: the teacher's distribution distilled"
+    training_objective = ("KL(p_base || q_draft) at every position: the teacher's distribution distilled "
+                          "(head_type draft_model in train.drafters)")
 
     def start(self, state: HeadsState, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Nothing yet: the prompt is fed at the first :meth:`propose`, which sees the whole sequence."""

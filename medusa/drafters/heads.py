@@ -26,6 +26,7 @@ from torch import nn
 
 from medusa.drafters.prefix_layer import PrefixAttention, PrefixContext
 from medusa.io.files import read_json  # noqa: F401 - read by medusa.io.checkpoint from here too
+from medusa.registry import claim
 
 # Head k (0-based) reading the hidden state at position t predicts the token at t + k + HEAD_TOKEN_OFFSET.
 HEAD_TOKEN_OFFSET = 2
@@ -43,10 +44,14 @@ SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 
 def register_head_type(name: str):
-    """Class decorator: register a heads class as ``head_type`` ``name`` (:data:`HEAD_TYPES`)."""
+    """Class decorator: register a heads class as ``head_type`` ``name`` (:data:`HEAD_TYPES`).
+
+    Raises:
+        ValueError: ``name`` is registered to another class (both named).
+    """
 
     def register(cls: type) -> type:
-        HEAD_TYPES[name] = cls
+        claim(HEAD_TYPES, name, cls, "head type")
         return cls
 
     return register
@@ -498,5 +503,3 @@ def most_frequent_tokens(token_counts: torch.Tensor, size: int, always: list[int
         counts[t] = float("inf")
     return torch.topk(counts, size).indices.sort().values
 
-
-from medusa.drafters import eagle as _eagle  # noqa: E402, F401 - registers head_type "eagle" (it builds on this module)

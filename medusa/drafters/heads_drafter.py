@@ -82,7 +82,9 @@ class HeadsDrafter:
     """
 
     trainable = True
-    training_objective = "medusa.losses.medusa_loss: sum_k decay^k L_k over the heads' targets t+k+2"
+    training_objective = ("declared per head type in train.drafters (its objective, trainable parameters and folder): "
+                          "sum_k decay^k L_k over the heads' targets t+k+2 (medusa, hydra); the eagle drafter's "
+                          "training-time test")
 
     def __init__(self, heads, tree: Tree):
         heads_tree = Tree(tree.paths, tree.name)

@@ -4,7 +4,7 @@ measured cost of every extra node (pure tensor code).
 A fixed tree is right for one machine and one kind of text. EAGLE-2 (Li et al. 2024, section 4) grows the tree each
 step from the draft model's confidence; here the confidence is first calibrated into an acceptance probability
 (:mod:`medusa.drafters.calibration`), and every node is weighed against what the verify forward charges for it on
-this machine (:mod:`medusa.profile`).
+this machine (:mod:`medusa.profile`; measured by :mod:`medusa.tools.measure`).
 
 A node's value is the probability that the base accepts its whole path: the product along the path of each node's
 calibrated acceptance probability given its parent was accepted. Greedy acceptance emits one token plus the accepted
@@ -36,6 +36,7 @@ batch's forward; each row fills it with its own drafts and keeps its own accepta
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -55,11 +56,21 @@ from medusa.drafters.calibration import (
 )
 from medusa.drafters.heads_drafter import HeadsState
 from medusa.drafters.prompt_lookup import lookup_match
+from medusa.profile import STEP_SIZES, heads_key, interpolate
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NODES = 48
 """The most nodes (root included) a per-step tree may have by default."""
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Step sizes a ``fixed_shapes`` engine without its own ``step_buckets`` is given trees of."""
+STAND_IN_FORWARD_S = {1: 0.040, 4: 0.057, 8: 0.079, 16: 0.086, 32: 0.135, 64: 0.211}
+"""Seconds of one forward over n new tokens used where no profile is stored: a 135M base in float32 through the
+static engine on the developers' two cores (docs/engines.md), rounded. Only their ratios steer the tree; a measured
+profile replaces them."""
+STAND_IN_LEVEL_S = 0.0015
+"""Seconds of one head call per depth used where the profile holds none for these heads (Hydra heads on the same
+machine took 1.0 to 2.0 ms per depth)."""
 
 
 class StepCost:
@@ -79,8 +90,6 @@ class StepCost:
     """
 
     def __init__(self, forward_s: dict[int, float], level_s: list[float], buckets: tuple[int, ...] | None = None):
-        from medusa.profile import interpolate
-
         if not forward_s or any(not (0 < float(v) < float("inf")) for v in [*forward_s.values(), *level_s]):
             raise ValueError(f"step costs must be positive and finite: forward {forward_s}, heads {level_s}")
         self._interpolate = lambda n: interpolate({int(k): float(v) for k, v in forward_s.items()}, n)
@@ -89,22 +98,34 @@ class StepCost:
         self._table: list[float] = [0.0]
 
     @classmethod
-    def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | str | None = "measured"
-                     ) -> StepCost:
-        """The costs ``profile`` (:class:`medusa.profile.MachineProfile`) measured for ``engine`` and ``heads``;
-        ``buckets`` ``"measured"``: the step sizes the profile timed (a tree then runs only sizes whose cost was
-        measured, not interpolated).
-
-        Raises:
-            KeyError: ``engine`` was not measured or could not run there.
+    def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | str | None = "measured",
+                     level_s: list[float] | None = None, why: str = "given") -> StepCost:
+        """The costs ``profile`` (:class:`medusa.profile.MachineProfile`, or ``None``) stored for ``engine`` and
+        ``heads``; ``buckets`` ``"measured"``: the step sizes the profile timed (a tree then runs only sizes whose
+        cost was measured, not interpolated). ``level_s`` (the heads' seconds per depth, e.g. just measured)
+        overrides the stored figures. What the profile lacks is taken from the stand-ins :data:`STAND_IN_FORWARD_S`
+        and :data:`STAND_IN_LEVEL_S`, said in one warning (``why``: why there is no profile); nothing is measured
+        here (:mod:`medusa.tools.measure` does, when asked).
         """
-        from medusa.profile import heads_level_s
-
-        entry = profile.engines.get(engine, {})
-        if "forward_s" not in entry:
-            raise KeyError(f"engine {engine!r} has no measured forward in the profile {profile.path}")
-        curve = {int(k): v for k, v in entry["forward_s"].items()}
-        return cls(curve, heads_level_s(profile, heads), tuple(sorted(curve)) if buckets == "measured" else buckets)
+        entry = profile.engines.get(engine, {}) if profile is not None else {}
+        if level_s is None and profile is not None:
+            level_s = profile.drafter_cost(heads_key(heads))
+        lacking = []
+        if "forward_s" in entry:
+            curve = {int(k): v for k, v in entry["forward_s"].items()}
+        else:
+            curve = {n: interpolate(STAND_IN_FORWARD_S, n) for n in STEP_SIZES}
+            lacking.append(f"the {engine} engine's forward" if profile is not None else "every figure")
+        if level_s is None:
+            level_s = [STAND_IN_LEVEL_S] * heads.config.num_heads
+            if profile is not None:
+                lacking.append("these heads' drafting cost")
+        if lacking:
+            where = f"the machine profile {profile.path} lacks" if profile is not None else (
+                f"no machine profile of this model here ({why}):")
+            logger.warning("per-step tree: %s %s, so stand-in costs are used, not measured (`medusa profile --base "
+                           "BASE --heads HEADS --engines %s` measures them)", where, " and ".join(lacking), engine)
+        return cls(curve, level_s, tuple(sorted(curve)) if buckets == "measured" else buckets)
 
     def forward(self, tokens: int) -> float:
         """Seconds of a forward over ``tokens`` new tokens (non-decreasing in ``tokens``)."""

@@ -14,6 +14,8 @@ from medusa.engines.base import (
     ENGINES,
     Engine,
     attention_kernels,
+    auto_candidates,
+    auto_choice,
     check_dtype,
     make_engine,
     register_engine,
@@ -26,5 +28,6 @@ from medusa.engines.quantized import Int4Engine, Int8Engine
 # isort: on
 
 __all__ = ["AUTO", "CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine",
-           "Int4Engine", "Int8Engine", "OneDNNEngine", "StaticEngine", "attention_kernels", "check_dtype",
-           "compile_unavailable", "kv_cache", "make_engine", "register_engine", "static_cache"]
+           "Int4Engine", "Int8Engine", "OneDNNEngine", "StaticEngine", "attention_kernels", "auto_candidates",
+           "auto_choice", "check_dtype", "compile_unavailable", "kv_cache", "make_engine", "register_engine",
+           "static_cache"]

@@ -37,15 +37,18 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from medusa.engines import kv_cache
+from medusa.profile import FALLBACK_ENGINE, EngineChoice, profile_key, profile_path, read_profile
+from medusa.registry import claim
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-"""The engine name that means: choose from this machine's measured profile (:func:`medusa.profile.auto_engine`)."""
+"""The engine name that means: choose from this machine's stored profile (:func:`make_engine`)."""
 DEFAULT_ENGINE = AUTO
 """The engine used when none is named (``make_engine(None, ...)`` reads it from this module when called). Speed
-choices fixed on one CPU were wrong on the next (docs/engines.md), so the default is measured, not a constant; name
-an engine to choose one."""
+choices fixed on one CPU were wrong on the next (docs/engines.md), so the default is read from this machine's stored
+profile, with :data:`medusa.profile.FALLBACK_ENGINE` (said in one log line) where none is stored; it never measures.
+Name an engine to choose one."""
 
 _SDPA_ENABLED = {  # kernel -> whether torch allows it now (torch keeps these flags process-wide)
     SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
@@ -98,6 +101,13 @@ class Engine(abc.ABC):
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""
+
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """Whether ``--engine auto`` should measure and consider this engine for a base on ``device`` in ``dtype``
+        (:func:`auto_candidates`). The default is no: an engine opts in (one that compiles each step size, or runs
+        as another engine there, would make the profile slow or measure the same thing twice)."""
+        return False
 
     def __init__(self, model, scores_all_nodes: bool | None = None):
         self.model = model
@@ -264,33 +274,38 @@ def register_engine(name: str):
     """Class decorator: register an :class:`Engine` subclass under ``name`` for :func:`make_engine` and the CLI.
 
     Raises:
-        ValueError: ``name`` is taken by another class.
+        ValueError: ``name`` is taken by another class (both named, module-qualified).
     """
     def register(cls: type[Engine]) -> type[Engine]:
-        if name in ENGINES and ENGINES[name] is not cls:
-            raise ValueError(f"engine name {name!r} is taken by {ENGINES[name].__qualname__}")
+        claim(ENGINES, name, cls, "engine")
         cls.name = name
-        ENGINES[name] = cls
         return cls
 
     return register
 
 
+def auto_candidates(device, dtype: torch.dtype) -> list[str]:
+    """The registered engines ``auto`` measures and chooses among for a base on ``device`` in ``dtype``: those whose
+    :meth:`Engine.candidate_for` says so, in registration order."""
+    device = torch.device(device)
+    return [name for name, cls in ENGINES.items() if cls.candidate_for(device, dtype)]
+
+
 def make_engine(name: str | None, model, max_cache_len: int | None = None, step_size: int | None = None,
-                **options) -> Engine:
+                profile=None, **options) -> Engine:
     """The engine registered as ``name`` (:data:`ENGINES`) bound to ``model``; ``options`` go to its constructor
     (every engine takes ``scores_all_nodes``: ``True``/``False`` overrides its own choice).
 
     ``name`` ``None`` is :data:`DEFAULT_ENGINE`; ``"auto"`` (:data:`AUTO`) is the engine this machine's profile says
-    is cheapest for steps of ``step_size`` new tokens (the tree's nodes; ``None``: 1) among those whose plain
-    decoding keeps up with Hugging Face ``generate`` (:func:`medusa.profile.auto_engine`: measured once, about
-    30 s, then read from the user cache); the engine's :attr:`Engine.choice` says why.
+    is cheapest for steps of ``step_size`` new tokens (the tree's nodes; ``None``: 1) among the candidates
+    (:func:`auto_candidates`) whose plain decoding keeps up with Hugging Face ``generate``. The profile is
+    ``profile`` (a :class:`medusa.profile.MachineProfile`), else the stored one; nothing is measured here. Without a
+    usable one, :data:`medusa.profile.FALLBACK_ENGINE`, said in one warning with the way to measure
+    (:mod:`medusa.tools.measure`). The engine's :attr:`Engine.choice` says why.
 
     Raises:
         ValueError: an unknown engine name (naming the registered ones).
     """
-    import medusa.engines  # noqa: F401 - the built-in engines register themselves on import
-
     name = DEFAULT_ENGINE if name is None else name
     if max_cache_len is not None:
         options["max_cache_len"] = max_cache_len
@@ -299,9 +314,7 @@ def make_engine(name: str | None, model, max_cache_len: int | None = None, step_
         if cls is None:
             raise ValueError(f"unknown engine {name!r}: choose one of {', '.join([AUTO, *ENGINES])}")
         return cls(model, **options)
-    from medusa.profile import FALLBACK_ENGINE, EngineChoice, auto_engine
-
-    choice = auto_engine(model, step_size or 1)
+    choice = auto_choice(model, step_size or 1, profile)
     try:
         engine = ENGINES[choice.engine](model, **options)
     except Exception as e:  # noqa: BLE001 - auto never fails where the fallback engine runs; it says why
@@ -311,6 +324,36 @@ def make_engine(name: str | None, model, max_cache_len: int | None = None, step_
         engine = ENGINES[FALLBACK_ENGINE](model, **options)
     engine.choice = choice
     return engine
+
+
+_FALLBACKS_SAID: set[str] = set()
+"""The fallback reasons :func:`auto_choice` has logged as warnings in this process (each is said once)."""
+
+
+def auto_choice(model, step_size: int = 1, profile=None) -> EngineChoice:
+    """``--engine auto``'s choice for ``model`` and steps of ``step_size`` new tokens, from ``profile`` or the stored
+    profile (:func:`medusa.profile.read_profile`), never measured; :data:`medusa.profile.FALLBACK_ENGINE` with the
+    reason where there is none (one warning per process and profile file) or it has no candidate that ran."""
+    why, path = "given", None
+    if profile is None:
+        key = profile_key(model)
+        path = profile_path(key)
+        profile, why = read_profile(path, key)
+    if profile is None:
+        reason = (f"{FALLBACK_ENGINE}: the static default, not measured (no machine profile of this model at {path}: "
+                  f"{why}; `medusa profile --base MODEL` or use_engine('auto', measure=True) measures one)")
+        # Once per process and profile file: a loop of decode calls without an engine says it once, not per call.
+        logger.log(logging.DEBUG if reason in _FALLBACKS_SAID else logging.WARNING, "--engine auto: %s", reason)
+        _FALLBACKS_SAID.add(reason)
+        return EngineChoice(FALLBACK_ENGINE, reason, step_size)
+    try:
+        choice = profile.choose_engine(step_size, auto_candidates(model.device, model.dtype))
+    except ValueError as e:
+        reason = f"{FALLBACK_ENGINE}: the machine profile {profile.path} has no usable candidate ({e})"
+        logger.warning("--engine auto: %s", reason)
+        return EngineChoice(FALLBACK_ENGINE, reason, step_size, str(profile.path) if profile.path else None)
+    logger.info("--engine auto: %s", choice.reason)
+    return choice
 
 
 def check_dtype(dtype: torch.dtype, device) -> None:

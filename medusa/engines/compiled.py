@@ -30,6 +30,12 @@ class CompiledEngine(StaticEngine):
     fixed_shapes = True
     sdpa_backends = None  # fixed shapes: one plan per step size, made while compiling
 
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """Never ``auto``'s: each step size compiles for about a minute on two cores, so it stays opt-in
+        (``--engine compiled``; ``medusa profile --engines compiled`` measures it on request)."""
+        return False
+
     def __init__(self, model, max_cache_len: int | None = None, freezing: bool = True, mode: str | None = None,
                  scores_all_nodes: bool | None = None):
         super().__init__(model, max_cache_len, scores_all_nodes)

@@ -17,6 +17,11 @@ class EagerEngine(Engine):
 
     summary = "transformers' DynamicCache, grown and cut (the reference)"
 
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """``auto`` considers it everywhere (it runs wherever the base does)."""
+        return True
+
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
         super().__init__(model, scores_all_nodes)
 

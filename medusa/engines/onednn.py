@@ -45,18 +45,24 @@ def onednn_unavailable(model) -> str | None:
     a tiny trial reorder checks.
     """
     weight = model.get_output_embeddings().weight
-    if weight.device.type != "cpu":
-        return f"the model is on {weight.device.type}, and oneDNN prepacked weights are a CPU path"
+    return onednn_unavailable_for(weight.device, weight.dtype)
+
+
+def onednn_unavailable_for(device, dtype: torch.dtype) -> str | None:
+    """:func:`onednn_unavailable` for weights of ``dtype`` on ``device`` (no model needed)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the model is on {device.type}, and oneDNN prepacked weights are a CPU path"
     if not torch.backends.mkldnn.is_available():
         return f"torch {torch.__version__} was built without oneDNN (mkldnn)"
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return f"torch {torch.__version__} lacks torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise"
     try:
-        trial = ops._reorder_linear_weight(torch.zeros(8, 8, dtype=weight.dtype), PACK_ROWS)
-        ops._linear_pointwise(torch.zeros(1, 8, dtype=weight.dtype), trial, None, "none", [], "")
+        trial = ops._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS)
+        ops._linear_pointwise(torch.zeros(1, 8, dtype=dtype), trial, None, "none", [], "")
     except RuntimeError as e:
-        return f"oneDNN cannot run {weight.dtype} linear layers on this CPU: {str(e).splitlines()[0]}"
+        return f"oneDNN cannot run {dtype} linear layers on this CPU: {str(e).splitlines()[0]}"
     return None
 
 
@@ -192,6 +198,12 @@ class OneDNNEngine(StaticEngine):
 
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
                "as the weights; static elsewhere)")
+
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """``auto`` considers it where it can pack (a CPU, a dtype oneDNN runs there); elsewhere it would run as
+        ``static`` and the profile would measure that twice."""
+        return onednn_unavailable_for(device, dtype) is None
 
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
         self.fallback_reason = onednn_unavailable(model)

@@ -10,8 +10,8 @@ per output channel (``torch.ops.aten._weight_int8pack_mm``). The kernel's formul
     w = (q - 8) * scale + zero      (q in 0..15, scale and zero per group of GROUP_SIZE input features)
 
 (checked against the kernel in fp32 by ``tests/test_quantized.py``). The codes come either from the base's own
-weights (min-max rounding per group, :func:`quantize_int4`) or, for a base prepared from a 4-bit GGUF, from the
-file's own blocks (:mod:`medusa.io.gguf_pack`), so nothing is rounded a second time.
+weights (min-max rounding per group, :func:`medusa.engines.int4.quantize_int4`) or, for a base prepared from a
+4-bit GGUF, from the file's own blocks (:mod:`medusa.io.gguf_pack`), so nothing is rounded a second time.
 
 Like the onednn engine, the engine runs a shadow of the decoder (new module objects sharing the base's parameters
 and buffers) in which only the linear layers are replaced; the base model is not changed and runs as before
@@ -35,7 +35,6 @@ import contextlib
 import contextvars
 import copy
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,10 +43,9 @@ from torch import nn
 
 from medusa.engines import kv_cache, static_cache
 from medusa.engines.base import register_engine
+from medusa.engines.int4 import GROUP_SIZE, Int4Codes, dequantize_int4, linear_weight, quantize_int4, quantize_int8
 from medusa.engines.static import StaticEngine
 
-GROUP_SIZE = 32
-"""Input features sharing one int4 scale and zero point (the block size of GGUF's Q4_0/Q4_1/Q4_K)."""
 INNER_K_TILES = 2
 """The int4 packing's inner tile count (``_convert_weight_to_int4pack_for_cpu``; only its CPU layout)."""
 ACTIVATION_DTYPE = torch.bfloat16
@@ -82,40 +80,6 @@ def quantize_unavailable(kind: str, device) -> str | None:
         return (f"torch {torch.__version__} cannot run torch.ops.aten.{op} with bfloat16 activations here "
                 f"({str(e).splitlines()[0]}): use engine 'onednn' or 'static'")
     return None
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
-    """Min-max int4 codes of ``weight`` ``(N, K)``, per group of ``group_size`` input features.
-
-    Returns:
-        ``(codes (N, K) uint8 in 0..15, scale (N, K // group_size) fp32, zero (N, K // group_size) fp32)`` with
-        ``(codes - 8) * scale + zero`` the rounded weight (:func:`dequantize_int4`).
-
-    Raises:
-        ValueError: ``K`` is not a multiple of ``group_size``.
-    """
-    n, k = weight.shape
-    if k % group_size:
-        raise ValueError(f"int4 groups of {group_size} need the input size to be a multiple of it, got {k}")
-    groups = weight.detach().float().reshape(n, k // group_size, group_size)  # (N, G, S)
-    low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
-    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return codes, scale, low + 8 * scale
-
-
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights ``(N, K)`` int4 codes ``(N, K)`` stand for: ``(codes - 8) * scale + zero`` per group."""
-    group_size = codes.shape[1] // scale.shape[1]
-    return ((codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1))
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 codes of ``weight`` ``(N, K)``: ``(codes (N, K) int8, scale (N,) fp32)``
-    with ``codes * scale[:, None]`` the rounded weight."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (N,)
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 class Int4Linear(nn.Module):
@@ -167,19 +131,6 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
-
-
-@dataclass(frozen=True)
-class Int4Codes:
-    """Int4 codes for one weight ``(N, K)`` as :class:`Int4Linear` takes them, from a source other than the weight
-    itself (a GGUF's blocks, :mod:`medusa.io.gguf_pack`)."""
-
-    codes: torch.Tensor
-    """``(N, K)`` uint8 in 0..15."""
-    scale: torch.Tensor
-    """``(N, K // GROUP_SIZE)`` fp32."""
-    zero: torch.Tensor
-    """``(N, K // GROUP_SIZE)`` fp32."""
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
@@ -250,16 +201,6 @@ def _uses_row_invariant_attention(shadow: nn.Module) -> None:
             own.medusa_base_attention = config._attn_implementation
             own._attn_implementation = ROW_INVARIANT_ATTENTION
             module.config = own
-
-
-def linear_weight(module: nn.Module) -> torch.Tensor | None:
-    """The ``(out, in)`` weight of a plain ``nn.Linear`` or a transformers ``Conv1D`` (which stores it transposed),
-    or ``None`` for any other module (a subclass with a forward of its own is not a plain linear)."""
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-        return module.weight
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return module.weight.t()
-    return None
 
 
 def _unpackable(kind: str, weight: torch.Tensor) -> str | None:
@@ -376,6 +317,11 @@ class QuantizedEngine(StaticEngine):
     """
 
     kind: ClassVar[str] = ""
+
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """Never chosen by ``auto``: its tokens are the quantized model's, not the base's (ask for it by name)."""
+        return False
 
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None,
                  lm_head: bool = False, gguf: str | Path | None = None):

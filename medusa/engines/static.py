@@ -23,6 +23,11 @@ class StaticEngine(Engine):
     # visible length grows every step (measured in docs/engines.md).
     sdpa_backends = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """``auto`` considers it everywhere (it runs wherever the base does)."""
+        return True
+
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
         super().__init__(model, scores_all_nodes)
         self.max_cache_len = max_cache_len

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from medusa.engines import kv_cache
-from medusa.engines.quantized import GROUP_SIZE, Int4Codes, dequantize_int4, linear_weight
+from medusa.engines.int4 import GROUP_SIZE, Int4Codes, dequantize_int4, linear_weight
 
 PACKABLE = ("Q4_0", "Q4_1", "Q4_K")
 """GGUF block types whose blocks map exactly onto int4 codes with a per-32 scale and zero point."""

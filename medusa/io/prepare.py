@@ -101,6 +101,25 @@ def preset_gguf(preset: str, work_dir: str | Path) -> tuple[Path, str]:
     raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
 
 
+def prepare_preset(out_dir: str | Path, preset: str) -> Path:
+    """:func:`prepare_model` of a shipped model (:func:`preset_gguf`); a GGUF assembled from chunk packages is
+    written next to ``out_dir`` and removed afterwards.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty (before anything is assembled).
+        ValueError, FileNotFoundError: as :func:`preset_gguf`.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder {out_dir} exists and is not empty; remove it or choose another")
+    gguf, name = preset_gguf(preset, out.with_name(out.name + ".gguf"))
+    prepared = prepare_model(out_dir, gguf, name)
+    if gguf.parent.name.endswith(".gguf"):
+        gguf.unlink()
+        gguf.parent.rmdir()
+    return prepared
+
+
 def check_gguf_architecture(gguf: Path) -> str:
     """The architecture a GGUF file declares (``general.architecture``), checked against those transformers reads.
 

@@ -9,6 +9,7 @@ through an asyncio queue and are turned into text by :class:`medusa.serve.text.T
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -49,6 +50,13 @@ class ServeConfig:
     acceptance: str = "rejection"
     """How sampling requests accept drafts: ``rejection`` (lossless) or ``typical`` (Medusa's typical acceptance,
     lossy), or a rule registered with :func:`medusa.register_acceptance`."""
+
+    @classmethod
+    def from_flags(cls, args, served_model_name: str) -> ServeConfig:
+        """The configuration ``medusa serve``'s parsed flags give (:func:`medusa.serve.run.add_serve_arguments`):
+        each field from the flag of its name."""
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "served_model_name"]
+        return cls(served_model_name, **{name: getattr(args, name) for name in fields})
 
     def __post_init__(self):
         if self.speculation not in SPECULATION:

@@ -7,17 +7,49 @@ the process exits within about that time. A second signal exits at once (uvicorn
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 
 from medusa.serve.app import ServeConfig, Server, build_app
+from medusa.serve.scheduler import SPECULATION
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+PORT = 8000
+DRAIN_TIMEOUT_S = 30.0
 
 
-def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = 8000, drain_timeout_s: float = 30.0,
-                        log_level: str = "warning"):
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``medusa serve``'s own flags (the decoding ones are :func:`medusa.build.add_decode_arguments`'), their
+    defaults read from :class:`medusa.serve.app.ServeConfig` and :func:`serve`."""
+    default = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    p.add_argument("--host", default=LOOPBACK, help="address to bind (loopback by default: only this machine)")
+    p.add_argument("--port", type=int, default=PORT, help="TCP port")
+    p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--max-running", type=int, default=default["max_running"],
+                   help="requests decoding at once (rows of the batch)")
+    p.add_argument("--max-waiting", type=int, default=default["max_waiting"],
+                   help="requests queued beyond those running; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=default["max_body_bytes"],
+                   help="largest request body (413 beyond)")
+    p.add_argument("--request-timeout-s", type=float, default=default["request_timeout_s"],
+                   help="a request still running then is ended")
+    p.add_argument("--default-max-tokens", type=int, default=default["default_max_tokens"],
+                   help="new tokens when a request sets no max_tokens (less when the context has less room)")
+    p.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, requests in flight get this long to finish, then end with an error")
+    p.add_argument("--speculation", choices=SPECULATION, default=default["speculation"],
+                   help="auto: each batched step speculative or plain, whichever measured faster at that batch "
+                        "size; on: always speculative; off: plain decoding only")
+    p.add_argument("--acceptance", default=default["acceptance"],
+                   help="sampling requests: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+
+
+def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
+                        drain_timeout_s: float = DRAIN_TIMEOUT_S, log_level: str = "warning"):
     """A ``uvicorn.Server`` for ``server`` whose exit signal starts the drain (see module docstring).
 
     Raises:
@@ -38,7 +70,7 @@ def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = 8000, 
     return DrainingServer(config)
 
 
-def serve(model, config: ServeConfig, host: str = LOOPBACK, port: int = 8000, drain_timeout_s: float = 30.0,
+def serve(model, config: ServeConfig, host: str = LOOPBACK, port: int = PORT, drain_timeout_s: float = DRAIN_TIMEOUT_S,
           log_level: str = "warning") -> None:
     """Serve ``model`` (a :class:`medusa.model.MedusaModel`) until SIGTERM/SIGINT, then drain and return."""
     if host not in (LOOPBACK, "localhost", "::1"):

@@ -78,6 +78,78 @@ def read_distilled_sequences(path: str | Path, limit: int | None = None) -> list
     return sequences
 
 
+def read_messages(value: str) -> list[dict]:
+    """Chat messages given as a JSON list of ``{"role", "content"}`` objects, or the path of a file holding one.
+
+    Raises:
+        ValueError: neither, or a list that is empty or holds something else.
+    """
+    text = Path(value).read_text() if Path(value).is_file() else value
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--messages is neither a JSON list nor a file holding one: {e}") from e
+
+    def well_formed(m) -> bool:
+        return isinstance(m, dict) and {"role", "content"} <= set(m)
+
+    if not isinstance(messages, list) or not messages or not all(well_formed(m) for m in messages):
+        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+    return messages
+
+
+def check_fixed_tree(path: str | Path, heads_dir: str | Path):
+    """The fixed tree file the bench times beside the per-step tree, read and checked against the heads folder's
+    config before any model loads.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or damaged file, or a tree deeper or wider than the heads.
+    """
+    from medusa.decode.tree import load_tree
+    from medusa.io.checkpoint import check_heads_folder
+
+    tree = load_tree(path)
+    config = check_heads_folder(heads_dir)
+    tree.check_fits(config.num_heads, config.head_vocab_size or config.vocab_size)
+    return tree
+
+
+def check_bench_options(heads_dir, fixed_tree=None, batch_sizes=None, sampling: dict | None = None,
+                        plot: bool = False, out=None, drift_data=None, original=None, adapter=None, base=None):
+    """``medusa bench``'s options checked before any model loads: a plot needs ``out``, the fixed
+    tree goes with the one-prompt greedy bench and must fit the heads (:func:`check_fixed_tree`), the batched bench
+    is greedy with batch sizes >= 1, and drift needs an original (``original``, else ``base`` when an ``adapter``
+    is merged).
+
+    Returns:
+        ``(fixed tree or None, the original drift compares with or None)``.
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError: the option at fault named.
+    """
+    if plot and not out:
+        raise ValueError("--plot writes <out>.png next to the JSON: pass --out too")
+    sampled = any(v is not None for k, v in (sampling or {}).items() if k != "acceptance")
+    tree = None
+    if fixed_tree:  # a damaged file, one that does not fit, or other modes
+        if batch_sizes:
+            raise ValueError("--fixed-tree times a fixed tree beside the per-step one in the one-prompt bench: drop "
+                             "--batch-size or --fixed-tree")
+        if (sampling or {}).get("do_sample"):
+            raise ValueError("the fixed-tree comparison is greedy only: drop --fixed-tree")
+        tree = check_fixed_tree(fixed_tree, heads_dir)
+    if batch_sizes and min(batch_sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {batch_sizes}")
+    if batch_sizes and sampled:
+        raise ValueError("the batched bench is greedy only: drop the sampling flags")
+    drift_original = None
+    if drift_data:
+        drift_original = original or (base if adapter else None)
+        if drift_original is None:
+            raise ValueError("--drift-data needs the original to compare with: pass --adapter or --original")
+    return tree, drift_original
+
+
 def encode_prompt(tokenizer, record: dict, use_chat_template: bool = True) -> torch.Tensor:
     """``(T,)`` prompt ids of one prompt record.
 
@@ -402,7 +474,7 @@ def run_bench(model: MedusaModel, prompts: list[dict], max_new_tokens: int, warm
         result.per_prompt.append(record)
         if progress is not None:
             progress(i, record)
-    out = result.to_dict(model.heads.config.num_heads)
+    out = result.to_dict(drafting_depth(model))
     out.update(environment(model, max_new_tokens))
     out["engine"]["compile_s_before_timing"] = compile_s  # any other compile_s entry happened inside a timing
     out["prediction"] = predict(model, out)
@@ -452,19 +524,19 @@ def predict(model: MedusaModel, result: dict) -> dict:
     """:func:`chain_prediction` for a bench result, with the step cost read from this machine's profile (a verify
     forward over the tree's nodes after :data:`medusa.profile.PREFIX_LEN` cached tokens, relative to one token,
     through the bench's engine): the seed's analysis next to the measured figures."""
-    from medusa.profile import load_profile, stderr_progress, time_forwards
+    from medusa.tools.measure import ensure_profile, stderr_progress, time_forwards
 
     name, nodes = model.engine.name, model.drafter.max_nodes
     if model.per_step and result.get("tree_sizes", {}).get("mean"):
         nodes = max(1, round(result["tree_sizes"]["mean"]))
-    profile = load_profile(model.base, progress=stderr_progress)
+    profile = ensure_profile(model.base, announce=stderr_progress)
     if "forward_s" in profile.engines.get(name, {}):
         one, verify_s = profile.forward_s(name, 1), profile.forward_s(name, nodes)
     else:  # not in the profile (compiled: each size compiles): the two sizes this bench ran, on its own engine
         times = time_forwards(model.engine, model.base, sizes=(1, nodes))
         one, verify_s = times[1], times[nodes]
     out = {**chain_prediction(result["accepted_histogram"], verify_s / one), "step_cost": verify_s / one}
-    if hasattr(model.heads, "catch_up"):  # a draft model: its K forwards a step add K c_q / c_p
+    if model.draft_model is not None:  # a draft model: its K forwards a step add K c_q / c_p
         out.update(draft_prediction(model, out["alpha"], one, verify_s, profile))
     return out
 
@@ -473,20 +545,21 @@ def draft_prediction(model: MedusaModel, alpha: float, base_one_s: float, verify
     """The seed's analysis for a draft-model run: a step costs one verify forward over the tree plus the draft's
     forwards (the catch-up over the tokens emitted since the last step, about tau of them, then one per deeper
     level over that level's parents), each from the machine profile's single-forward timings of the base and of
-    this kind of draft (:func:`medusa.profile.draft_forward_costs`), never from the run's step times.
+    this kind of draft (:func:`medusa.tools.measure.draft_forward_costs`), never from the run's step times.
 
     Returns:
         ``{"cost_ratio", "draft_forward_s", "step_cost", "predicted_tau", "predicted_speedup"}``: ``cost_ratio`` is
         c_q / c_p (one draft token against one base token), ``step_cost`` relative to one plain base step.
     """
-    from medusa.profile import draft_forward_costs, interpolate
+    from medusa.profile import interpolate
+    from medusa.tools.measure import draft_forward_costs
 
     paths = set(model.tree.paths)
     depth = max(len(p) for p in paths)
     tau = expected_tokens(alpha, depth)
     parents = [sum(1 for p in paths if len(p) == d and any(q[:d] == p for q in paths if len(q) == d + 1))
                for d in range(1, depth)]  # the parents each deeper level's forward feeds
-    times = draft_forward_costs(profile, model.heads)  # {n: s}
+    times = draft_forward_costs(profile, model.draft_model)  # {n: s}
     draft_s = interpolate(times, max(1, round(tau))) + sum(interpolate(times, p) for p in parents)
     cost = (verify_s + draft_s) / base_one_s
     return {"cost_ratio": times[1] / base_one_s, "draft_forward_s": times, "step_cost": cost,
@@ -607,7 +680,7 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
         result.per_prompt.append(record)
         if progress is not None:
             progress(i, record)
-    out = result.to_dict(model.heads.config.num_heads)
+    out = result.to_dict(drafting_depth(model))
     out["identical"] = "not applicable (sampling)"
     for method, per_prompt in logprob.items():
         out[f"{method}_mean_logprob"] = sum(s for s, _ in per_prompt) / max(sum(n for _, n in per_prompt), 1)
@@ -616,6 +689,26 @@ def _run_bench_sampling(model: MedusaModel, encoded: list[torch.Tensor], max_new
     out["sampling"] = {**hf_settings, "seed": seed, "acceptance": sampling.get("acceptance", "rejection")}
     out.update(environment(model, max_new_tokens))
     out["prediction"] = predict(model, out)
+    return out
+
+
+def drafting_depth(model: MedusaModel) -> int:
+    """The depths a bench reports acceptance for: the heads' (or the draft model's) count, else the drafter's
+    deepest node (prompt lookup, a registered drafter)."""
+    network = model.drafts_from
+    return network.config.num_heads if network is not None else model.drafter.max_depth
+
+
+def drafting_settings(model: MedusaModel) -> dict:
+    """What drafts, for a bench result: the heads' (or draft model's) type, count and vocabulary, and the draft
+    model's own settings (:attr:`medusa.model.MedusaModel.draft_model`); a drafter without either, its name."""
+    network = model.drafts_from
+    if network is None:
+        return {"head_type": None, "num_heads": 0, "head_vocab_size": None}
+    out = {"head_type": network.config.head_type, "num_heads": network.config.num_heads,
+           "head_vocab_size": network.head_vocab_size}
+    if model.draft_model is not None:
+        out["draft"] = model.draft_model.settings()
     return out
 
 
@@ -635,10 +728,7 @@ def environment(model: MedusaModel, max_new_tokens: int) -> dict:
         "drafter": model.drafter.settings() if model.per_step else {"drafter": model.drafter.name},
         "verify_logits": "all" if model.engine.scores_all_nodes else "path",
         "engine": model.engine.settings(),
-        "head_type": model.heads.config.head_type,
-        "num_heads": model.heads.config.num_heads,
-        "head_vocab_size": model.heads.head_vocab_size,
-        **({"draft": model.heads.settings()} if hasattr(model.heads, "catch_up") else {}),
+        **drafting_settings(model),
         "dtype": str(model.base.dtype),
         "dtype_reason": model.dtype_reason,
         "device": str(model.device),

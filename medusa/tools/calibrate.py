@@ -242,14 +242,14 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
         ``(tree, report, note)``: the report (accuracy, cost curve, level cost, the table of candidates, the chosen
         row under ``"chosen"``, dtype, engine and profile) and the note the tree file carries.
     """
-    from medusa.profile import ensure_engine, heads_level_s, load_profile, stderr_progress
+    from medusa.tools.measure import ensure_engine, ensure_profile, heads_level_s, stderr_progress
 
     lookup_lengths = tuple(sorted(set(lookup_lengths)))
     states = sequence_states(model.base, sequences, model.heads.base_layers)
     replays = replay_data(model.heads, states, top_k, max(lookup_lengths), lookup_max_ngram)
     accuracy = rank_accuracy_from_replays(replays, top_k)
     engine = model.engine.name
-    profile = profile if profile is not None else load_profile(model.base, progress=stderr_progress)
+    profile = profile if profile is not None else ensure_profile(model.base, announce=stderr_progress)
     profile = ensure_engine(profile, model.base, engine, stderr_progress)
     curve = profile.cost_curve(engine)
     per_depth = heads_level_s(profile, model.heads)
@@ -305,3 +305,75 @@ def calibrate_heads(base, heads, heads_dir, sequences: list[tuple[list[int], int
     states = sequence_states(base, sequences, heads.base_layers)
     calibration = measure_calibration(heads, states, top_k, lookup_length, lookup_max_ngram, identity, source)
     return calibration, save_calibration(calibration, out or heads_dir / CALIBRATION_FILE_NAME)
+
+
+def calibrate_folder(base_dir: str | Path, heads_dir: str | Path, data: str | Path, limit: int | None = None,
+                     top_k: int = 8, lookup_length: int = 16, lookup_ngram: int = 3, out: str | Path | None = None,
+                     device: str | None = None) -> tuple[Calibration, Path, int]:
+    """``medusa calibrate``: :func:`calibrate_heads` of the heads folder ``heads_dir`` on the first ``limit``
+    self-distilled records of ``data``, the base and heads loaded in float32 on ``device`` (default: cuda when
+    available). The flags are checked before anything loads.
+
+    Returns:
+        ``(calibration, path written, sequences measured)``.
+
+    Raises:
+        ValueError: ``top_k`` below 1 or beyond the heads' vocabulary, ``lookup_length`` below 0, ``lookup_ngram``
+            below 1 (each named), or as :func:`calibrate_heads`.
+    """
+    from medusa.base import load_base
+    from medusa.io.checkpoint import check_heads_folder, load_heads_for_base
+    from medusa.tools.bench import read_distilled_sequences
+
+    if top_k < 1 or lookup_length < 0 or lookup_ngram < 1:
+        raise ValueError(f"--top-k must be >= 1, --lookup-length >= 0 and --lookup-ngram >= 1, got {top_k}, "
+                         f"{lookup_length} and {lookup_ngram}")
+    config = check_heads_folder(heads_dir)
+    if top_k > (config.head_vocab_size or config.vocab_size):
+        raise ValueError(f"--top-k {top_k} is more than the heads' vocabulary of "
+                         f"{config.head_vocab_size or config.vocab_size} tokens")
+    sequences = read_distilled_sequences(data, limit)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base, _ = load_base(base_dir, torch.float32, device)
+    heads = load_heads_for_base(heads_dir, base).to(device)
+    calibration, path = calibrate_heads(base, heads, heads_dir, sequences, top_k, lookup_length, lookup_ngram,
+                                        {"data": str(data), "limit": limit}, out)
+    return calibration, path, len(sequences)
+
+
+def eval_heads(model, data: str | Path, limit: int | None = None) -> dict:
+    """``medusa eval-heads``: each head's top-1 and top-5 accuracy (:func:`rank_accuracy`) on the first ``limit``
+    self-distilled records of ``data``, for the heads of ``model`` (a :class:`medusa.model.MedusaModel`).
+
+    Returns:
+        ``{"data", "sequences", "top1": [K floats], "top5": [K floats]}``.
+    """
+    from medusa.tools.bench import read_distilled_sequences
+
+    sequences = read_distilled_sequences(data, limit)
+    accuracy = rank_accuracy(model.base, model.heads, sequences, top_k=5)  # (K, 5)
+    return {"data": data, "sequences": len(sequences), "top1": accuracy[:, 0].tolist(),
+            "top5": accuracy.sum(dim=1).tolist()}
+
+
+def build_tree_files(model, data: str | Path, limit: int | None, top_k: int, max_nodes: int, lookup_lengths,
+                     lookup_max_ngram: int, out: str | Path, name: str | None = None) -> tuple[Tree, dict, Path]:
+    """``medusa build-tree``: :func:`build_tree` on the first ``limit`` self-distilled records of ``data``, the tree
+    written to ``out`` (named ``name``, default the file's stem) and its report beside it, ``<out>.report.json``.
+
+    Returns:
+        ``(tree, report, report path)``.
+    """
+    import json
+
+    from medusa.decode.tree import save_tree
+    from medusa.tools.bench import read_distilled_sequences
+
+    sequences = read_distilled_sequences(data, limit)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tree, report, note = build_tree(model, sequences, top_k, max_nodes, lookup_lengths, lookup_max_ngram,
+                                    name or Path(out).stem)
+    save_tree(tree, out, note=note)
+    report_path = Path(out).with_suffix(".report.json")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return tree, report, report_path

@@ -59,3 +59,24 @@ def drift_from(original: str | Path, adapted, data: str | Path, limit: int | Non
     base, _ = load_base(original, adapted.dtype, adapted.device)
     return {"original": str(original), "data": data,
             **drift(base, adapted, read_distilled_sequences(data, limit))}
+
+
+def drift_of_folders(base: str | Path, data: str | Path, limit: int | None = None, adapter: str | Path | None = None,
+                     adapted: str | Path | None = None) -> dict:
+    """``medusa drift``: :func:`drift` of an adapted model from the base folder ``base`` on the first ``limit``
+    self-distilled records of ``data``; the adapted model is ``adapter`` merged into the base, or the merged folder
+    ``adapted``. The result names the three.
+
+    Raises:
+        ValueError: neither or both of ``adapter`` and ``adapted``.
+    """
+    from medusa.base import load_base
+    from medusa.io.adapter import merge_adapter
+    from medusa.tools.bench import read_distilled_sequences
+
+    if (adapter is None) == (adapted is None):
+        raise ValueError("pass one of --adapter and --adapted")
+    sequences = read_distilled_sequences(data, limit)
+    original, _ = load_base(base)
+    model = merge_adapter(load_base(base)[0], adapter).eval() if adapter else load_base(adapted)[0]
+    return {"original": base, "adapted": adapter or adapted, "data": data, **drift(original, model, sequences)}

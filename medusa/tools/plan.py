@@ -133,6 +133,22 @@ def _check_tree(branching: int, depth: int) -> None:
             raise ValueError(f"tree {name} must be an integer >= 1, got {v!r}")
 
 
+def check_plan(alpha: float | Sequence[float], cost_ratio: float, branching: int | None = None,
+               depth: int | None = None) -> None:
+    """``medusa plan``'s inputs checked before any model is read: alpha's range, the cost ratio, and a tree's
+    ``branching`` and ``depth`` given together with a single alpha.
+
+    Raises:
+        ValueError: the input at fault named.
+    """
+    expected_tokens(alpha, 0)
+    round_cost(0, cost_ratio)
+    if (branching is None) != (depth is None):
+        raise ValueError("--branching and --depth go together")
+    if branching is not None and isinstance(alpha, Sequence):
+        raise ValueError("--branching/--depth take a single --alpha")
+
+
 def plan_table(alpha: float | Sequence[float], cost_ratio: float, k_max: int = 16, verify_cost=None) -> list[dict]:
     """Rows ``{"k", "tokens", "cost", "speedup"}`` for K = 1 .. ``k_max`` (per-depth rates: up to their count);
     ``verify_cost(k)``: the verify forward's cost with K drafts relative to one token (default: 1)."""

@@ -249,3 +249,4 @@ def plot_profile(profile: dict, path: str | Path) -> Path:
     fig.suptitle(f"{key['cpu'] if key['device'] == 'cpu' else key['device']}, {key['torch_threads']} threads, "
                  f"{key['dtype']}, {key['model'].get('architecture')}", fontsize=10)
     return _save(fig, path)
+

@@ -228,3 +228,117 @@ def profile_table(profile: dict, path: str | None = None, choices: dict[int, str
     for size, reason in (choices or {}).items():
         lines.append(f"auto for {size}-token steps: {reason}")
     return "\n".join(lines)
+
+
+def tree_text(model, stats) -> str:
+    """The tree a decode used, for ``--stats``: the fixed tree's name and size, or the per-step tree's sizes
+    (``stats``: a :class:`medusa.decode.loop.GenerationStats`)."""
+    if not model.per_step:
+        return f"{model.tree.name} ({model.tree.num_nodes - 1} nodes + root)"
+    sizes = stats.tree_nodes or [1]
+    plain = sum(n == 1 for n in sizes) / len(sizes)
+    return (f"per-step, {sum(sizes) / len(sizes):.1f} nodes on average (root included), {min(sizes)}-{max(sizes)}, "
+            f"{100 * plain:.0f}% plain steps")
+
+
+def generate_stats_text(model, stats) -> str:
+    """``medusa generate --stats``: tokens, tau, forwards, tokens/s and the tree; the lookup chain's share on a
+    second line when it copied tokens."""
+    text = (f"tokens: {stats.new_tokens}  tau: {stats.tau:.2f} tokens/forward  verify forwards: "
+            f"{stats.decode_steps}  tokens/s: {stats.tokens_per_s:.1f}  tree: {tree_text(model, stats)}")
+    if stats.copied_tokens:
+        text += (f"\nlookup chain: {stats.lookup_share:.0%} of the tokens copied from the context; tau without them "
+                 f"{stats.tau_without_lookup:.2f}")
+    return text
+
+
+def batch_stats_text(model, first: int, outputs: list, stats) -> str:
+    """``medusa generate --prompts --stats``: one batch's figures (``stats``: a :class:`medusa.decode.batch.
+    BatchStats`)."""
+    taus = ", ".join(f"{s.tau:.2f}" for s in stats.rows)
+    return (f"prompts {first}-{first + len(outputs) - 1}: tokens {stats.new_tokens}  batched forwards "
+            f"{stats.forwards}  tau per prompt [{taus}]  tokens/s {stats.tokens_per_s:.1f}  tree: "
+            f"{tree_text(model, stats.rows[0])}")
+
+
+def bench_progress_line(i: int, total: int, record: dict, per_step: bool) -> str:
+    """One prompt's line as the bench runs."""
+    line = f"[{i + 1}/{total}] tokens {record['tokens']:4d}  tau {record['tau']:.2f}  "
+    line += f"hf {record['hf_s']:.2f}s  medusa {record['medusa_s']:.2f}s"
+    for key, name in (("speedup_vs_hf", "hf"), ("speedup_vs_plain", "plain"), ("speedup_vs_fixed", "fixed")):
+        if record.get(key) is not None:
+            line += f"  {record[key]:.2f}x {name}"
+    if per_step:
+        line += f"  nodes {record['mean_tree_nodes']:.1f}"
+    return line + (f"  DIVERGED at {record['diverged_at']}" if "diverged_at" in record else "")
+
+
+def batch_progress_line(size: int, method: str, record: dict) -> str:
+    """One batch size and method's line as the batched bench runs."""
+    return f"[batch {size}] {method:6s} {record['tokens']:5d} tokens in {record['seconds']:.1f}s"
+
+
+def bench_text(result: dict, reference: dict | None = None, reference_name: str | None = None) -> str:
+    """:func:`bench_table`, then a line per divergence from Hugging Face's tokens."""
+    return "\n".join([bench_table(result, reference, reference_name)]
+                     + [divergence_text(d) for d in result["divergences"]])
+
+
+def divergence_text(d: dict) -> str:
+    """A bench divergence: where, the base's top-2 gap there, and whether it was a numerical tie."""
+    kind = "tie" if d.get("tie") else "true divergence"
+    return (f"divergence: prompt {d['prompt']} at token {d['position']}, base top-2 gap {d['base_top2_gap']:.3g} "
+            f"({kind})")
+
+
+def plan_text(rows: list[dict], header: str) -> str:
+    """``medusa plan``'s table of tokens, cost and speedup per K, and the optimal K."""
+    lines = [header, f"{'K':>3} {'tokens/round':>13} {'cost/round':>11} {'speedup':>8}"]
+    lines += [f"{r['k']:>3} {r['tokens']:>13.3f} {r['cost']:>11.3f} {r['speedup']:>7.2f}x" for r in rows]
+    best = max(rows, key=lambda r: r["speedup"])
+    lines.append(f"optimal K: {best['k']} ({best['speedup']:.2f}x, {best['tokens']:.2f} tokens per round)")
+    return "\n".join(lines)
+
+
+def head_accuracy_text(top1: list[float], top5: list[float]) -> str:
+    """``medusa eval-heads``: each head's top-1 and top-5 accuracy."""
+    return "\n".join(f"head {k} (token t+{k + 2}): top-1 {a1:.3f}  top-5 {a5:.3f}"
+                     for k, (a1, a5) in enumerate(zip(top1, top5, strict=True)))
+
+
+def build_tree_text(tree, report: dict, out: str, seconds: float) -> str:
+    """``medusa build-tree``'s summary: accuracy per head, the cost curve and the tree chosen."""
+    best = report["chosen"]
+    lookup = f" and a {tree.lookup_length}-token prompt-lookup chain" if tree.lookup_length else ""
+    curve = {int(k) if k.isdigit() else k: round(v, 3) for k, v in report["cost_curve"].items()}
+    return (f"top-1 accuracy per head: {[round(a[0], 3) for a in report['accuracy']]}\ncost curve: {curve}\n"
+            f"chose {len(tree.paths)} nodes{lookup}: replayed tau {best['replayed_tau']:.2f} (heads alone, expected "
+            f"{best['expected_tau']:.2f}), predicted speedup {best['predicted_speedup']:.2f}x -> {out} "
+            f"({seconds:.0f} s)")
+
+
+def plan_k_text(alpha, k: int, cost_ratio: float, verify_cost: float = 1.0) -> str:
+    """``medusa plan --k K``: that K's expected tokens, round cost and speedup."""
+    from medusa.tools import plan
+
+    cost = plan.round_cost(k, cost_ratio, verify_cost)
+    return (f"K={k}: {plan.expected_tokens(alpha, k):.3f} tokens, cost {cost:.3f}, "
+            f"{plan.speedup(alpha, k, cost_ratio, verify_cost):.2f}x")
+
+
+def plan_tree_text(alpha: float, branching: int, depth: int) -> str:
+    """``medusa plan --branching B --depth D``: a full tree's paths, nodes and expected tokens (an upper bound)."""
+    from medusa.tools import plan
+
+    tokens = plan.tree_expected_tokens(alpha, branching, depth)
+    return (f"tree of branching {branching}, depth {depth}: {plan.tree_paths(branching, depth)} candidate paths, "
+            f"{plan.tree_nodes(branching, depth)} draft nodes, {tokens:.3f} "
+            "expected tokens per round if each sibling were accepted independently (an upper bound: a greedy base "
+            "accepts one sibling)")
+
+
+def calibration_text(calibration, path, sequences: int, seconds: float) -> str:
+    """``medusa calibrate``'s summary: top-1 acceptance per depth and what was measured, written where."""
+    return (f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}\n"
+            f"measured on {sequences} sequences ({calibration.source['positions']} positions) -> {path} "
+            f"({seconds:.0f} s)")

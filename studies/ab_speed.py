@@ -1,13 +1,14 @@
 """Decoding speed of two checkouts of this project, engine by engine, interleaved prompt by prompt (an A/B).
 
-For each engine, one process per checkout (``PYTHONPATH`` set to it) loads the base and the heads and warms up;
+``--batch B`` times batched decoding instead (``generate_batch`` over B prompts per decode). For each engine, one
+process per checkout (``PYTHONPATH`` set to it) loads the base and the heads and warms up;
 then the two decode the same held-out prompts in strict alternation (A B, B A, A B, ... per prompt, ``--rounds``
 times over the prompts), so a slow minute on a shared machine falls on both. Each decode is greedy,
 ``--max-new-tokens``, timed around ``generate`` alone. Per checkout and engine: tokens per second over all its
 decodes, the per-round tokens per second, and the ratio B / A with the median of the per-round ratios; the tokens of
 the two are compared.
 
-    python scripts/ab_speed.py --a /path/to/old/checkout --b . --out docs/results/ab.json
+    python studies/ab_speed.py --a /path/to/old/checkout --b . --out docs/results/ab.json
 """
 
 from __future__ import annotations
@@ -31,29 +32,41 @@ def worker(args) -> None:
 
     import torch
 
-    # The old path (not medusa.tools.bench): the checkout measured may predate the subpackages.
-    bench = importlib.import_module("medusa.bench")
+    try:
+        bench = importlib.import_module("medusa.tools.bench")
+    except ModuleNotFoundError:  # a checkout from before the subpackages
+        bench = importlib.import_module("medusa.bench")
     from medusa.model import MedusaModel
 
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(args.base, args.heads, engine=args.engines[0])
-    encoded = [bench.encode_prompt(model.tokenizer, p) for p in bench.read_prompts(args.prompts)[: args.limit + 1]]
-    model.generate(encoded[0], max_new_tokens=args.max_new_tokens)  # warm-up (compiles, for `compiled`)
+    rows = max(args.batch, 1)
+    prompts = bench.read_prompts(args.prompts)[: (args.limit + 1) * rows]
+    encoded = [bench.encode_prompt(model.tokenizer, p) for p in prompts]
+    groups = [encoded[i * rows: (i + 1) * rows] for i in range(args.limit + 1)]
+
+    def decode(group):
+        if args.batch:
+            new, stats = model.generate_batch(group, max_new_tokens=args.max_new_tokens)
+            return [t for row in new for t in row], stats.row_forwards, sum(r.decode_tokens for r in stats.rows)
+        new, stats = model.generate(group[0], max_new_tokens=args.max_new_tokens)
+        return new, stats.decode_steps, stats.decode_tokens
+
+    decode(groups[0])  # warm-up (compiles, for `compiled`)
     print("ready", flush=True)
     for line in sys.stdin:
-        ids = encoded[1 + int(line)]
         start = time.perf_counter()
-        new, stats = model.generate(ids, max_new_tokens=args.max_new_tokens)
+        new, steps, decoded = decode(groups[1 + int(line)])
         seconds = time.perf_counter() - start
-        print(json.dumps({"s": seconds, "tokens": new, "steps": stats.decode_steps,
-                          "decode_tokens": stats.decode_tokens}), flush=True)
+        print(json.dumps({"s": seconds, "tokens": new, "steps": steps, "decode_tokens": decoded}), flush=True)
 
 
 def start_worker(checkout: str, engine: str, args) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=checkout, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1")
     command = [sys.executable, __file__, "--worker", "--a", args.a, "--b", args.b, "--base", args.base, "--heads",
                args.heads, "--prompts", args.prompts, "--limit", str(args.limit), "--max-new-tokens",
-               str(args.max_new_tokens), "--threads", str(args.threads), "--engines", engine]
+               str(args.max_new_tokens), "--threads", str(args.threads), "--batch", str(args.batch),
+               "--engines", engine]
     process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     if process.stdout.readline().strip() != "ready":
@@ -106,6 +119,8 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=0,
+                        help="rows per decode: 0 = one prompt (generate), B > 0 = B prompts (generate_batch)")
     parser.add_argument("--out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -8,7 +8,7 @@ tokens are Hugging Face ``generate``'s. HF ``generate`` and our plain decoding a
 same process (``--no-timing`` skips HF: tau needs no idle machine, speed does). ``--stride`` keeps every n-th prompt
 of a set (the MT-bench-style set is 8 categories of 10 in order: a stride of 4 keeps 20 prompts of every category).
 
-    python scripts/drafter_compare.py --base models/smollm2-135m-instruct \
+    python studies/drafter_compare.py --base models/smollm2-135m-instruct \
         --drafter eagle=outputs/smollm2-135m-eagle/heads --drafter hydra=outputs/hydra-768/heads \
         --held-out data/distill-all/distilled_held_out.jsonl --out docs/results/drafter-compare.json
 """

@@ -8,7 +8,7 @@ forward with every quantized linear replaced by a no-op (the cost outside the ma
 Medusa tokens/s; teacher-forced top-1 agreement and KL of each engine against fp32 along fp32's greedy tokens; the
 quantized bytes. Writes JSON to ``--out``.
 
-    OMP_NUM_THREADS=1 python scripts/quantized_bench.py --out /tmp/quantized.json
+    OMP_NUM_THREADS=1 python studies/quantized_bench.py --out /tmp/quantized.json
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {  # label -> (engine, options)
     "fp32 onednn": ("onednn", {}),

@@ -32,7 +32,7 @@ medusa train --config configs/eagle-comparison/eagle-sharegpt-text.yaml
 for RUN in smollm2-135m-eagle hydra-768 medusa-768 eagle-ttt1 eagle-ttt5 eagle-layers-7-15-27 eagle-sharegpt-text; do
     medusa calibrate --base "$BASE" --heads "outputs/$RUN/heads" --data "$VAL"
 done
-python scripts/drafter_compare.py --base "$BASE" --held-out "$HELD" --out docs/results/drafter-compare.json \
+python studies/drafter_compare.py --base "$BASE" --held-out "$HELD" --out docs/results/drafter-compare.json \
     --drafter eagle=outputs/smollm2-135m-eagle/heads --drafter hydra=outputs/hydra-768/heads \
     --drafter medusa=outputs/medusa-768/heads
 # 6. Speed on an idle machine, both frozen sets, against HF generate and plain decoding in one process.

@@ -3,8 +3,8 @@
 # BASE=<local model folder>), step cost against n = 1, 4, 16, 32, 64 for the eager, static and compiled engines,
 # Hugging Face generate, our plain decoding, Medusa with random heads on trees of 16, 32 and 64 nodes, and the
 # weight-read floor from a measured device-to-device copy. One JSON: OUT (default below).
-#   bash scripts/bench_gpu.sh                       # random 7B shape, about 14 GB of GPU memory
-#   BASE=/models/llama-2-7b bash scripts/bench_gpu.sh --engines eager compiled
+#   bash studies/bench_gpu.sh                       # random 7B shape, about 14 GB of GPU memory
+#   BASE=/models/llama-2-7b bash studies/bench_gpu.sh --engines eager compiled
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1

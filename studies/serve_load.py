@@ -2,7 +2,7 @@
 (``--speculation auto``) against plain decoding (``--speculation off``), each behind its own server process of the
 same build; then the faults of issue 22 against a fresh server. Bounded in count and time; talks to 127.0.0.1 only.
 
-    OMP_NUM_THREADS=1 taskset -c 1 python scripts/serve_load.py --base models/smollm2-135m-instruct \\
+    OMP_NUM_THREADS=1 taskset -c 1 python studies/serve_load.py --base models/smollm2-135m-instruct \\
         --heads checkpoints/smollm2-135m-instruct-hydra --threads 1 --concurrency 1 4 16 --out load.json
 
 Reports per mode and concurrency: aggregate completion tokens/s, p50/p95 latency, p50/p95 time to first token

@@ -3,7 +3,7 @@ docs/eagle.md is computed from): the drafter's forward over a store batch, the t
 hidden state, the decayed teacher loss, backward and the optimizer step; the base is not run (the store has its
 states). Batch 8 x 96 positions, draft vocabulary 8,192, as the configs in configs/eagle-comparison/.
 
-    python scripts/train_step_cost.py --base models/smollm2-135m-instruct --steps 10
+    python studies/train_step_cost.py --base models/smollm2-135m-instruct --steps 10
 """
 
 from __future__ import annotations

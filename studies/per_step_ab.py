@@ -7,7 +7,7 @@ plain steps and the step's parts (ms) per method and prompt file, and writes the
 Use it to choose settings on the validation split (``--prompts data/validation/distilled_validation.jsonl``: its
 records' ``prompt_ids`` are decoded), never on the frozen held-out sets, whose figures come from ``medusa bench``::
 
-    python scripts/per_step_ab.py --base models/smollm2-135m-instruct \\
+    python studies/per_step_ab.py --base models/smollm2-135m-instruct \\
         --heads checkpoints/smollm2-135m-instruct-hydra --prompts data/validation/distilled_validation.jsonl \\
         --limit 12 --fixed-tree configs/trees/smollm2-135m-hydra-validation-refit-cpu.json \\
         --variant '{}' --variant '{"max_parents": 8, "top_k": 8}' --out docs/results/per-step-ab-validation.json
@@ -31,8 +31,8 @@ from medusa.drafters.calibration import CALIBRATION_FILE_NAME, load_calibration 
 from medusa.drafters.composite import NoDrafter, tree_drafter  # noqa: E402
 from medusa.drafters.per_step import PerStepDrafter, StepCost  # noqa: E402
 from medusa.model import MedusaModel  # noqa: E402
-from medusa.profile import ensure_engine, load_profile, stderr_progress  # noqa: E402
 from medusa.tools.bench import encode_prompt, read_prompts  # noqa: E402
+from medusa.tools.measure import ensure_engine, load_profile, stderr_progress  # noqa: E402
 
 
 def prompt_ids(path: str, tokenizer, limit: int) -> list[torch.Tensor]:

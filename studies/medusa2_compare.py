@@ -4,11 +4,11 @@ Each run folder is a ``medusa train`` output (``heads/``, and ``adapter/`` for M
 heads both runs started from as a reference row. Every row is scored on the same held-out self-distilled answers
 (the original base's greedy text), with the base each set of heads decodes with: the original for Medusa-1, the
 merged adapted base for Medusa-2. Reported: per-head top-1/top-5 (for Hydra heads conditional on the true tokens
-before the target), the expected tau of the greedy-grown tree at several node budgets (as ``scripts/head_ablation.py``
+before the target), the expected tau of the greedy-grown tree at several node budgets (as ``studies/head_ablation.py``
 and ``medusa build-tree``), and the drift of the decoding base from the original (:mod:`medusa.tools.drift`; none for
 the original itself).
 
-    python scripts/medusa2_compare.py --base models/smollm2-135m-instruct \\
+    python studies/medusa2_compare.py --base models/smollm2-135m-instruct \\
         --held-out data/distill/distilled_held_out.jsonl --limit 48 \\
         --init-heads checkpoints/smollm2-135m-instruct-hydra \\
         --runs outputs/medusa2-compare/medusa1 outputs/medusa2-compare/medusa2 \\

@@ -7,7 +7,7 @@ per-head, per-rank accuracy (for Hydra heads conditional on the true tokens befo
 tree node is accepted when its parent was), the expected tau of the greedy-grown tree at several node budgets, and
 the training time.
 
-    python scripts/head_ablation.py --base models/smollm2-135m-instruct --store outputs/stores/sharegpt \\
+    python studies/head_ablation.py --base models/smollm2-135m-instruct --store outputs/stores/sharegpt \\
         --held-out data/distill/distilled_held_out.jsonl --variants medusa:hard hydra:teacher --sizes 400 1600 \\
         --steps 300 --out docs/results/heads-ablation.json
 

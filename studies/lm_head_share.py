@@ -4,7 +4,7 @@ floor), fp32, in one process. Then the drafting side: the heads' vocabulary proj
 one per head, through the shared lm_head) over the full vocabulary and over a truncated head vocabulary of each
 ``--head-vocab`` size (the rows of the most frequent targets: the same product over fewer rows).
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/lm_head_share.py --base models/gemma3-270m
+    OMP_NUM_THREADS=2 .venv/bin/python studies/lm_head_share.py --base models/gemma3-270m
 """
 
 from __future__ import annotations

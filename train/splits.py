@@ -1,0 +1,188 @@
+"""The splits the ``distill`` and ``held-out-prompts`` commands read: a dataset's train / validation / held-out
+conversations (:func:`distill_splits_of`), and the held-out split's first prompts as JSON-lines records
+(:func:`held_out_prompt_records`). Settings left ``None`` take :class:`train.config.TrainConfig`'s defaults, so the
+splits are the ones a training run with the same settings makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from train.config import TrainConfig
+from train.data import (
+    document_prefix_text,
+    first_prompt,
+    load_conversations,
+    load_splits,
+    split_conversations,
+    split_held_out,
+)
+
+DISTILL_SPLITS = ("validation", "held-out", "train")
+"""The splits ``distill`` writes, in the order it writes them."""
+
+
+def split_file(out_dir: str | Path, split: str) -> Path:
+    """The file ``distill`` writes a split's answers to, in ``out_dir``."""
+    from train.distill import DISTILLED_HELD_OUT_NAME, DISTILLED_TRAIN_NAME, DISTILLED_VALIDATION_NAME
+
+    names = {"validation": DISTILLED_VALIDATION_NAME, "held-out": DISTILLED_HELD_OUT_NAME,
+             "train": DISTILLED_TRAIN_NAME}
+    return Path(out_dir) / names[split]
+
+
+def train_default(field: str, given=None):
+    """``given``, or :class:`train.config.TrainConfig`'s default for ``field`` when ``given`` is ``None``."""
+    if given is not None:
+        return given
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[field]
+
+
+def distill_splits_of(data: str, max_conversations: int | None = None, sample: str | None = None,
+                      held_out_fraction: float | None = None, validation_fraction: float | None = None,
+                      seed: int | None = None, skip_conversations: int = 0) -> dict[str, list]:
+    """``{"validation": [...], "held-out": [...], "train": [...]}``: the conversations of ``data`` split as training
+    splits them. With ``skip_conversations`` the file is read in its own order (``sample`` first), its first N left
+    out (e.g. those an earlier run read), then split.
+
+    Raises:
+        ValueError: ``skip_conversations`` below 0, or as :func:`train.data.load_conversations`.
+    """
+    if skip_conversations < 0:
+        raise ValueError(f"--skip-conversations must be >= 0, got {skip_conversations}")
+    held = train_default("held_out_fraction", held_out_fraction)
+    validation, seed = train_default("validation_fraction", validation_fraction), train_default("seed", seed)
+    if skip_conversations:  # the file's order matters here: read it as it is, then split
+        conversations, _ = load_conversations(data, limit=max_conversations, sample="first")
+        train, val, held_out = split_conversations(conversations[skip_conversations:], held, validation, seed)
+    else:
+        train, val, held_out = load_splits(data, max_conversations, train_default("data_sample", sample), held,
+                                           validation, seed)
+    return {"validation": val, "held-out": held_out, "train": train}
+
+
+def held_out_prompt_records(data: str, n: int, held_out_fraction: float | None = None, seed: int | None = None,
+                            max_conversations: int | None = None, max_prompt_chars: int = 1000,
+                            prefix_chars: int = 400) -> list[dict]:
+    """The first ``n`` usable held-out records: ``{"id", "messages"}`` (a conversation's first prompt, at most
+    ``max_prompt_chars`` long) or ``{"id", "text"}`` (a document's prefix of about ``prefix_chars``, cut at a space).
+
+    Raises:
+        ValueError: fewer than ``n`` usable held-out conversations or documents.
+    """
+    conversations, _ = load_conversations(data, limit=max_conversations)
+    _, held_out = split_held_out(conversations, train_default("held_out_fraction", held_out_fraction),
+                                 train_default("seed", seed))
+    records = []
+    for conv in held_out:
+        if conv.is_document:
+            prefix = document_prefix_text(conv.text, prefix_chars)
+            if prefix:
+                records.append({"id": conv.id, "text": prefix})
+        elif sum(len(m["content"]) for m in first_prompt(conv)) <= max_prompt_chars:
+            records.append({"id": conv.id, "messages": first_prompt(conv)})
+    if len(records) < n:
+        raise ValueError(f"only {len(records)} usable held-out conversations or documents, asked for {n}")
+    return records[:n]
+
+
+def write_jsonl(records: list[dict], path: str | Path) -> Path:
+    """Write ``records`` as JSON lines (the folder made if needed); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def int_list(value: str) -> list[int]:
+    """An argparse type: comma-separated integers."""
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+    """``medusa distill``'s flags (settings left unset take :class:`train.config.TrainConfig`'s defaults)."""
+    from medusa.build import DTYPES
+
+    p.add_argument("--base", required=True,
+                   help="base model folder (chats use its chat template, or plain role-labelled text without one)")
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data): chats, or plain-text documents "
+                   "whose prefixes the base continues")
+    p.add_argument("--out-dir", required=True, help="writes distilled_validation.jsonl (what build-tree fits trees "
+                   "on), then distilled_held_out.jsonl, then distilled_train.jsonl")
+    p.add_argument("--split", choices=["all", "validation", "held-out", "train"], default="all",
+                   help="distill only this split")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--sample", choices=["spread", "first"], default=None,
+                   help="which --max-conversations: spread evenly over the whole dataset (default) or its first ones")
+    p.add_argument("--turns", choices=["all", "first"], default=None,
+                   help="answer a turn drawn from all of each conversation's turns (default) or only the first")
+    p.add_argument("--skip-conversations", type=int, default=0, metavar="N",
+                   help="leave out the first N conversations of the file (e.g. those an earlier training run read)")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--validation-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
+    p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
+    p.add_argument("--prefix-lengths", type=int_list, default=None, metavar="N,N,...",
+                   help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+
+
+def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
+    """``medusa held-out-prompts``' flags."""
+    p.add_argument("--data", default="sharegpt", help="dataset (as for train --data)")
+    p.add_argument("--n", type=int, default=20, help="number of prompts")
+    p.add_argument("--held-out-fraction", type=float, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
+    p.add_argument("--max-conversations", type=int, default=None, help="as in training: read at most this many")
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer prompts")
+    p.add_argument("--prefix-chars", type=int, default=400,
+                   help="documents: the prefix is about this many characters, cut at a space")
+    p.add_argument("--out", required=True, help="JSON-lines file to write")
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """``medusa distill``: the chosen splits answered by the base, written to ``--out-dir``; one line per file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa.build import DTYPES
+    from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
+
+    splits = distill_splits_of(args.data, args.max_conversations, args.sample, args.held_out_fraction,
+                               args.validation_fraction, args.seed, args.skip_conversations)
+    logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
+    names = DISTILL_SPLITS if args.split == "all" else [args.split]
+    chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
+    distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
+                   max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
+                   max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+                   batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
+                   turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
+                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
+    for split, path in chosen:
+        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
+        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
+    return 0
+
+
+def run_held_out_prompts(args: argparse.Namespace) -> int:
+    """``medusa held-out-prompts``: the held-out split's first prompts written as JSON lines."""
+    records = held_out_prompt_records(args.data, args.n, args.held_out_fraction, args.seed, args.max_conversations,
+                                      args.max_prompt_chars, args.prefix_chars)
+    print(f"wrote {args.n} held-out prompts to {write_jsonl(records, args.out)}")
+    return 0
