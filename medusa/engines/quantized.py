@@ -1,0 +1,400 @@
+"""Weight-only quantized engines: the base's linear layers on 4-bit or 8-bit weights, on a CPU.
+
+``int4``: every linear layer of the decoder (``nn.Linear`` and GPT-2's ``Conv1D``) becomes an :class:`Int4Linear`
+running torch's int4 weight-only CPU kernel (``torch.ops.aten._weight_int4pack_mm_for_cpu``) on weights packed
+group-wise (:data:`GROUP_SIZE` input features share a scale and a zero point) with bfloat16 activations: the
+activation is cast to bfloat16 at the module's input and the result back to the model's dtype at its output, so
+the rest of the forward (norms, attention, rotary) runs in the model's own dtype. ``int8``: the same with one scale
+per output channel (``torch.ops.aten._weight_int8pack_mm``). The kernel's formula for a weight is
+
+    w = (q - 8) * scale + zero      (q in 0..15, scale and zero per group of GROUP_SIZE input features)
+
+(checked against the kernel in fp32 by ``tests/test_quantized.py``). The codes come either from the base's own
+weights (min-max rounding per group, :func:`medusa.engines.int4.quantize_int4`) or, for a base prepared from a
+4-bit GGUF, from the file's own blocks (:mod:`medusa.io.gguf_pack`), so nothing is rounded a second time.
+
+Like the onednn engine, the engine runs a shadow of the decoder (new module objects sharing the base's parameters
+and buffers) in which only the linear layers are replaced; the base model is not changed and runs as before
+everywhere else. The quantized copies are a snapshot of the weights when the engine was made: after changing the
+base's weights, call :meth:`QuantizedEngine.refresh` (a check of every layer on every forward is Python work on the
+one-token path this engine is meant to shorten). A linear layer the kernel cannot take (its output size not a
+multiple of 16, its input size not a multiple of the group size) stays dense and is named in
+:meth:`QuantizedEngine.settings`.
+
+Exactness: the bfloat16 casts turn a last-bit fp32 difference into a bfloat16 step, and torch's CPU attention gives
+a query row last-bit different results beside other rows; so in decoding steps the shadow attends row by row
+(:func:`row_invariant_attention`), and greedy Medusa through the engine equals plain greedy through it.
+
+The lm_head stays dense by default (``lm_head=True`` quantizes it too; docs/quantized.md has the measurement that
+chose the default), and the input embedding always does: one row is read per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from medusa.engines import kv_cache, static_cache
+from medusa.engines.base import register_engine
+from medusa.engines.int4 import GROUP_SIZE, Int4Codes, dequantize_int4, linear_weight, quantize_int4, quantize_int8
+from medusa.engines.static import StaticEngine
+
+INNER_K_TILES = 2
+"""The int4 packing's inner tile count (``_convert_weight_to_int4pack_for_cpu``; only its CPU layout)."""
+ACTIVATION_DTYPE = torch.bfloat16
+"""The kernels' fast path on a CPU (fp32 activations take a slow path, fp16 slower still: docs/quantized.md)."""
+KINDS = ("int4", "int8")
+ROW_INVARIANT_ATTENTION = "medusa_row_invariant"
+"""The attention implementation the shadow's attention modules run (:func:`row_invariant_attention`)."""
+_ROW_INVARIANT = contextvars.ContextVar("medusa_row_invariant", default=False)
+
+
+def quantize_unavailable(kind: str, device) -> str | None:
+    """Why the ``kind`` kernel cannot run on ``device`` with this torch, or ``None`` when it can (a tiny trial).
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight quantization {kind!r}: choose one of {', '.join(KINDS)}")
+    device = torch.device(device)
+    if device.type != "cpu":
+        return (f"the {kind} engine runs torch's weight-only CPU kernels and the model is on {device}: move the "
+                "model to the CPU, or use engine 'static' or 'compiled' there")
+    try:
+        if kind == "int4":
+            codes = torch.zeros(16, GROUP_SIZE, dtype=torch.uint8)
+            layer = Int4Linear(codes, torch.ones(16, 1), torch.zeros(16, 1))
+        else:
+            layer = Int8Linear(torch.zeros(16, GROUP_SIZE, dtype=torch.int8), torch.ones(16))
+        layer(torch.zeros(1, GROUP_SIZE))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        op = "_weight_int4pack_mm_for_cpu" if kind == "int4" else "_weight_int8pack_mm"
+        return (f"torch {torch.__version__} cannot run torch.ops.aten.{op} with bfloat16 activations here "
+                f"({str(e).splitlines()[0]}): use engine 'onednn' or 'static'")
+    return None
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` int4 codes packed for ``_weight_int4pack_mm_for_cpu``; bfloat16 inside, the
+    input's dtype outside.
+
+    Args:
+        codes: ``(N, K)`` uint8 in 0..15 (``N`` a multiple of 16, ``K`` of the group size).
+        scale, zero: ``(N, K // group_size)``; the weight is ``(codes - 8) * scale + zero`` (rounded to bfloat16
+            in the kernel).
+        bias: ``(N,)`` or ``None``; added in the input's dtype.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = codes.shape
+        self.in_features, self.out_features = k, n
+        self.group_size = k // scale.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                          INNER_K_TILES)  # (N, K / 2) uint8
+        self.scale_zeros = torch.stack([scale.t(), zero.t()], -1).to(ACTIVATION_DTYPE).contiguous()  # (G, N, 2)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` int8 codes and one scale per output channel (``_weight_int8pack_mm``).
+
+    Args:
+        codes: ``(N, K)`` int8.
+        scale: ``(N,)``; the weight is ``codes * scale[:, None]`` (the scale rounded to bfloat16 in the kernel).
+        bias: ``(N,)`` or ``None``.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.codes = codes.contiguous()
+        self.scale = scale.to(ACTIVATION_DTYPE)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        return y if self.bias is None else y + self.bias
+
+
+def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention whose result for a query row depends only on that row and the keys it may see, in slot order.
+
+    Why: the kernels' bfloat16 activations turn any one-ulp fp32 difference into a bfloat16 rounding step at the
+    next linear layer, and torch's CPU attention gives a row last-bit different results with other rows beside it,
+    with more (masked) keys, or on another path for one query row. Plain decoding (one row) and a Medusa tree (many
+    rows, other nodes masked) would then drift apart. During decoding steps (:func:`row_invariant_steps`) each row
+    here runs alone on exactly the keys its mask lets it see (gathered in slot order, contiguous), so a token gets
+    the same result whichever way it is decoded; elsewhere (a prompt's own forward) the base's implementation runs
+    as usual. Takes and returns what transformers' attention functions do: ``query (B, H, N, D)``, ``key/value
+    (B, Hkv, S, D)``, an additive or boolean mask ``(B or 1, 1, N, S)``; returns ``((B, N, H, D), None)``.
+    """
+    inner = _base_attention(module)
+    if not _ROW_INVARIANT.get() or attention_mask is None:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+        attention_mask.dtype).min / 2  # (B or 1, 1, N, S)
+    rows = []
+    for b in range(query.shape[0]):
+        visible = mask[min(b, mask.shape[0] - 1), 0]  # (N, S)
+        out = []
+        for i in range(query.shape[2]):
+            keep = visible[i].nonzero()[:, 0]  # (S_i,) the slots row i sees, in order
+            k, v = key[b:b + 1].index_select(2, keep), value[b:b + 1].index_select(2, keep)  # (1, Hkv, S_i, D)
+            out.append(inner(module, query[b:b + 1, :, i:i + 1].contiguous(), k, v, None, is_causal=False,
+                             **kwargs)[0])  # (1, 1, H, D)
+        rows.append(torch.cat(out, 1))
+    return torch.cat(rows, 0), None
+
+
+def _base_attention(module):
+    """The attention function ``module`` would run in the base (its config's original implementation)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.config.medusa_base_attention
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+@contextlib.contextmanager
+def row_invariant_steps(on: bool = True):
+    """Within this block (a decoding step after the prompt) the shadow's attention runs row by row
+    (:func:`row_invariant_attention`)."""
+    token = _ROW_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def _uses_row_invariant_attention(shadow: nn.Module) -> None:
+    """Give each attention module of a shadow decoder its own config copy naming :data:`ROW_INVARIANT_ATTENTION`
+    (registered once in transformers' ``AttentionInterface``, its documented extension point); the base's modules
+    and config are not touched."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ROW_INVARIANT_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ROW_INVARIANT_ATTENTION, row_invariant_attention)
+    for module in shadow.modules():
+        config = getattr(module, "config", None)
+        if type(module).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
+            own = copy.copy(config)
+            own.medusa_base_attention = config._attn_implementation
+            own._attn_implementation = ROW_INVARIANT_ATTENTION
+            module.config = own
+
+
+def _unpackable(kind: str, weight: torch.Tensor) -> str | None:
+    n, k = weight.shape
+    if kind == "int4" and (n % 16 or k % GROUP_SIZE):
+        return f"int4 packing needs the output size a multiple of 16 and the input size of {GROUP_SIZE}, got {n}x{k}"
+    return None
+
+
+def quantized_linear(kind: str, module: nn.Module, codes: Int4Codes | None = None) -> nn.Module:
+    """``module`` (see :func:`linear_weight`) as an :class:`Int4Linear` or :class:`Int8Linear`, from ``codes`` when
+    given (int4 only) or else from its own weight."""
+    weight = linear_weight(module)
+    if kind == "int8":
+        return Int8Linear(*quantize_int8(weight), module.bias)
+    if codes is None:
+        codes = Int4Codes(*quantize_int4(weight))
+    return Int4Linear(codes.codes, codes.scale, codes.zero, module.bias)
+
+
+class QuantizedLinears:
+    """A shadow of ``decoder`` whose linear layers are quantized copies of the base's (see the module docstring),
+    and optionally a quantized ``lm_head``.
+
+    Args:
+        decoder: the base's decoder stack (``model.model``).
+        lm_head: the base's output embedding.
+        kind: one of :data:`KINDS`.
+        quantize_lm_head: quantize the lm_head too (else it stays the base's dense module).
+        codes: int4 codes by the module's qualified name under ``decoder`` (``"lm_head"`` for the lm_head), taken
+            instead of quantizing that module's weight (:mod:`medusa.io.gguf_pack`).
+        keep_dense: modules (same names) to leave dense, with the reason (a GGUF tensor that is not 4-bit).
+    """
+
+    def __init__(self, decoder: nn.Module, lm_head: nn.Module, kind: str, quantize_lm_head: bool = False,
+                 codes: dict[str, Int4Codes] | None = None, keep_dense: dict[str, str] | None = None):
+        self.kind = kind
+        self.codes = dict(codes or {})
+        self.keep_dense = dict(keep_dense or {})
+        self.dense: dict[str, str] = {}
+        """Linear layers left dense, by qualified name, with the reason."""
+        self.source: dict[str, str] = {}
+        """Where each quantized layer's codes came from (``"weights"`` or ``"codes"``), by qualified name."""
+        self.base_decoder, self.base_lm_head, self.quantize_lm_head = decoder, lm_head, quantize_lm_head
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Quantize again from the base as it is now; codes given at construction are used again where they still
+        give the module's weight exactly, and are dropped (the weight quantized instead) where it changed."""
+        if hasattr(self, "decoder"):  # a refresh, not the first build: keep only the codes still matching
+            modules = dict(self.base_decoder.named_modules()) | {"lm_head": self.base_lm_head}
+            self.codes = {name: c for name, c in self.codes.items() if name in modules and torch.equal(
+                dequantize_int4(c.codes, c.scale, c.zero), linear_weight(modules[name]).detach().float())}
+        self.dense, self.source = {}, {}
+        self.decoder = self._shadow(self.base_decoder, "", {})
+        _uses_row_invariant_attention(self.decoder)
+        self.lm_head = None
+        if self.quantize_lm_head:
+            head = self._quantized("lm_head", self.base_lm_head)
+            self.lm_head = None if head is self.base_lm_head else head
+
+    def _quantized(self, name: str, module: nn.Module) -> nn.Module:
+        weight = linear_weight(module)
+        if weight is None:
+            self.dense[name] = f"{type(module).__name__} is not a plain linear layer"
+            return module
+        reason = self.keep_dense.get(name) or _unpackable(self.kind, weight)
+        if reason is not None:
+            self.dense[name] = reason
+            return module
+        codes = self.codes.get(name) if self.kind == "int4" else None
+        self.source[name] = "weights" if codes is None else "codes"
+        return quantized_linear(self.kind, module, codes)
+
+    def _shadow(self, module: nn.Module, name: str, made: dict[int, nn.Module]) -> nn.Module:
+        if id(module) in made:  # a module used twice stays one module
+            return made[id(module)]
+        if linear_weight(module) is not None:
+            made[id(module)] = self._quantized(name, module)
+            return made[id(module)]
+        shadow = copy.copy(module)  # a new object; its _parameters/_buffers dicts are the base's own
+        shadow.__dict__["_modules"] = {}
+        made[id(module)] = shadow
+        for child_name, child in module._modules.items():
+            shadow._modules[child_name] = None if child is None else self._shadow(
+                child, f"{name}.{child_name}" if name else child_name, made)
+        return shadow
+
+    def nbytes(self) -> int:
+        """Bytes held by the quantized copies (codes, scales, zeros)."""
+        total = 0
+        layers = [m for m in self.decoder.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        for layer in [*layers, *([self.lm_head] if self.lm_head is not None else [])]:
+            tensors = (layer.packed, layer.scale_zeros) if isinstance(layer, Int4Linear) else (layer.codes,
+                                                                                                 layer.scale)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+
+class QuantizedEngine(StaticEngine):
+    """:class:`StaticEngine` whose forwards run a shadow of the decoder on weight-only quantized linear layers
+    (:mod:`medusa.engines.quantized`); the base's own modules are left as they are.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` on a CPU.
+        max_cache_len, scores_all_nodes: as :class:`StaticEngine`.
+        lm_head: quantize the lm_head too (from a GGUF only where its tensor is 4-bit).
+        gguf: the 4-bit GGUF this base was prepared from (``medusa prepare-model``): the codes are its own blocks
+            (:func:`medusa.io.gguf_pack.gguf_codes`), and a layer whose tensor is not 4-bit stays dense.
+
+    Raises:
+        ValueError: the kernel cannot run for this model's device or in this torch (the message names what works);
+            a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``).
+    """
+
+    kind: ClassVar[str] = ""
+
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """Never chosen by ``auto``: its tokens are the quantized model's, not the base's (ask for it by name)."""
+        return False
+
+    def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None,
+                 lm_head: bool = False, gguf: str | Path | None = None):
+        reason = quantize_unavailable(self.kind, model.get_output_embeddings().weight.device)
+        if reason is not None:
+            raise ValueError(reason)
+        codes, keep_dense, self.gguf = {}, {}, None if gguf is None else str(gguf)
+        if gguf is not None:
+            if self.kind != "int4":
+                raise ValueError(f"a GGUF's 4-bit blocks are int4 codes; the {self.kind} engine quantizes from the "
+                                 "weights: use the int4 engine with gguf=")
+            from medusa.io.gguf_pack import gguf_codes  # the io layer sits above the engines
+
+            read = gguf_codes(gguf, model)
+            codes, keep_dense, self.gguf_max_abs_error = read.codes, read.dense, read.max_abs_error
+        self.quantized = QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), self.kind,
+                                          lm_head, codes, keep_dense)
+        super().__init__(model, max_cache_len, scores_all_nodes)
+
+    def _scores_all_nodes(self) -> bool:
+        """With a quantized lm_head its few-row product is cheap enough to score every node."""
+        return super()._scores_all_nodes() or self.quantized.lm_head is not None
+
+    def refresh(self) -> None:
+        """Quantize again from the base's weights as they are now (see the module docstring)."""
+        self.quantized.refresh()
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
+        with row_invariant_steps(cache.length > 0):
+            _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache,
+                                                        self.mask, self.quantized.decoder, slice(0, 0), layers)
+        selected = hidden if logits_for is None else hidden[logits_for]
+        return self.lm_logits_rows(selected), hidden, *features
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized.lm_head is None:
+            return super().lm_logits(hidden)
+        return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
+
+    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized.lm_head is None:
+            return super().lm_logits_rows(hidden)
+        return self.lm_logits(hidden)
+
+    def _batch_decoder(self) -> torch.nn.Module | None:
+        return self.quantized.decoder
+
+    def forward_rows(self, *args, **kwargs):
+        with row_invariant_steps():  # batched decoding steps (the prompts' own forwards run as usual)
+            return super().forward_rows(*args, **kwargs)
+
+    def settings(self) -> dict:
+        sources = set(self.quantized.source.values())
+        return super().settings() | {
+            "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
+            "activation_dtype": str(ACTIVATION_DTYPE).removeprefix("torch."),
+            "lm_head_quantized": self.quantized.lm_head is not None, "dense_layers": dict(self.quantized.dense),
+            "codes_from": sorted(sources), "gguf": self.gguf,
+            "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes()}
+
+
+@register_engine("int4")
+class Int4Engine(QuantizedEngine):
+    """Linear layers on int4 weights, group size 32 (:mod:`medusa.engines.quantized`)."""
+
+    kind = "int4"
+    summary = ("static + the linear layers on int4 weights (group 32, bf16 activations; CPU; from a GGUF's own "
+               "blocks when given)")
+
+
+@register_engine("int8")
+class Int8Engine(QuantizedEngine):
+    """Linear layers on int8 weights, one scale per output channel (:mod:`medusa.engines.quantized`)."""
+
+    kind = "int8"
+    summary = "static + the linear layers on int8 weights (per channel, bf16 activations; CPU)"

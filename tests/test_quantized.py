@@ -1,0 +1,216 @@
+"""Weight-only quantized engines (medusa.engines.quantized) and GGUF blocks as int4 codes (medusa.io.gguf_pack)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_decoding import hf_greedy, random_heads
+from tiny import tiny_model
+
+from medusa import engines
+from medusa.decode.tree import Tree
+from medusa.engines import kv_cache, quantized
+from medusa.model import MedusaModel
+
+pytestmark = pytest.mark.skipif(quantized.quantize_unavailable("int4", "cpu") is not None,
+                                reason="torch's int4 weight-only CPU kernel is unavailable here")
+
+IDS = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(1))
+ARCHS = ["llama", "qwen2", "gpt2", "mistral", "gemma3"]
+
+
+def greedy(medusa, tree=None, n=24):
+    return medusa.generate(IDS, n, tree=tree, stop_token_ids=set(), do_sample=False)[0]
+
+
+def test_the_kernel_computes_codes_minus_8_times_scale_plus_zero():
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (32, 64), generator=gen, dtype=torch.uint8)
+    # Powers of two and small multiples: exact in bfloat16, so the kernel's own rounding does not blur the check.
+    scale = 2.0 ** -torch.randint(2, 6, (32, 2), generator=gen).float()
+    zero = torch.randint(-8, 8, (32, 2), generator=gen).float() / 16
+    layer = quantized.Int4Linear(codes, scale, zero)
+    weight = layer(torch.eye(64)).t()  # (N, K): row k of the identity reads column k of the weight
+    assert weight.dtype == torch.float32
+    torch.testing.assert_close(weight, quantized.dequantize_int4(codes, scale, zero), rtol=0, atol=0)
+
+
+def test_int4_and_int8_rounding_stays_within_half_a_step():
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    codes, scale, zero = quantized.quantize_int4(weight)
+    step = scale.repeat_interleave(quantized.GROUP_SIZE, 1)
+    assert int(codes.max()) <= 15 and ((quantized.dequantize_int4(codes, scale, zero) - weight).abs()
+                                       <= step / 2 + 1e-6).all()
+    codes8, scale8 = quantized.quantize_int8(weight)
+    assert ((codes8.float() * scale8[:, None] - weight).abs() <= scale8[:, None] / 2 + 1e-6).all()
+
+
+def _q4_1_model_and_gguf(tmp_path, lm_head_type="Q8_0"):
+    """A tiny Llama whose linear weights are exactly the dequantized Q4_1 blocks of a GGUF written beside it (its
+    query/key rows stored in GGUF's permuted order, as llama.cpp writes them): what ``prepare-model`` makes."""
+    from gguf import GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+    from gguf.constants import MODEL_ARCH
+
+    model = tiny_model("llama")
+    config = model.config
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for name, module in model.model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        base = names.get_name(f"model.{name}")
+        weight = module.weight.detach()
+        heads = config.num_attention_heads if base.endswith("attn_q") else config.num_key_value_heads
+        permuted = base.endswith(("attn_q", "attn_k"))
+        if permuted:  # llama.cpp's order: the two rotary halves of each head interleaved
+            weight = weight.reshape(heads, 2, -1, weight.shape[1]).transpose(1, 2).reshape(weight.shape)
+        kind = GGMLQuantizationType.Q4_0 if base.endswith("ffn_down") else GGMLQuantizationType.Q4_1
+        blocks = quants.quantize(weight.numpy(), kind)
+        writer.add_tensor(f"{base}.weight", blocks, raw_dtype=kind)
+        dequantized = torch.from_numpy(quants.dequantize(blocks, kind))
+        with torch.no_grad():
+            module.weight.copy_(quantized_rows(dequantized, heads) if permuted else dequantized)
+    embed = model.get_input_embeddings().weight.detach().numpy()
+    kind = getattr(GGMLQuantizationType, lm_head_type)
+    writer.add_tensor("token_embd.weight", quants.quantize(embed, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, tmp_path / "tiny.gguf"
+
+
+def quantized_rows(weight, heads):
+    from medusa.io.gguf_pack import unpermute_rows
+
+    return unpermute_rows(weight, heads)
+
+
+def test_q4_blocks_of_a_gguf_are_packed_value_for_value_and_a_q8_tensor_stays_dense(tmp_path):
+    from medusa.io.gguf_pack import check_codes, gguf_codes
+
+    model, path = _q4_1_model_and_gguf(tmp_path)
+    read = gguf_codes(path, model)
+    linears = {n: m for n, m in kv_cache.decoder_of(model).named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(read.codes) == set(linears) and read.max_abs_error == 0.0
+    for name, codes in read.codes.items():
+        assert check_codes(codes, linears[name].weight) == 0.0
+    assert "token_embd.weight is Q8_0" in read.dense["lm_head"]
+    # The codes are the file's, not a second rounding: min-max requantizing the Q4_0 (symmetric) weights moves them.
+    down = linears["layers.0.mlp.down_proj"].weight
+    assert check_codes(quantized.Int4Codes(*quantized.quantize_int4(down)), down) > 1e-3
+
+
+def test_q4_k_blocks_map_onto_the_kernels_scale_and_zero():
+    from gguf import GGMLQuantizationType, quants
+
+    from medusa.io.gguf_pack import blocks_to_codes
+
+    # gguf-py cannot quantize to Q4_K, so the blocks are random bytes (every bit pattern is a valid block).
+    rng = np.random.default_rng(0)
+    n_blocks = 16 * 2  # 16 rows of 512 weights: two 256-weight super-blocks per row
+    scales = rng.uniform(1e-3, 1e-1, (n_blocks, 2)).astype(np.float16).view(np.uint8)  # d and dmin, fp16
+    codes = rng.integers(0, 256, (n_blocks, 12 + 128), dtype=np.uint8)  # 6-bit sub-scales/mins, 4-bit codes
+    blocks = np.concatenate([scales, codes], axis=1).reshape(16, 2 * 144)
+    expected = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_K))
+    codes = [torch.from_numpy(a) for a in blocks_to_codes("Q4_K", blocks, 512)]
+    # Q4_K's "d sc q - dmin m" is summed in another order than "(q - 8) scale + zero": a rounding of the zero point
+    # apart at most (Q4_0 and Q4_1 give exact equality: the test above).
+    _, scale, zero = codes
+    bound = 2 * torch.finfo(torch.float32).eps * (zero.abs() + 8 * scale).repeat_interleave(32, 1)
+    error = (quantized.dequantize_int4(*codes) - expected).abs()
+    assert (error <= bound).all() and (error == 0).float().mean() > 0.99
+
+
+def test_an_engine_packed_from_the_gguf_decodes_medusa_equal_to_its_plain_greedy(tmp_path):
+    model, path = _q4_1_model_and_gguf(tmp_path)
+    reference = hf_greedy(model, IDS, 24)
+    medusa = MedusaModel(model, random_heads(model), engine="int4", gguf=path)
+    settings = medusa.engine.settings()
+    assert settings["codes_from"] == ["codes"] and "Q8_0" in settings["gguf_unpackable"]["lm_head"]
+    assert greedy(medusa) == greedy(medusa, Tree.chain(0))
+    assert hf_greedy(model, IDS, 24) == reference  # the base itself runs as before
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+    medusa.engine.refresh()  # the changed layer's GGUF codes no longer hold: it is quantized from its weight
+    assert medusa.engine.quantized.source["layers.0.mlp.up_proj"] == "weights"
+    assert medusa.engine.quantized.source["layers.0.mlp.down_proj"] == "codes"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_medusa_greedy_equals_quantized_plain_greedy(arch):
+    model = tiny_model(arch)
+    reference = hf_greedy(model, IDS, 24)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    for kind, lm_head in (("int4", False), ("int4", True), ("int8", False)):
+        medusa = MedusaModel(model, random_heads(model), engine=kind, lm_head=lm_head)
+        plain = greedy(medusa, Tree.chain(0))
+        assert greedy(medusa) == plain
+        assert medusa.engine.scores_all_nodes == lm_head
+        assert medusa.engine.settings()["dense_layers"] == {}
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    assert hf_greedy(model, IDS, 24) == reference
+
+
+def test_the_shadow_shares_the_bases_parameters_and_quantizes_every_linear():
+    model = tiny_model("llama")
+    linears = quantized.QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), "int4")
+    base_parameters = {id(p) for p in model.parameters()}
+    assert {id(p) for p in linears.decoder.parameters()} <= base_parameters
+    shadow = [m for m in linears.decoder.modules() if isinstance(m, quantized.Int4Linear)]
+    assert len(shadow) == sum(isinstance(m, torch.nn.Linear) for m in kv_cache.decoder_of(model).modules())
+    assert not any(isinstance(m, quantized.Int4Linear) for m in model.modules())
+
+
+def test_auto_never_chooses_a_quantized_engine():
+    assert not {"int4", "int8"} & set(engines.auto_candidates(torch.device("cpu"), torch.float32))
+
+
+def test_a_layer_the_kernel_cannot_take_stays_dense_and_is_named():
+    model = tiny_model("llama", vocab_size=312)  # 312 rows: not a multiple of 16
+    engine = engines.make_engine("int4", model, lm_head=True)
+    assert "multiple of 16" in engine.settings()["dense_layers"]["lm_head"] and not engine.scores_all_nodes
+
+
+def test_bad_input_is_refused_with_what_works(tmp_path):
+    from medusa.io.gguf_pack import blocks_to_codes, gguf_codes
+
+    assert "move the model to the CPU" in quantized.quantize_unavailable("int4", "cuda")
+    with pytest.raises(ValueError, match="choose one of int4, int8"):
+        quantized.quantize_unavailable("int3", "cpu")
+    with pytest.raises(ValueError, match="Q8_0 is not a 4-bit code"):
+        blocks_to_codes("Q8_0", np.zeros((16, 34), np.uint8), 32)
+    model, path = _q4_1_model_and_gguf(tmp_path)
+    with pytest.raises(ValueError, match="use the int4 engine"):
+        engines.make_engine("int8", model, gguf=path)
+    with pytest.raises(FileNotFoundError):
+        gguf_codes(tmp_path / "missing.gguf", model)
+    with pytest.raises(ValueError, match="not the GGUF this model was prepared from"):
+        gguf_codes(path, tiny_model("llama", seed=3))  # same shapes, other weights
+    with pytest.raises(ValueError, match="not the GGUF this model was prepared from"):
+        gguf_codes(path, tiny_model("llama", intermediate_size=96))
+
+
+def test_a_decoding_steps_attention_gives_each_row_the_bits_of_attending_alone():
+    # torch's CPU attention gives a query row last-bit different results beside other rows or with more (masked)
+    # keys; the int4 kernels' bfloat16 activations then round those apart, and a Medusa tree would drift from plain
+    # decoding. In decoding steps the engine attends row by row on exactly the keys a row sees.
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, n, 64, generator=gen) for n in (8, 88, 88))  # 80 cached keys, 8 new rows
+    mask = torch.full((1, 1, 8, 88), torch.finfo(torch.float32).min)
+    for i in range(8):
+        mask[..., i, :81 + i] = 0  # row i: the 80 cached keys, the new rows up to itself
+    module = SimpleNamespace(config=SimpleNamespace(medusa_base_attention="sdpa"), num_key_value_groups=1,
+                             is_causal=True)
+    with quantized.row_invariant_steps():
+        together = quantized.row_invariant_attention(module, q, k, v, mask, scaling=0.125)[0]  # (1, 8, H, D)
+        for i in range(8):
+            alone = quantized.row_invariant_attention(module, q[:, :, i:i + 1], k[:, :, :81 + i], v[:, :, :81 + i],
+                                                      mask[..., i:i + 1, :81 + i], scaling=0.125)[0]
+            assert torch.equal(together[:, i:i + 1], alone)
+    with quantized.row_invariant_steps(False):  # outside decoding steps: the base's own attention
+        base = quantized.row_invariant_attention(module, q, k, v, mask, scaling=0.125)[0]
+    torch.testing.assert_close(base, together)
