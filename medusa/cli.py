@@ -1,6 +1,6 @@
-"""The ``medusa`` command: prepare-model, distill, train, held-out-prompts, generate, bench, eval-heads, build-tree,
-plot, export, import, merge, drift. It parses the flags and calls the library: models come from
-:func:`medusa.build.build_model`, the text it prints from :mod:`medusa.tools.report`."""
+"""The ``medusa`` command: prepare-model, train, distill, held-out-prompts, generate, serve, bench, eval-heads,
+make-draft, plan, profile, build-tree, calibrate, plot, export, import, merge, drift. It parses the flags and calls
+the library: models come from :func:`medusa.build.build_model`, the text it prints from :mod:`medusa.tools.report`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from medusa.build import (
     build_model,
     sampling_kwargs,
 )
-from medusa.tools import report
+from medusa.io import convert
+from medusa.tools import plan, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,19 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command("plan", "speculative decoding's expected tokens, cost and speedup per draft length K "
                     "(Leviathan et al. 2023), the optimal K, and a tree's paths")
-    p.add_argument("--alpha", type=float, nargs="+", required=True,
-                   help="acceptance rate in [0, 1], or per-depth rates alpha_1 .. alpha_K (each given the ones above)")
-    p.add_argument("--cost-ratio", type=float, required=True,
-                   help="c_q/c_p: one draft step's cost over one base forward's (> 0)")
-    p.add_argument("--k", type=int, default=None, help="also print this K's figures alone")
-    p.add_argument("--k-max", type=int, default=16, help="the table's largest K (default: 16)")
-    p.add_argument("--branching", type=int, help="a full tree's children per node (with --depth)")
-    p.add_argument("--depth", type=int, help="a full tree's levels (with --branching)")
-    p.add_argument("--profile", metavar="BASE",
-                   help="a base model folder: read the verify forward's cost over K + 1 tokens from this machine's "
-                        "profile of it (medusa profile; measured once) instead of counting it as one forward")
-    p.add_argument("--engine", default=None, help="with --profile: the engine whose costs are read (default: auto's "
-                                                  "pick for each step size)")
+    plan.add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
     p = add_command("profile", "measure (once, cached) and print this machine's profile: forward cost by engine and "
@@ -213,21 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = add_command("export", "write heads in another engine's layout (vLLM's Medusa model, speculators eagle3)")
-    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"], help="target layout: vllm "
-                   "(Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's EAGLE-3)")
-    p.add_argument("--heads", required=True, help="our heads folder")
-    p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
-    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head, and always for "
-                   "speculators-eagle3 (its embedding, lm_head and config)")
+    convert.add_export_arguments(p)
     p.set_defaults(func=cmd_export)
 
     p = add_command("import", "convert heads from another project's layout into ours")
-    p.add_argument("src", help="folder to convert")
-    p.add_argument("--from", dest="source", required=True, choices=["medusa-v1", "vllm"],
-                   help="medusa-v1: FasterDecoding/Medusa (medusa_lm_head.safetensors or .pt); vllm: vLLM's Medusa")
-    p.add_argument("--out", required=True, help="our heads folder to write (must not exist or be empty)")
-    p.add_argument("--base", help="base model folder: checked against the heads and stored as their fingerprint; "
-                   "a vLLM original_lm_head equal to its rows is imported as sharing it")
+    convert.add_import_arguments(p)
     p.set_defaults(func=cmd_import)
 
     p = add_command("merge", "fold a Medusa-2 LoRA adapter into the base: a full model folder (with tokenizer)")
@@ -420,8 +399,6 @@ def cmd_make_draft(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from medusa.tools import plan
-
     alpha = args.alpha[0] if len(args.alpha) == 1 else args.alpha
     plan.check_plan(alpha, args.cost_ratio, args.branching, args.depth)  # before any model is read
     verify_cost, source = None, "the verify forward counted as one base forward (the paper's model)"
@@ -532,16 +509,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from medusa.io.convert import export_heads
-
-    print(export_heads(args.format, args.heads, args.out, args.base))
+    print(convert.export_heads(args.format, args.heads, args.out, args.base))
     return 0
 
 
 def cmd_import(args) -> int:
-    from medusa.io.convert import import_heads
-
-    print(import_heads(args.source, args.src, args.out, args.base))
+    print(convert.import_heads(args.source, args.src, args.out, args.base))
     return 0
 
 

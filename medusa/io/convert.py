@@ -91,3 +91,23 @@ def import_heads(source: str, src: str | Path, out: str | Path, base: str | Path
     config = read_heads_config(written)
     projection = "the base's lm_head (shared)" if config.share_lm_head else "one projection per head"
     return f"wrote {config.num_heads} heads x {config.num_layers} layers, {projection}, to {written}"
+
+
+def add_export_arguments(p) -> None:
+    """The ``medusa export`` flags."""
+    p.add_argument("--format", default="vllm", choices=["vllm", "speculators-eagle3"], help="target layout: vllm "
+                   "(Medusa heads), speculators-eagle3 (the eagle drafter, for vLLM's EAGLE-3)")
+    p.add_argument("--heads", required=True, help="our heads folder")
+    p.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: needed when the heads share the base's lm_head, and always for "
+                   "speculators-eagle3 (its embedding, lm_head and config)")
+
+
+def add_import_arguments(p) -> None:
+    """The ``medusa import`` flags."""
+    p.add_argument("src", help="folder to convert")
+    p.add_argument("--from", dest="source", required=True, choices=["medusa-v1", "vllm"],
+                   help="medusa-v1: FasterDecoding/Medusa (medusa_lm_head.safetensors or .pt); vllm: vLLM's Medusa")
+    p.add_argument("--out", required=True, help="our heads folder to write (must not exist or be empty)")
+    p.add_argument("--base", help="base model folder: checked against the heads and stored as their fingerprint; "
+                   "a vLLM original_lm_head equal to its rows is imported as sharing it")

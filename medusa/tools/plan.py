@@ -160,3 +160,20 @@ def plan_table(alpha: float | Sequence[float], cost_ratio: float, k_max: int = 1
         tokens, cost = expected_tokens(alpha, k), round_cost(k, cost_ratio, verify)
         rows.append({"k": k, "tokens": tokens, "cost": cost, "speedup": tokens / cost})
     return rows
+
+
+def add_plan_arguments(p) -> None:
+    """The ``medusa plan`` flags."""
+    p.add_argument("--alpha", type=float, nargs="+", required=True,
+                   help="acceptance rate in [0, 1], or per-depth rates alpha_1 .. alpha_K (each given the ones above)")
+    p.add_argument("--cost-ratio", type=float, required=True,
+                   help="c_q/c_p: one draft step's cost over one base forward's (> 0)")
+    p.add_argument("--k", type=int, default=None, help="also print this K's figures alone")
+    p.add_argument("--k-max", type=int, default=16, help="the table's largest K (default: 16)")
+    p.add_argument("--branching", type=int, help="a full tree's children per node (with --depth)")
+    p.add_argument("--depth", type=int, help="a full tree's levels (with --branching)")
+    p.add_argument("--profile", metavar="BASE",
+                   help="a base model folder: read the verify forward's cost over K + 1 tokens from this machine's "
+                        "profile of it (medusa profile; measured once) instead of counting it as one forward")
+    p.add_argument("--engine", default=None, help="with --profile: the engine whose costs are read (default: auto's "
+                                                  "pick for each step size)")
