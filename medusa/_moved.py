@@ -1,8 +1,8 @@
 """Import paths from before the subpackages, kept for one release: each old name is the new module itself.
 
 ``import medusa.kv_cache`` gives :mod:`medusa.engines.kv_cache` (the same module object, so attributes set through
-either name are seen by both). Installed by ``import medusa``; nothing else is touched. The table is the list of what
-moved (also in docs/architecture.md).
+either name are seen by both). Installed by ``import medusa``; nothing else is touched. The table (:data:`MOVED`) is
+the list of what moved.
 """
 
 from __future__ import annotations
