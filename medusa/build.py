@@ -405,7 +405,8 @@ def _build_registered(config: DecodeConfig, dtype, device, say):
     ``from_decode_config(config, base)``.
 
     Raises:
-        ValueError: a registered class that cannot build itself from a configuration, or heads-only flags.
+        ValueError: a registered class that cannot build itself from a configuration (or built nothing), or
+            heads-only flags.
     """
     from medusa.base import load_base
     from medusa.decode.tree import Tree
@@ -436,7 +437,10 @@ def _build_registered(config: DecodeConfig, dtype, device, say):
     elif name == "none":
         model = MedusaModel(base, None, Tree.chain(0), tokenizer, "eager")
     else:
-        model = MedusaModel(base, None, None, tokenizer, "eager", drafter=build(config, base))
+        drafter = build(config, base)
+        if drafter is None:
+            raise ValueError(f"drafter {name!r}: {cls.__name__}.from_decode_config returned None, not a drafter")
+        model = MedusaModel(base, None, None, tokenizer, "eager", drafter=drafter)
     _use_engine(model, config, say)
     return model
 

@@ -57,6 +57,14 @@ class NotBuildable(RepeatDrafter):
     from_decode_config = None
 
 
+class BuildsNothing(RepeatDrafter):
+    """A registered drafter whose builder returns no drafter (a plugin bug that must not decode plainly)."""
+
+    @classmethod
+    def from_decode_config(cls, config, base):
+        return None
+
+
 class CountingEngine(Engine):
     """transformers' DynamicCache through medusa.engines.kv_cache, counting its forwards."""
 
@@ -85,10 +93,12 @@ def registered():
     register_engine(ENGINE)(CountingEngine)
     register_drafter(DRAFTER)(RepeatDrafter)
     register_drafter("test-plugin-unbuildable")(NotBuildable)
+    register_drafter("test-plugin-builds-nothing")(BuildsNothing)
     yield
     ENGINES.pop(ENGINE)
     drafters_base._DRAFTERS.pop(DRAFTER)
     drafters_base._DRAFTERS.pop("test-plugin-unbuildable")
+    drafters_base._DRAFTERS.pop("test-plugin-builds-nothing")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +150,7 @@ def test_the_built_in_drafters_without_heads_are_chosen_by_name(folder, name, co
 @pytest.mark.parametrize("argv, message", [
     (["--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter': choose one of"),
     (["--drafter", "test-plugin-unbuildable"], "cannot be built from a decode configuration"),
+    (["--drafter", "test-plugin-builds-nothing"], "from_decode_config returned None, not a drafter"),
     (["--drafter", DRAFTER, "--tree", "t.json"], f"--drafter {DRAFTER} drafts without heads: drop --tree"),
     (["--drafter", "heads"], "pass --heads (Medusa, Hydra or eagle heads)"),
     (["--drafter", "draft_model"], "--drafter draft_model needs --draft-model DIR"),
