@@ -30,6 +30,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 PER_STEP_MODES = ("auto", "on", "off")
 VERIFY_LOGITS = {"auto": None, "all": True, "path": False}
 """``verify_logits`` to the engine's ``scores_all_nodes`` (``None``: the engine's own choice)."""
+QUANTIZE = ("none", "int4", "int8")
+"""``--quantize``: ``none``, or the weight-only quantized engine of that name (:mod:`medusa.engines.quantized`)."""
 QUANTIZED_DRAFT_ENGINES = ("eager", "static")
 BUILT_IN_DRAFTERS = ("heads", "per-step", "draft_model", "lookup", "none")
 """The drafter names :func:`build_model` assembles itself; any other registered name builds itself."""
@@ -108,6 +110,13 @@ class DecodeConfig:
     """Torch CPU threads (``None``: torch's)."""
     engine: str | None = None
     """The base's engine name (:mod:`medusa.engines`; ``None``: the library default; ``auto``: from the profile)."""
+    quantize: str = "none"
+    """Weight-only quantized linear layers: ``int4`` (group 32) or ``int8`` (per channel) run the engine of that
+    name (:mod:`medusa.engines.quantized`, CPU, bf16 activations); speculation is then exact relative to the
+    quantized model. ``none``: the weights as they are."""
+    gguf: str | None = None
+    """With ``quantize="int4"``: the 4-bit GGUF the base was prepared from, whose own blocks become the int4 codes
+    (nothing rounded twice, :mod:`medusa.io.gguf_pack`)."""
     verify_logits: str = "auto"
     """The verify's lm_head: ``all`` nodes in one product, one row at a time along the ``path``, or ``auto``: the
     engine's own choice (:data:`VERIFY_LOGITS`)."""
@@ -124,6 +133,7 @@ class DecodeConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in fields}, **overrides)
 
     def __post_init__(self):
+        self._check_quantize()
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0, got {self.lookup}")
         if self.lookup_ngram is not None and self.lookup_ngram < 1:
@@ -190,6 +200,24 @@ class DecodeConfig:
         if self.draft_quantize and self.draft_engine not in (None, *QUANTIZED_DRAFT_ENGINES):
             raise ValueError(f"--draft-quantize {self.draft_quantize} runs the draft's own quantized modules: "
                              f"--draft-engine must be eager or static, got {self.draft_engine}")
+
+    def _check_quantize(self) -> None:
+        """Raises ValueError or FileNotFoundError naming the bad ``--quantize`` / ``--gguf`` combination."""
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.quantize != "none" and self.engine not in (None, "auto", self.quantize):
+            raise ValueError(f"--quantize {self.quantize} runs the {self.quantize} engine: drop --engine "
+                             f"{self.engine}")
+        if self.gguf is not None and self.quantize != "int4":
+            raise ValueError(f"--gguf reads a GGUF's 4-bit blocks as int4 codes: pass --quantize int4 (got "
+                             f"--quantize {self.quantize})")
+        if self.gguf is not None and not Path(self.gguf).is_file():
+            raise FileNotFoundError(f"--gguf {self.gguf}: no such file")
+
+    @property
+    def engine_name(self) -> str | None:
+        """The engine the base decodes through: :attr:`quantize`'s when it asks for one, else :attr:`engine`."""
+        return self.engine if self.quantize == "none" else self.quantize
 
     def per_step_calibration(self):
         """The heads' :class:`medusa.drafters.calibration.Calibration` when they decode on the per-step tree (``on``,
@@ -281,6 +309,13 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                    help=f"KV cache and step: {AUTO}: chosen from this machine's measured profile (medusa profile; "
                    "measured once, about 40 s); " + "; ".join(f"{n}: {e.summary}" for n, e in ENGINES.items())
                    + f"; default: {AUTO}")
+    p.add_argument("--quantize", choices=QUANTIZE, default="none",
+                   help="weight-only quantized linear layers through the engine of that name: int4 (group 32) or "
+                        "int8 (per channel), CPU, bf16 activations; speculation is exact relative to the quantized "
+                        "model (docs/quantized.md)")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="with --quantize int4: the 4-bit GGUF the base was prepared from; its own blocks become the "
+                        "int4 codes (nothing rounded twice)")
     p.add_argument("--verify-logits", choices=tuple(VERIFY_LOGITS), default=_DEFAULTS["verify_logits"],
                    help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
                         "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
@@ -446,9 +481,11 @@ def _build_registered(config: DecodeConfig, dtype, device, say):
 
 
 def _use_engine(model, config: DecodeConfig, say, step_size: int | None = None) -> None:
-    """The engine :attr:`DecodeConfig.engine` names, with its options; ``auto``'s reason to ``say``."""
-    model.use_engine(config.engine, step_size=step_size, max_cache_len=config.max_cache_len,
-                     scores_all_nodes=config.scores_all_nodes, measure=True)
+    """The engine :attr:`DecodeConfig.engine_name` names (``--quantize``'s, else ``--engine``), with its options;
+    ``auto``'s reason to ``say``."""
+    options = {} if config.gguf is None else {"gguf": config.gguf}
+    model.use_engine(config.engine_name, step_size=step_size, max_cache_len=config.max_cache_len,
+                     scores_all_nodes=config.scores_all_nodes, measure=True, **options)
     if model.engine.choice is not None:
         say(f"--engine auto: {model.engine.choice.reason}")
 

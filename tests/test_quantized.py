@@ -214,3 +214,25 @@ def test_a_decoding_steps_attention_gives_each_row_the_bits_of_attending_alone()
     with quantized.row_invariant_steps(False):  # outside decoding steps: the base's own attention
         base = quantized.row_invariant_attention(module, q, k, v, mask, scaling=0.125)[0]
     torch.testing.assert_close(base, together)
+
+
+def test_quantize_through_the_model_builder_and_the_cli(base_dir, capsys):
+    """``--quantize int4`` picks the int4 engine through build_model; prompt lookup through it equals plain greedy
+    through it; bad combinations are refused by name (CLI exit 2)."""
+    from medusa.build import DecodeConfig, build_model
+    from medusa.cli import main
+
+    ids = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9])  # repetitive: the lookup chain gets accepted
+    lookup = build_model(DecodeConfig(base=str(base_dir), drafter="lookup", lookup=4, quantize="int4"))
+    plain = build_model(DecodeConfig(base=str(base_dir), drafter="none", quantize="int4"))
+    assert lookup.engine.name == plain.engine.name == "int4"
+    tokens, stats = lookup.generate(ids, max_new_tokens=24)
+    assert tokens == plain.generate(ids, max_new_tokens=24)[0]
+    assert stats.tau > 1
+    for argv, message in ((["--quantize", "int4", "--engine", "static"], "--quantize int4 runs the int4 engine: "
+                                                                          "drop --engine static"),
+                          (["--quantize", "int8", "--gguf", str(base_dir / "config.json")],
+                           "pass --quantize int4 (got --quantize int8)"),
+                          (["--quantize", "int4", "--gguf", str(base_dir / "missing.gguf")], "no such file")):
+        assert main(["generate", "--base", str(base_dir), "--drafter", "none", "--prompt", "hi", *argv]) == 2
+        assert message in capsys.readouterr().err
