@@ -3,8 +3,8 @@ inside functions (a lazy import is still an arrow), and the machine-profile stor
 
 The graph is read from the source with ``ast`` (nothing is imported): ``import a.b``, ``from a import b`` (resolved
 to the module ``a.b`` where there is one, else to the package ``a``) and relative imports, wherever they sit in the
-file. Imports under ``if TYPE_CHECKING:`` are left out: they never run. A module's package ``__init__`` running
-before it is Python's, not an arrow of the module's own.
+file, under ``if TYPE_CHECKING:`` too (an annotation's import still says which layer knows which). A module's
+package ``__init__`` running before it is Python's, not an arrow of the module's own.
 """
 
 from __future__ import annotations
@@ -29,22 +29,9 @@ def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    """ids of the import nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            test = node.test
-            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
-            if name == "TYPE_CHECKING":
-                skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return skipped
-
-
 def imports_of(name: str, path: Path, is_package: bool, modules) -> set[str]:
     """The modules of ``modules`` that module ``name`` (its source at ``path``) imports, anywhere in the file."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    skipped = _type_checking_only(tree)
     found = set()
 
     def nearest(dotted: str) -> str | None:  # a name inside a module counts as that module
@@ -53,8 +40,6 @@ def imports_of(name: str, path: Path, is_package: bool, modules) -> set[str]:
         return dotted or None
 
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {m for alias in node.names if (m := nearest(alias.name))}
         elif isinstance(node, ast.ImportFrom):
@@ -115,7 +100,7 @@ def test_the_checker_finds_circles_through_lazy_relative_and_from_imports(tmp_pa
     (pkg / "typed.py").write_text(typed)
     graph = import_graph(tmp_path)
     assert graph["medusa.sub.top"] == {"medusa.sub.middle"} and graph["medusa.sub.middle"] == {"medusa.bottom"}
-    assert graph["medusa.typed"] == set()
+    assert graph["medusa.typed"] == {"medusa.bottom"}  # an annotation's import is an arrow too
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1]
     assert set(cycle) == {"medusa.bottom", "medusa.sub.top", "medusa.sub.middle"}

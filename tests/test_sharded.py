@@ -333,6 +333,9 @@ def fsdp_worker(out: Path, head_type: str) -> None:
             "unwrapped_state": type(unwrapped[first]).__name__,
         }))
     accelerator.wait_for_everyone()
+    # The gloo group is destroyed before exit: left to interpreter teardown, its worker threads can abort the process
+    # ("terminate called without an active exception", SIGABRT) after the work is done.
+    accelerator.end_training()
 
 
 @pytest.mark.slow

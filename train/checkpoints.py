@@ -16,18 +16,15 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
 
 from medusa.io.files import atomic_folder, read_json, remove_folder
+from train.config import TrainConfig
 from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.run import Run
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
 from medusa.drafters.heads import IGNORE_INDEX, head_target_offset
+from train.config import TrainConfig
 from train.data import (
     Conversation,
     ReadReport,
@@ -26,9 +26,6 @@ from train.distill import (
     distill,
     jsonl_ids,
 )
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -59,12 +58,10 @@ from train.checkpoints import (
     restore_rng_state,
     rng_state,
 )
+from train.config import TrainConfig
 from train.conversations import prepare_conversations, tokenize_held_out
 from train.data import collate, default_tokenize_cache_dir, target_token_counts, to_device, tokenize_conversations
 from train.loop import step_loop
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

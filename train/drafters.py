@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -34,9 +34,6 @@ from medusa.io.checkpoint import load_heads, save_heads
 from train.objective import DecayedHeadLoss, TrainingTimeTest
 from train.sharded import full_weight
 
-if TYPE_CHECKING:
-    from train.config import TrainConfig
-
 
 class TrainableDrafter(Protocol):
     """What a trainable drafter declares for the trainer.
@@ -45,23 +42,22 @@ class TrainableDrafter(Protocol):
         name: the registered name (``head_type``).
         label: what the run writes, for the command's last line ("Medusa heads").
         fields: the config fields that belong to this drafter alone.
+        pipeline: which training run trains it (:data:`train.trainer.PIPELINES`): ``"heads"`` (heads over the
+            frozen base's states, :func:`train.trainer.train_heads`) or ``"draft_model"`` (a separate model
+            distilled toward the base, :func:`train.draft_model.train_draft_model`).
     """
 
     name: str
     label: str
     fields: tuple[str, ...]
+    pipeline: str
 
-    def check_config(self, config: TrainConfig) -> None:
+    def check_config(self, config) -> None:
         """Refuse a config this drafter cannot train (``ValueError`` naming the problem)."""
         ...
 
     def trainable_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """The parameters of the module being trained that the optimizer steps (:func:`train.setup.make_optimizer`)."""
-        ...
-
-    def train(self, config: TrainConfig, model=None, tokenizer=None) -> Path:
-        """Run the training ``config`` says over the base (``model``/``tokenizer``, else ``config.base``); returns
-        the folder written."""
         ...
 
 
@@ -77,7 +73,8 @@ class HeadsTraining:
     """Built over the base's input embeddings ``(V, H)`` as well as its lm_head."""
     fields: tuple[str, ...] = ()
     label: str = "Medusa heads"
-    check: Callable[[TrainConfig], None] | None = None
+    pipeline: str = "heads"
+    check: Callable[..., None] | None = None
     """Its own config rules (raise ``ValueError``), besides the shared ones."""
 
     def __post_init__(self):
@@ -86,20 +83,20 @@ class HeadsTraining:
                              f"register_head_type): the heads trainer builds, saves and loads heads of a registered "
                              f"type; registered: {list(HEAD_TYPES)}")
 
-    def check_config(self, config: TrainConfig) -> None:
+    def check_config(self, config) -> None:
         if self.check is not None:
             self.check(config)
 
-    def base_layers(self, config: TrainConfig, base_config) -> tuple[int, ...]:
+    def base_layers(self, config, base_config) -> tuple[int, ...]:
         """The base's decoder layers (0-based) whose outputs the heads read after its last hidden state (checked
         against the base's text config ``base_config`` as soon as the base loads): none."""
         return ()
 
-    def heads_fields(self, config: TrainConfig, base_config) -> dict:
+    def heads_fields(self, config, base_config) -> dict:
         """Extra :class:`medusa.drafters.heads.MedusaHeadsConfig` fields of fresh heads: none."""
         return {}
 
-    def position_weight(self, config: TrainConfig, model) -> torch.Tensor | None:
+    def position_weight(self, config, model) -> torch.Tensor | None:
         """The base's learned position embedding ``(P, H)`` when the heads need it, else ``None``: not needed."""
         return None
 
@@ -118,18 +115,13 @@ class HeadsTraining:
         layer count, :func:`medusa.io.checkpoint.load_heads`)."""
         return load_heads(heads_dir, lm_head, **base)
 
-    def train(self, config: TrainConfig, model=None, tokenizer=None) -> Path:
-        from train.trainer import train_heads
 
-        return train_heads(config, model, tokenizer)
-
-
-def _check_hydra(config: TrainConfig) -> None:
+def _check_hydra(config) -> None:
     if config.num_layers < 1:
         raise ValueError("head_type hydra needs num_layers >= 1 (its input layer reads the token embeddings)")
 
 
-def _check_eagle(config: TrainConfig) -> None:
+def _check_eagle(config) -> None:
     if config.eagle_layers is not None and (not config.eagle_layers or min(config.eagle_layers) < 0):
         raise ValueError(f"eagle_layers must be a non-empty list of decoder layer indices >= 0 (or null), got "
                          f"{config.eagle_layers}")
@@ -148,7 +140,7 @@ class EagleTraining(HeadsTraining):
     """The EAGLE-3-style drafter (:mod:`medusa.drafters.eagle`): one decoder layer over fused base layers, trained
     by the training-time test, built from the base's layer settings."""
 
-    def base_layers(self, config: TrainConfig, base_config) -> tuple[int, ...]:
+    def base_layers(self, config, base_config) -> tuple[int, ...]:
         """``config.eagle_layers`` (null: EAGLE-3's low, middle and high layers of this base,
         :func:`medusa.drafters.eagle.default_eagle_layers`).
 
@@ -171,7 +163,7 @@ class EagleTraining(HeadsTraining):
                              "drafter would see window-relative in training; set train_window: null")
         return tuple(layers)
 
-    def heads_fields(self, config: TrainConfig, base_config) -> dict:
+    def heads_fields(self, config, base_config) -> dict:
         """``eagle_layers`` and ``eagle_base`` from the base's text config.
 
         Raises:
@@ -182,14 +174,14 @@ class EagleTraining(HeadsTraining):
         return {"eagle_layers": list(self.base_layers(config, base_config)),
                 "eagle_base": eagle_base_settings(base_config)}
 
-    def position_weight(self, config: TrainConfig, model) -> torch.Tensor | None:
+    def position_weight(self, config, model) -> torch.Tensor | None:
         """The base's whole learned position embedding on a base with learned absolute positions (GPT-2)."""
         if eagle_base_settings(model.config.get_text_config(decoder=True))["positions"] != "learned":
             return None
         return full_weight(learned_position_weight(model), "position embedding")
 
 
-def _check_draft_model(config: TrainConfig) -> None:
+def _check_draft_model(config) -> None:
     refused = {"training_mode medusa2": config.training_mode == "medusa2",
                "hidden_state_store": bool(config.hidden_state_store), "train_window": bool(config.train_window),
                "init_heads (use draft_init)": bool(config.init_heads),
@@ -211,18 +203,14 @@ class DraftModelTraining:
     name: str = "draft_model"
     label: str = "Draft model"
     fields: tuple[str, ...] = ("draft_layers", "draft_init")
+    pipeline: str = "draft_model"
 
-    def check_config(self, config: TrainConfig) -> None:
+    def check_config(self, config) -> None:
         _check_draft_model(config)
 
     def trainable_parameters(self, student: torch.nn.Module) -> list[torch.nn.Parameter]:
         """The draft's parameters that require a gradient (the student froze its embeddings and lm_head)."""
         return [p for p in student.parameters() if p.requires_grad]
-
-    def train(self, config: TrainConfig, model=None, tokenizer=None) -> Path:
-        from train.draft_model import train_draft_model
-
-        return train_draft_model(config, model, tokenizer)
 
 
 _TRAINABLE: dict[str, TrainableDrafter] = {}
@@ -257,7 +245,7 @@ def trainable_names() -> tuple[str, ...]:
     return tuple(_TRAINABLE)
 
 
-def check_fields(config: TrainConfig) -> None:
+def check_fields(config) -> None:
     """Refuse config fields that belong to another drafter than ``config.head_type``'s, changed from their
     defaults, then apply the drafter's own rules.
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -25,9 +24,7 @@ from medusa.drafters.heads import IGNORE_INDEX
 from medusa.io.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from medusa.io.files import atomic_folder
 from medusa.losses import next_token_kl_sum
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
+from train.config import TrainConfig
 
 ADAPTER_DIR = "adapter"
 

@@ -8,18 +8,12 @@ An objective (:class:`DecayedHeadLoss`, :class:`TrainingTimeTest`) is what a tra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from medusa.losses import head_ce_sums, head_soft_sums, medusa_loss
 
-if TYPE_CHECKING:
-    from train.config import TrainConfig
-    from train.setup import Run
 
-
-def teacher_logits(run: Run, hidden: torch.Tensor) -> torch.Tensor | None:
+def teacher_logits(run, hidden: torch.Tensor) -> torch.Tensor | None:
     """The base's own logits over the head vocabulary ``(B, T, Vh)`` from base states ``(B, T, (1 + k) H)`` (its
     lm_head rows of the token map over the last hidden state, the first H columns, with its final soft-capping), or
     ``None`` when the loss needs no teacher."""
@@ -42,16 +36,16 @@ class DecayedHeadLoss:
     """The objective of Medusa and Hydra heads (Cai et al., 2024, section 2.2; Ankner et al., 2024, section 3): one
     output per head, head k's loss weighted ``loss_decay ** k`` (:func:`mixed_step_loss`)."""
 
-    def outputs(self, config: TrainConfig) -> int:
+    def outputs(self, config) -> int:
         """How many outputs per position a training step scores: one per head."""
         return config.num_heads
 
     def logits(self, heads: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
-               config: TrainConfig) -> torch.Tensor:
+               config) -> torch.Tensor:
         """The heads' logits ``(outputs, B, T, Vh)`` from base states ``(B, T, (1 + k) H)`` and tokens ``(B, T)``."""
         return heads(hidden, input_ids)
 
-    def loss(self, run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, counts: torch.Tensor,
+    def loss(self, run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, counts: torch.Tensor,
              supervised: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch's share of the step loss (:func:`mixed_step_loss`; ``counts`` and ``supervised``
         ``(outputs,)``: the step's targets per output inside the head vocabulary and in all)."""
@@ -63,15 +57,15 @@ class TrainingTimeTest(DecayedHeadLoss):
     the drafter ``ttt_steps`` times on its own outputs; output j is scored as the depth-j head (``loss_decay ** j``),
     whatever the drafting depth ``num_heads`` is."""
 
-    def outputs(self, config: TrainConfig) -> int:
+    def outputs(self, config) -> int:
         return config.ttt_steps
 
     def logits(self, heads: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor,
-               config: TrainConfig) -> torch.Tensor:
+               config) -> torch.Tensor:
         return heads(hidden, input_ids, steps=config.ttt_steps)
 
 
-def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):
+def head_loss(run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict):
     """:func:`medusa.losses.medusa_loss` with the run's loss settings (evaluation: per-batch means and stats)."""
     config = run.config
     return medusa_loss(logits, batch["labels"], run.head_lookup, config.loss_decay,
@@ -79,7 +73,7 @@ def head_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict)
                        temperature=config.teacher_temperature, mix=config.loss_mix)
 
 
-def mixed_step_loss(run: Run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, hard_counts: torch.Tensor,
+def mixed_step_loss(run, logits: torch.Tensor, hidden: torch.Tensor, batch: dict, hard_counts: torch.Tensor,
                     soft_counts: torch.Tensor | None) -> torch.Tensor:
     """One micro-batch's share of the step loss for ``config.loss`` (hard, teacher or mixed), each term normalised
     by its own target count over the whole step (see :func:`step_loss`)."""

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 
+from train.config import TrainConfig
 from train.store import HiddenStateStore
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 
 @dataclass

@@ -7,7 +7,6 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -31,6 +30,7 @@ from train.checkpoints import (
     remove_unfinished_checkpoints,
     restore_rng_state,
 )
+from train.config import TrainConfig
 from train.conversations import (
     head_target_totals,
     prepare_conversations,
@@ -43,9 +43,6 @@ from train.medusa2 import ADAPTER_DIR, apply_lora, load_adapter_state, lora_para
 from train.run import Run
 from train.sharded import check_sharded_settings, full_weight
 from train.store import ensure_store
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

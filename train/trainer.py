@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from train.checkpoints import (  # noqa: F401 (public names, importable from here)
     CHECKPOINT_PREFIX,
@@ -45,6 +44,7 @@ from train.checkpoints import (  # noqa: F401 (public names, importable from her
     rng_state,
     save_checkpoint,
 )
+from train.config import TrainConfig
 from train.conversations import (  # noqa: F401
     head_target_totals,
     prepare_conversations,
@@ -69,9 +69,6 @@ from train.setup import (  # noqa: F401
     resolve_mixed_precision,
     setup,
 )
-
-if TYPE_CHECKING:
-    from train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +116,7 @@ def train(config: TrainConfig, model=None, tokenizer=None) -> Path:
     Raises:
         ValueError: as the drafter's training raises (see :func:`train_heads`).
     """
-    return config.trainable.train(config, model, tokenizer)
+    return PIPELINES[config.trainable.pipeline](config, model, tokenizer)
 
 
 def train_heads(config: TrainConfig, model=None, tokenizer=None) -> Path:
@@ -157,3 +154,13 @@ def train_heads(config: TrainConfig, model=None, tokenizer=None) -> Path:
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
     return out / HEADS_DIR
+
+
+def _train_draft_model(config: TrainConfig, model=None, tokenizer=None) -> Path:
+    from train.draft_model import train_draft_model  # the draft model's own run, above the heads' pieces it shares
+
+    return train_draft_model(config, model, tokenizer)
+
+
+PIPELINES = {"heads": train_heads, "draft_model": _train_draft_model}
+"""The training runs a drafter's declared ``pipeline`` names (:class:`train.drafters.TrainableDrafter`)."""

@@ -22,7 +22,7 @@ base ids by ``Draws.vocab``; q is zero outside it); copied nodes are determinist
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -37,9 +37,6 @@ from medusa.decode.greedy import (
 from medusa.decode.tree import TreeBuffers
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
 from medusa.registry import claim
-
-if TYPE_CHECKING:  # annotations only: logits_process reads this module's registry (the arrow points that way)
-    from medusa.decode.logits_process import Decoding
 
 __all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
            "register_acceptance", "residual", "sample", "sample_without_replacement", "sampling_rules"]
@@ -90,7 +87,7 @@ def sampling_rules() -> tuple[str, ...]:
     return tuple(name for name in _RULES if name != "greedy")
 
 
-def acceptance_rule(decoding: Decoding, vocab_size: int, device) -> AcceptanceRule:
+def acceptance_rule(decoding, vocab_size: int, device) -> AcceptanceRule:
     """The rule ``decoding`` asks for (greedy when not sampling, else ``decoding.acceptance``), with its own seeded
     generator.
 
@@ -340,15 +337,15 @@ class TypicalAcceptance(_SampledToken):
 
 
 @register_acceptance("greedy")
-def _greedy(decoding: Decoding, vocab_size: int, generator) -> GreedyAcceptance:
+def _greedy(decoding, vocab_size: int, generator) -> GreedyAcceptance:
     return GreedyAcceptance()
 
 
 @register_acceptance("rejection")
-def _rejection(decoding: Decoding, vocab_size: int, generator) -> RejectionSampling:
+def _rejection(decoding, vocab_size: int, generator) -> RejectionSampling:
     return RejectionSampling(vocab_size, decoding.draft_warp(), generator)
 
 
 @register_acceptance("typical")
-def _typical(decoding: Decoding, vocab_size: int, generator) -> TypicalAcceptance:
+def _typical(decoding, vocab_size: int, generator) -> TypicalAcceptance:
     return TypicalAcceptance(decoding.typical_epsilon, decoding.typical_delta, generator)
