@@ -31,6 +31,8 @@ PER_STEP_MODES = ("auto", "on", "off")
 VERIFY_LOGITS = {"auto": None, "all": True, "path": False}
 """``verify_logits`` to the engine's ``scores_all_nodes`` (``None``: the engine's own choice)."""
 QUANTIZE = ("none", "int4", "int8")
+QUANTIZED_LM_HEADS = ("fp32", "bf16", "int4")
+"""``--quantized-lm-head``: the quantized engines' lm_head (:data:`medusa.engines.quantized.LM_HEADS`)."""
 """``--quantize``: ``none``, or the weight-only quantized engine of that name (:mod:`medusa.engines.quantized`)."""
 QUANTIZED_DRAFT_ENGINES = ("eager", "static")
 BUILT_IN_DRAFTERS = ("heads", "per-step", "draft_model", "lookup", "none")
@@ -117,6 +119,9 @@ class DecodeConfig:
     gguf: str | None = None
     """With ``quantize="int4"``: the 4-bit GGUF the base was prepared from, whose own blocks become the int4 codes
     (nothing rounded twice, :mod:`medusa.io.gguf_pack`)."""
+    quantized_lm_head: str = "fp32"
+    """With ``quantize``: the lm_head's precision, ``fp32`` (the base's), ``bf16`` (a bf16 copy whose argmax is
+    checked to be fp32's, :mod:`medusa.engines.checked_head`) or ``int4`` (codes like the linears; lossy)."""
     verify_logits: str = "auto"
     """The verify's lm_head: ``all`` nodes in one product, one row at a time along the ``path``, or ``auto``: the
     engine's own choice (:data:`VERIFY_LOGITS`)."""
@@ -211,6 +216,12 @@ class DecodeConfig:
         if self.gguf is not None and self.quantize != "int4":
             raise ValueError(f"--gguf reads a GGUF's 4-bit blocks as int4 codes: pass --quantize int4 (got "
                              f"--quantize {self.quantize})")
+        if self.quantized_lm_head not in QUANTIZED_LM_HEADS:
+            raise ValueError(f"--quantized-lm-head must be one of {', '.join(QUANTIZED_LM_HEADS)}, got "
+                             f"{self.quantized_lm_head!r}")
+        if self.quantized_lm_head != "fp32" and self.quantize == "none":
+            raise ValueError(f"--quantized-lm-head {self.quantized_lm_head} sets a quantized engine's lm_head: pass "
+                             "--quantize int4 or int8 too")
         if self.gguf is not None and not Path(self.gguf).is_file():
             raise FileNotFoundError(f"--gguf {self.gguf}: no such file")
 
@@ -316,6 +327,9 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
     p.add_argument("--gguf", default=None, metavar="FILE",
                    help="with --quantize int4: the 4-bit GGUF the base was prepared from; its own blocks become the "
                         "int4 codes (nothing rounded twice)")
+    p.add_argument("--quantized-lm-head", choices=QUANTIZED_LM_HEADS, default="fp32",
+                   help="with --quantize: the lm_head's precision: fp32 (the base's, default), bf16 (half the bytes; "
+                        "its argmax is checked to be fp32's, so greedy tokens are kept), int4 (lossy)")
     p.add_argument("--verify-logits", choices=tuple(VERIFY_LOGITS), default=_DEFAULTS["verify_logits"],
                    help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
                         "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
@@ -484,6 +498,8 @@ def _use_engine(model, config: DecodeConfig, say, step_size: int | None = None) 
     """The engine :attr:`DecodeConfig.engine_name` names (``--quantize``'s, else ``--engine``), with its options;
     ``auto``'s reason to ``say``."""
     options = {} if config.gguf is None else {"gguf": config.gguf}
+    if config.quantized_lm_head != "fp32":
+        options["lm_head"] = config.quantized_lm_head
     model.use_engine(config.engine_name, step_size=step_size, max_cache_len=config.max_cache_len,
                      scores_all_nodes=config.scores_all_nodes, measure=True, **options)
     if model.engine.choice is not None:

@@ -223,9 +223,10 @@ def test_quantize_through_the_model_builder_and_the_cli(base_dir, capsys):
     from medusa.cli import main
 
     ids = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9])  # repetitive: the lookup chain gets accepted
-    lookup = build_model(DecodeConfig(base=str(base_dir), drafter="lookup", lookup=4, quantize="int4"))
+    lookup = build_model(DecodeConfig(base=str(base_dir), drafter="lookup", lookup=4, quantize="int4",
+                                      quantized_lm_head="bf16"))
     plain = build_model(DecodeConfig(base=str(base_dir), drafter="none", quantize="int4"))
-    assert lookup.engine.name == plain.engine.name == "int4"
+    assert lookup.engine.name == plain.engine.name == "int4" and lookup.engine.settings()["lm_head"] == "bf16"
     tokens, stats = lookup.generate(ids, max_new_tokens=24)
     assert tokens == plain.generate(ids, max_new_tokens=24)[0]
     assert stats.tau > 1
@@ -233,6 +234,91 @@ def test_quantize_through_the_model_builder_and_the_cli(base_dir, capsys):
                                                                           "drop --engine static"),
                           (["--quantize", "int8", "--gguf", str(base_dir / "config.json")],
                            "pass --quantize int4 (got --quantize int8)"),
-                          (["--quantize", "int4", "--gguf", str(base_dir / "missing.gguf")], "no such file")):
+                          (["--quantize", "int4", "--gguf", str(base_dir / "missing.gguf")], "no such file"),
+                          (["--quantized-lm-head", "bf16"], "pass --quantize int4 or int8 too")):
         assert main(["generate", "--base", str(base_dir), "--drafter", "none", "--prompt", "hi", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_lean_forward_gives_the_stock_shadows_bits_and_holds_the_codes_once(kind):
+    """The lean single-row forward (fused products, its own layer loop) against the stock decoder's shadow on the
+    same codes: the prompt, a chain step (cache views) and a branching tree step (gathers), hidden states, logits,
+    the fused base layers a feature drafter reads and the cache left behind, all bit for bit."""
+    from medusa.engines import static_cache
+
+    model = tiny_model("llama")
+    lean = engines.make_engine(kind, model)
+    stock = engines.make_engine(kind, model, lean=False)
+    assert lean.settings()["forward"] == "lean" and stock.settings()["forward"] == "stock shadow (lean=False)"
+    gate_up, gate = lean.lean.layers[0].gate_up, lean.quantized.decoder.layers[0].mlp.gate_proj
+    codes = "packed" if kind == "int4" else "codes"  # gate's 128 rows fill whole int4 row blocks: a view
+    assert getattr(gate, codes).data_ptr() == getattr(gate_up, codes).data_ptr()
+    caches = [e.new_cache(64) for e in (lean, stock)]
+    steps = [(IDS, torch.arange(20), torch.ones(20, 20, dtype=torch.bool).tril()),  # the prompt
+             (IDS[:3], torch.arange(20, 23), torch.ones(3, 3, dtype=torch.bool).tril()),  # a chain
+             (IDS[3:7], torch.tensor([23, 24, 24, 25]),  # a tree: 0 -> (1, 2), 2 -> 3
+              torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))]
+    layers = (0, model.config.num_hidden_layers - 1)
+    for ids, positions, tree_mask in steps:
+        a, b = (e.forward_features(ids, positions, tree_mask, c, layers)
+                for e, c in zip((lean, stock), caches, strict=True))
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+        for e, c in zip((lean, stock), caches, strict=True):
+            e.keep_positions(c, c.length - len(ids), torch.arange(len(ids) - 1))
+    for x, y in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(x.keys[:, :, :caches[0].length], y.keys[:, :, :caches[1].length])
+    assert isinstance(caches[0], static_cache.SlotCache)
+
+
+def test_the_lean_forward_names_what_it_does_not_run():
+    from medusa.engines.lean import lean_unsupported
+
+    assert engines.make_engine("int4", tiny_model("gpt2")).settings()["forward"].startswith("stock shadow (model_type")
+    assert "dense linear layers" in lean_unsupported(tiny_model("llama"), {"layers.0.mlp.up_proj": "kept dense"})
+
+
+def test_int4_packing_concatenates_along_the_output_axis_after_whole_row_blocks():
+    pack, block = torch.ops.aten._convert_weight_to_int4pack_for_cpu, quantized.INT4_ROW_BLOCK
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=gen) for n in (block, 32, 32))
+    assert torch.equal(pack(torch.cat([a, b]), 2), torch.cat([pack(a, 2), pack(b, 2)]))
+    assert not torch.equal(pack(torch.cat([b, c]), 2), torch.cat([pack(b, 2), pack(c, 2)]))  # a part block
+
+
+def test_the_checked_bf16_lm_head_keeps_the_fp32_argmax_where_plain_bf16_rounding_loses_it():
+    """Hidden states built so that bf16 rounding of the logits ties or flips the top two tokens: the checked head's
+    argmax is the fp32 one's on every row, computed alone or beside other rows, and a broken bound (no candidates
+    rescored) gets some rows wrong, so the check is what holds it."""
+    from medusa.engines.checked_head import CheckedHead
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 64, generator=gen)
+    weight[9] = weight[7] * (1 + 2e-4)  # token 9 just above token 7, the same in bf16
+    hidden = torch.randn(64, 64, generator=gen) * 3
+    hidden[:32] = hidden[:32] + 4 * weight[7]  # ... and on top in half the rows
+    head = CheckedHead(weight)
+    exact = (hidden @ weight.T).argmax(-1)
+    together = head.logits(hidden)
+    assert torch.equal(together.argmax(-1), exact)
+    for i in range(0, 64, 7):
+        assert torch.equal(head.logits(hidden[i:i + 1])[0, exact[i]], together[i, exact[i]])  # alone: same bits
+    rounded = torch.nn.functional.linear(hidden.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+    assert not torch.equal(rounded.argmax(-1), exact)  # the control: bf16 alone loses some
+    assert max(head.candidates) < 512  # only candidates are rescored
+    with pytest.raises(ValueError, match="float32 hidden states"):
+        head.logits(hidden.double())
+
+
+@pytest.mark.parametrize("lm_head", ["bf16"])
+def test_quantized_medusa_equals_plain_with_a_checked_lm_head_whose_argmax_is_the_fp32_ones(lm_head):
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), engine="int4", lm_head=lm_head)
+    fp32 = MedusaModel(model, random_heads(model), engine="int4")
+    assert medusa.engine.settings()["lm_head"] == lm_head and medusa.engine.scores_all_nodes
+    assert greedy(medusa) == greedy(medusa, Tree.chain(0)) == greedy(fp32, Tree.chain(0))
+    hidden = torch.randn(50, model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 4
+    assert torch.equal(medusa.engine.lm_logits_rows(hidden).argmax(-1), (hidden @ model.lm_head.weight.T).argmax(-1))
+    with pytest.raises(ValueError, match="lm_head must be one of"):
+        engines.make_engine("int4", model, lm_head="fp16")

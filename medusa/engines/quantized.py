@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,13 +43,22 @@ from torch import nn
 from medusa.engines import kv_cache, static_cache
 from medusa.engines.base import register_engine
 from medusa.engines.int4 import GROUP_SIZE, Int4Codes, dequantize_int4, linear_weight, quantize_int4, quantize_int8
+from medusa.engines.lean import LeanDecoder, base_attention, lean_unsupported
 from medusa.engines.static import StaticEngine
 
 INNER_K_TILES = 2
 """The int4 packing's inner tile count (``_convert_weight_to_int4pack_for_cpu``; only its CPU layout)."""
+INT4_ROW_BLOCK = 64
+"""The CPU int4 packing lays output rows out in blocks of this many: packed codes concatenate along the output
+axis only after whole blocks (checked by ``tests/test_quantized.py``)."""
 ACTIVATION_DTYPE = torch.bfloat16
 """The kernels' fast path on a CPU (fp32 activations take a slow path, fp16 slower still: docs/quantized.md)."""
 KINDS = ("int4", "int8")
+LM_HEADS = (False, True, "fp32", "int4", "bf16")
+"""The engine's ``lm_head``: ``False``/``"fp32"`` the base's dense one; ``True``/``"int4"`` int4 codes like the
+linear layers (lossy: docs/quantized.md); ``"bf16"``: a bf16 copy whose argmax is checked to be the fp32 one's
+(:mod:`medusa.engines.checked_head`). Int4 codes behind the same check were tried and dropped: their error bound
+leaves thousands of tokens to rescore (85-110 ms a token on the reference model, docs/quantized.md)."""
 ROW_INVARIANT_ATTENTION = "medusa_row_invariant"
 """The attention implementation the shadow's attention modules run (:func:`row_invariant_attention`)."""
 _ROW_INVARIANT = contextvars.ContextVar("medusa_row_invariant", default=False)
@@ -105,9 +113,13 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        y = self.product(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: bfloat16 ``(M, K)`` contiguous -> bfloat16 ``(M, N)`` (no bias, no casts)."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zeros)
+
 
 
 class Int8Linear(nn.Module):
@@ -128,9 +140,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()  # (M, K)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        y = self.product(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: bfloat16 ``(M, K)`` contiguous -> bfloat16 ``(M, N)`` (no bias, no casts)."""
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
@@ -145,7 +161,7 @@ def row_invariant_attention(module, query, key, value, attention_mask, **kwargs)
     as usual. Takes and returns what transformers' attention functions do: ``query (B, H, N, D)``, ``key/value
     (B, Hkv, S, D)``, an additive or boolean mask ``(B or 1, 1, N, S)``; returns ``((B, N, H, D), None)``.
     """
-    inner = _base_attention(module)
+    inner = base_attention(module)
     if not _ROW_INVARIANT.get() or attention_mask is None:
         return inner(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
@@ -162,16 +178,6 @@ def row_invariant_attention(module, query, key, value, attention_mask, **kwargs)
                              **kwargs)[0])  # (1, 1, H, D)
         rows.append(torch.cat(out, 1))
     return torch.cat(rows, 0), None
-
-
-def _base_attention(module):
-    """The attention function ``module`` would run in the base (its config's original implementation)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = module.config.medusa_base_attention
-    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 @contextlib.contextmanager
@@ -289,8 +295,40 @@ class QuantizedLinears:
                 child, f"{name}.{child_name}" if name else child_name, made)
         return shadow
 
+    def fuse(self, names: list[str]) -> nn.Module:
+        """The quantized layers ``names`` (qualified under the decoder) as one layer, their outputs side by side,
+        packed from the same codes (the kernels compute each output column alone, so its columns are the parts'
+        bits); a single name gives that layer itself. The parts then read their rows of the fused codes as views
+        where the packing allows it (int8 always; int4 packs rows in blocks of :data:`INT4_ROW_BLOCK`, so when every
+        part but the last fills whole blocks), and the codes are held once.
+
+        Raises:
+            ValueError: one of them stayed dense.
+        """
+        modules = dict(self.decoder.named_modules())
+        parts = [modules[name] for name in names]
+        if not all(isinstance(p, (Int4Linear, Int8Linear)) for p in parts):
+            raise ValueError(f"cannot fuse {names}: not all of them are quantized ({self.dense})")
+        if len(parts) == 1:
+            return parts[0]
+        if self.kind == "int8":
+            fused = Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+            field = "codes"
+        else:
+            base = dict(self.base_decoder.named_modules())
+            codes = [self.codes[name] if self.source[name] == "codes" else
+                     Int4Codes(*quantize_int4(linear_weight(base[name]))) for name in names]
+            fused = Int4Linear(*(torch.cat([getattr(c, f) for c in codes]) for f in ("codes", "scale", "zero")))
+            field = "packed" if all(p.out_features % INT4_ROW_BLOCK == 0 for p in parts[:-1]) else None
+        if field is not None:
+            start = 0
+            for p in parts:
+                setattr(p, field, getattr(fused, field)[start:start + p.out_features])  # a contiguous view
+                start += p.out_features
+        return fused
+
     def nbytes(self) -> int:
-        """Bytes held by the quantized copies (codes, scales, zeros)."""
+        """Bytes held by the quantized copies (codes, scales, zeros; a code shared by views counted once)."""
         total = 0
         layers = [m for m in self.decoder.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         for layer in [*layers, *([self.lm_head] if self.lm_head is not None else [])]:
@@ -307,7 +345,9 @@ class QuantizedEngine(StaticEngine):
     Args:
         model: a transformers ``*ForCausalLM`` on a CPU.
         max_cache_len, scores_all_nodes: as :class:`StaticEngine`.
-        lm_head: quantize the lm_head too (from a GGUF only where its tensor is 4-bit).
+        lm_head: one of :data:`LM_HEADS` (int4 from a GGUF only where its tensor is 4-bit).
+        lean: one row's forwards through :class:`medusa.engines.lean.LeanDecoder` where it supports the model
+            (``False``: the stock decoder's shadow always; the same bits, for A/B runs).
         gguf: the 4-bit GGUF this base was prepared from (``medusa prepare-model``): the codes are its own blocks
             (:func:`medusa.io.gguf_pack.gguf_codes`), and a layer whose tensor is not 4-bit stays dense.
 
@@ -324,7 +364,7 @@ class QuantizedEngine(StaticEngine):
         return False
 
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None,
-                 lm_head: bool = False, gguf: str | Path | None = None):
+                 lm_head: bool | str = False, gguf: str | Path | None = None, lean: bool = True):
         reason = quantize_unavailable(self.kind, model.get_output_embeddings().weight.device)
         if reason is not None:
             raise ValueError(reason)
@@ -337,19 +377,48 @@ class QuantizedEngine(StaticEngine):
 
             read = gguf_codes(gguf, model)
             codes, keep_dense, self.gguf_max_abs_error = read.codes, read.dense, read.max_abs_error
+        if lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head must be one of {', '.join(map(repr, LM_HEADS))}, got {lm_head!r}")
+        if lm_head == "bf16" and getattr(model.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError(f"lm_head={lm_head!r} (a checked lm_head) takes an lm_head without a bias")
+        self.lm_head_mode = {False: "fp32", True: "int4"}.get(lm_head, lm_head)
         self.quantized = QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), self.kind,
-                                          lm_head, codes, keep_dense)
+                                          self.lm_head_mode == "int4", codes, keep_dense)
+        self.use_lean = lean
         super().__init__(model, max_cache_len, scores_all_nodes)
+        self.checked_head = self._checked_head()
+        self._build_lean()
+
+    def _build_lean(self) -> None:
+        """One row's forwards run :class:`medusa.engines.lean.LeanDecoder` where it supports the model (else the
+        shadow of the stock decoder; :attr:`lean_reason` says why)."""
+        self.lean_reason = "lean=False" if not self.use_lean else lean_unsupported(self.model, self.quantized.dense)
+        self.lean = None if self.lean_reason is not None else LeanDecoder(self.quantized.decoder, self.quantized.fuse)
 
     def _scores_all_nodes(self) -> bool:
         """With a quantized lm_head its few-row product is cheap enough to score every node."""
-        return super()._scores_all_nodes() or self.quantized.lm_head is not None
+        quantized = self.lm_head_mode == "int4" and self.quantized.lm_head is not None  # not left dense
+        return super()._scores_all_nodes() or quantized or self.lm_head_mode == "bf16"
 
     def refresh(self) -> None:
         """Quantize again from the base's weights as they are now (see the module docstring)."""
         self.quantized.refresh()
+        self._build_lean()
+        self.checked_head = self._checked_head()
+
+    def _checked_head(self):
+        """The checked lm_head :attr:`lm_head_mode` asks for (:mod:`medusa.engines.checked_head`), else ``None``."""
+        from medusa.engines.checked_head import CheckedHead
+
+        if self.lm_head_mode != "bf16":
+            return None
+        return CheckedHead(self.model.get_output_embeddings().weight.detach())
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
+        if self.lean is not None:
+            hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)
+            logits = self.lm_logits_rows(hidden if logits_for is None else hidden[logits_for])
+            return (logits, hidden, features) if layers else (logits, hidden)
         with row_invariant_steps(cache.length > 0):
             _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache,
                                                         self.mask, self.quantized.decoder, slice(0, 0), layers)
@@ -357,12 +426,15 @@ class QuantizedEngine(StaticEngine):
         return self.lm_logits_rows(selected), hidden, *features
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.checked_head is not None:
+            rows = self.checked_head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (M, V)
+            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], -1))
         if self.quantized.lm_head is None:
             return super().lm_logits(hidden)
         return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
 
     def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized.lm_head is None:
+        if self.quantized.lm_head is None and self.checked_head is None:
             return super().lm_logits_rows(hidden)
         return self.lm_logits(hidden)
 
@@ -377,8 +449,10 @@ class QuantizedEngine(StaticEngine):
         sources = set(self.quantized.source.values())
         return super().settings() | {
             "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
+            "forward": "lean" if self.lean is not None else f"stock shadow ({self.lean_reason})",
             "activation_dtype": str(ACTIVATION_DTYPE).removeprefix("torch."),
-            "lm_head_quantized": self.quantized.lm_head is not None, "dense_layers": dict(self.quantized.dense),
+            "lm_head_quantized": self.quantized.lm_head is not None, "lm_head": self.lm_head_mode,
+            "dense_layers": dict(self.quantized.dense),
             "codes_from": sorted(sources), "gguf": self.gguf,
             "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes()}
 

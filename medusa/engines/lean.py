@@ -1,0 +1,194 @@
+"""A lean single-row forward of a Llama-family decoder on weight-only quantized linears: the int4/int8 engines' own
+loop over the layers, in place of the stock modules' Python.
+
+Why: with int4 weights the matrix products of a one-token forward of SmolLM2-135M take about 9 ms on one thread, and
+the stock decoder's module calls, casts and copies about as much again (docs/quantized.md). This forward runs, per
+layer: RMSNorm, one fused q/k/v product, rotary, the cache write, attention, the output product, RMSNorm, one fused
+gate/up product, SiLU-gate and the down product: four kernel calls instead of seven, one bfloat16 cast of each
+normed input instead of one per linear layer, and no module dispatch, hooks or mask building per layer.
+
+Bit for bit the stock forward: every operation is the stock one on the same values in the same order (the RMSNorm
+and rotary formulas of transformers' Llama, the base's own attention function, the kernels on the same codes: the
+int4 and int8 kernels compute each output column alone, so a fused product equals its parts side by side, checked
+by ``tests/test_quantized.py``). A prompt (an empty cache) attends with the base's attention under the step's mask.
+A decoding step attends row by row, each row on exactly the keys it may see, in slot order, as
+:func:`medusa.engines.quantized.row_invariant_attention` does: a view of the cache when they are one run of slots
+from the first (plain decoding, a chain, a tree's root), a gather otherwise.
+
+Supported: ``model_type`` llama (and mistral with no sliding window) without biases and with every decoder linear
+quantized; :func:`lean_unsupported` names what else stops it, and the engine then runs its stock shadow
+(``settings()["forward"]``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+LEAN_MODEL_TYPES = ("llama", "mistral")
+"""Decoders whose layer is pre-norm RMSNorm, rotary attention and a SiLU-gated MLP, as this forward runs them."""
+
+
+def lean_unsupported(model, dense: dict[str, str]) -> str | None:
+    """Why :class:`LeanDecoder` cannot run ``model`` (a ``*ForCausalLM``), or ``None`` when it can.
+
+    Args:
+        dense: the decoder's linear layers left dense, by qualified name (the engine's ``dense_layers``).
+    """
+    config = model.config.get_text_config(decoder=True)
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {config.model_type!r} (the lean forward runs {', '.join(LEAN_MODEL_TYPES)})"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biases in the attention or MLP"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "a sliding attention window"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the lean forward runs silu)"
+    if getattr(config, "rope_scaling", None) is not None and (config.rope_scaling or {}).get("rope_type") not in (
+            None, "default", "llama3", "linear", "dynamic"):
+        return f"rope scaling {config.rope_scaling}"
+    if dense:
+        return f"dense linear layers ({', '.join(sorted(dense)[:3])}...)"
+    return None
+
+
+def base_attention(module):
+    """The attention function ``module`` (a shadow's attention module, its config naming the base's implementation as
+    ``medusa_base_attention``) would run in the base."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.config.medusa_base_attention
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+class _Layer:
+    """One decoder layer's pieces: its norms' weights, fused products and the stock attention module (for its
+    attention function, scaling and GQA grouping)."""
+
+    def __init__(self, layer: nn.Module, qkv: nn.Module, gate_up: nn.Module, o: nn.Module, down: nn.Module):
+        attn = layer.self_attn
+        self.attention = attn
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.qkv, self.gate_up, self.o, self.down = qkv, gate_up, o, down
+        self.head_dim = attn.head_dim
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.intermediate = layer.mlp.gate_proj.out_features
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama RMSNorm on an fp32 ``x`` ``(N, H)``, the same operations in the same order."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+
+class LeanDecoder:
+    """The decoder of a Llama-family ``model`` run by :meth:`forward` on fused quantized products.
+
+    Args:
+        decoder: the engine's shadow of the model's decoder stack (the base's embeddings, norms and rotary
+            embedding; attention modules whose config names the base's attention function, see
+            ``_uses_row_invariant_attention`` in :mod:`medusa.engines.quantized`).
+        fuse: builds one product module from a list of the decoder's linear modules by qualified name (their
+            outputs side by side); the module's ``product(x)`` maps bfloat16 ``(M, K)`` to bfloat16
+            ``(M, sum N)``.
+
+    Raises:
+        ValueError: :func:`lean_unsupported` names a reason.
+    """
+
+    def __init__(self, decoder: nn.Module, fuse):
+        self.stack = decoder
+        self.layers = []
+        for i, layer in enumerate(self.stack.layers):
+            prefix = f"layers.{i}"
+            qkv = fuse([f"{prefix}.self_attn.{p}_proj" for p in "qkv"])
+            gate_up = fuse([f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"])
+            o, down = fuse([f"{prefix}.self_attn.o_proj"]), fuse([f"{prefix}.mlp.down_proj"])
+            self.layers.append(_Layer(layer, qkv, gate_up, o, down))
+        module = sys.modules[type(self.stack.layers[0].self_attn).__module__]
+        self._rotary = module.apply_rotary_pos_emb
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache, mask,
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``N`` new tokens of one row after ``cache.length`` cached ones, written into ``cache``.
+
+        Args:
+            input_ids: ``(N,)`` long.
+            positions: ``(N,)`` long.
+            tree_mask: ``(N, N)`` bool among the new tokens.
+            cache: a :class:`medusa.engines.static_cache.SlotCache` (its ``length`` grows by N).
+            mask: the engine's :class:`medusa.engines.static_cache.StaticMask` (a prompt's attention mask).
+            layers: decoder layers (0-based) whose outputs are returned too (the last one after the final norm,
+                as transformers' ``hidden_states``).
+
+        Returns:
+            ``(hidden (N, H) after the final norm, features (N, len(layers) * H) or None)``.
+
+        Raises:
+            medusa.engines.static_cache.CacheFullError: the step does not fit the cache.
+        """
+        n, length = len(input_ids), cache.length
+        cache.begin_step(n)
+        prompt = length == 0
+        attention_mask = mask.write(cache, positions, tree_mask) if prompt else None
+        if isinstance(attention_mask, dict):  # masks by layer type: every layer here attends fully
+            attention_mask = attention_mask["full_attention"]
+        plan = None if prompt else _visible_plan(tree_mask, length, cache.visible)
+        x = self.stack.embed_tokens(input_ids[None])[0]  # (N, H) fp32
+        cos, sin = self.stack.rotary_emb(x[None], position_ids=positions[None])  # (1, N, D) each
+        kept = {}
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(layer.input_norm, x).to(torch.bfloat16)  # (N, H)
+            qkv = layer.qkv.product(h).float()  # (N, q + 2 kv)
+            q, k, v = qkv.split((layer.q_size, layer.kv_size, layer.kv_size), -1)
+            d = layer.head_dim
+            q = q.view(1, n, -1, d).transpose(1, 2)  # (1, Hq, N, D)
+            k = k.view(1, n, -1, d).transpose(1, 2)  # (1, Hkv, N, D)
+            v = v.view(1, n, -1, d).transpose(1, 2)
+            q, k = self._rotary(q, k, cos, sin)
+            keys, values = cache.update(k, v, index)  # (1, Hkv, visible, D) views
+            attend = base_attention(layer.attention)
+            if prompt:
+                out = attend(layer.attention, q, keys, values, attention_mask, dropout=0.0,
+                             scaling=layer.attention.scaling)[0]  # (1, N, Hq, D)
+            else:
+                out = torch.cat([attend(layer.attention, q[:, :, i:i + 1].contiguous(),
+                                        *_visible(keys, values, seen), None, is_causal=False, dropout=0.0,
+                                        scaling=layer.attention.scaling)[0] for i, seen in enumerate(plan)], 1)
+            attn = out.reshape(n, -1).to(torch.bfloat16)  # (N, Hq D)
+            x = x + layer.o.product(attn).float()
+            h = _rms_norm(layer.post_norm, x).to(torch.bfloat16)
+            gate, up = layer.gate_up.product(h).float().split(layer.intermediate, -1)  # (N, I) each
+            x = x + layer.down.product((nn.functional.silu(gate) * up).to(torch.bfloat16)).float()
+            if index in layers:
+                kept[index] = x
+        cache.length += n
+        hidden = _rms_norm(self.stack.norm, x)
+        last = len(self.layers) - 1
+        features = None if not layers else torch.cat([hidden if i == last else kept[i] for i in layers], -1)
+        return hidden, features
+
+
+def _visible_plan(tree_mask: torch.Tensor, length: int, visible: int) -> list:
+    """Per new row, the cache slots it may see: an ``int`` S when they are slots ``0 .. S-1`` (a view), else the
+    ``(S_i,)`` long slots in order (a gather). The prefix ``0 .. length-1`` is seen by every row."""
+    plan = []
+    for row in tree_mask:
+        new = row.nonzero()[:, 0]  # (k,) new slots this row sees
+        if len(new) == 0 or int(new[-1]) == len(new) - 1:  # 0 .. k-1: one run from the first slot
+            plan.append(length + len(new))
+        else:
+            plan.append(torch.cat([torch.arange(length, device=row.device), new + length]))
+    return plan
+
+
+def _visible(keys: torch.Tensor, values: torch.Tensor, seen) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(seen, int):
+        return keys[:, :, :seen], values[:, :, :seen]
+    return keys.index_select(2, seen), values.index_select(2, seen)
