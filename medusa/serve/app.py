@@ -40,7 +40,11 @@ class ServeConfig:
     max_waiting: int = 64
     """Requests queued beyond those running; more get 429."""
     max_body_bytes: int = 1 << 20
-    """Largest request body accepted (413 beyond)."""
+    """Largest request body accepted (413 beyond), counted as it arrives, chunked or not: no more is read."""
+    max_header_bytes: int = 16 << 10
+    """Largest request line and header block (400 beyond, the connection closed)."""
+    read_timeout_s: float = 30.0
+    """A client that sends no byte of its headers or body for this long is cut off (408 while sending a body)."""
     request_timeout_s: float = 600.0
     """A request not finished by then is cancelled (504, or an error event when streaming)."""
     default_max_tokens: int = 512
@@ -61,12 +65,12 @@ class ServeConfig:
     def __post_init__(self):
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
-        for name in ("max_running", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0 or not self.request_timeout_s > 0:
-            raise ValueError(f"max_waiting must be >= 0 and request_timeout_s > 0, got {self.max_waiting}, "
-                             f"{self.request_timeout_s}")
+        if self.max_waiting < 0 or not self.request_timeout_s > 0 or not self.read_timeout_s > 0:
+            raise ValueError(f"max_waiting must be >= 0, request_timeout_s and read_timeout_s > 0, got "
+                             f"{self.max_waiting}, {self.request_timeout_s}, {self.read_timeout_s}")
 
 
 class Server:
@@ -249,6 +253,13 @@ def response_body(kind: str, rid: str, created: int, model: str, text: str, fini
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
 
 
+def error_response(body: dict, status: int, headers: dict[str, str] | None = None):
+    """An error answer: OpenAI's body as ASCII JSON (whatever text it quotes, the answer encodes)."""
+    from starlette.responses import Response
+
+    return Response(json.dumps(body, ensure_ascii=True), status, headers, media_type="application/json")
+
+
 def sse(data) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
@@ -259,11 +270,7 @@ async def complete(server: Server, request, kind: str):
 
     started = time.monotonic()
     server.check_key(request.headers.get("authorization"))
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > server.config.max_body_bytes:
-        raise ApiError(413, f"the request body is {declared} bytes, over the server's limit of "
-                            f"{server.config.max_body_bytes}", code="request_too_large")
-    body = parse_body(await request.body(), kind, server.config.max_body_bytes)
+    body = parse_body(await read_body(server, request), kind, server.config.max_body_bytes)
     ids, max_new, decoding = server.prepare(body)
     job, events = server.submit(ids, max_new, decoding)
     rid = ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
@@ -292,6 +299,60 @@ async def complete(server: Server, request, kind: str):
     completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
     usage = server.usage(job, len(ids), completion)
     return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read: nothing to answer."""
+
+
+def too_large(limit: int, declared: str | None = None) -> ApiError:
+    said = f"is {declared} bytes" if declared else "goes on past it"
+    return ApiError(413, f"the request body {said}: over the server's limit of {limit} bytes",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+async def read_body(server: Server, request) -> bytes:
+    """The request's body, read as it arrives and refused as soon as it passes ``max_body_bytes`` (a declared
+    Content-Length is checked first): memory holds at most the limit plus one chunk, whatever the client sends.
+
+    Raises:
+        ApiError: 413 over the limit; 408 when the client sends nothing for ``read_timeout_s``; 503 once the drain
+            has begun (a half-sent upload does not hold up the exit). Each closes the connection.
+        ClientGone: the client disconnected mid-body.
+    """
+    limit = server.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit, declared)
+    chunks, size = [], 0
+    while True:
+        message = await receive_within(server, request)
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def receive_within(server: Server, request) -> dict:
+    """The next ASGI message of ``request`` within the read timeout, or the ``ApiError`` of :func:`read_body`."""
+    deadline = time.monotonic() + server.config.read_timeout_s
+    while True:
+        if server.drain_deadline is not None:
+            raise ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error",
+                           headers={"Connection": "close", "Retry-After": "1"})
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(408, f"the client sent no byte of its body for {server.config.read_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"})
+        try:  # in slices, so that the drain is seen; uvicorn keeps what arrives meanwhile
+            return await asyncio.wait_for(request.receive(), min(left, 0.25))
+        except TimeoutError:
+            continue
 
 
 async def cancel_on_disconnect(request, job: Job) -> None:
@@ -337,6 +398,29 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
         job.cancelled = True  # the client went away, or a stop string ended the text: the slot is freed
 
 
+class Guard:
+    """ASGI middleware: what is checked of every HTTP request before a route sees it: the size of its request line
+    and headers (431 beyond ``max_header_bytes``; h11 itself bounds only a header block that arrives in pieces)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            error = self.check(scope)
+            if error is not None:
+                return await error_response(error.body(), error.status, error.headers)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def check(self, scope) -> ApiError | None:
+        limit = self.server.config.max_header_bytes
+        size = sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path", b""))
+        if size > limit:
+            return ApiError(431, f"the request line and headers are {size} bytes, over the server's limit of "
+                                 f"{limit}", code="headers_too_large", headers={"Connection": "close"})
+        return None
+
+
 def build_app(server: Server):
     """The Starlette application serving ``server``; the scheduler thread runs while the app does."""
     import contextlib
@@ -344,7 +428,7 @@ def build_app(server: Server):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request as HttpRequest
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     async def chat(request: HttpRequest):
@@ -365,18 +449,22 @@ def build_app(server: Server):
                             else 503)
 
     async def api_error(request: HttpRequest, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc.body(), exc.status, exc.headers)
+
+    async def client_gone(request: HttpRequest, exc: ClientGone):
+        logger.info("client %s went away before its request was read", request.client and request.client.host)
+        return Response(status_code=400)  # sent to nobody
 
     async def http_error(request: HttpRequest, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
-        return JSONResponse(body, status_code=exc.status_code)
+        return error_response(body, exc.status_code, exc.headers)
 
     async def internal_error(request: HttpRequest, exc: Exception):
         logger.exception("request failed")
         body = {"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
                           "param": None, "code": None}}
-        return JSONResponse(body, status_code=500)
+        return error_response(body, 500)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -389,5 +477,7 @@ def build_app(server: Server):
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
-    handlers = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    handlers = {ApiError: api_error, ClientGone: client_gone, HTTPException: http_error, Exception: internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.add_middleware(Guard, server=server)
+    return app

@@ -21,15 +21,19 @@ MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
 """Stop sequences per request, as OpenAI allows."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects a body may hold (a valid request nests 5 levels)."""
 
 
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` and OpenAI's error body (:meth:`body`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})
+        """HTTP headers the answer carries (``Retry-After``, ``Connection: close``)."""
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -66,8 +70,9 @@ def parse_body(raw: bytes, kind: str, max_bytes: int) -> Request:
     """Parse and validate one request body.
 
     Raises:
-        ApiError: 413 for a body over ``max_bytes``; 400 naming the problem for invalid UTF-8, malformed JSON, a
-            body that is not an object, an unknown field, or a bad value (see :func:`check_fields`).
+        ApiError: 413 for a body over ``max_bytes``; 400 naming the problem for invalid UTF-8, malformed JSON, JSON
+            nested deeper than :data:`MAX_JSON_DEPTH`, a lone surrogate in any string or field name, a body that is
+            not an object, an unknown field, or a bad value (see :func:`check_fields`).
     """
     if len(raw) > max_bytes:
         raise ApiError(413, f"the request body is {len(raw)} bytes, over the server's limit of {max_bytes}",
@@ -80,9 +85,49 @@ def parse_body(raw: bytes, kind: str, max_bytes: int) -> Request:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:  # the parser's own stack ran out, far beyond MAX_JSON_DEPTH
+        raise bad(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_text(body)
     return check_fields(body, kind)
+
+
+def check_text(body: dict) -> None:
+    """Check every string and field name of a parsed body, without recursion: nesting within
+    :data:`MAX_JSON_DEPTH` and no lone surrogates (JSON's ``\\ud800``-style escapes can spell them; they are not
+    Unicode text, and neither a tokenizer nor a UTF-8 answer can hold them).
+
+    Raises:
+        ApiError: 400 naming where (``messages[0].content``), the offending name or string escaped.
+    """
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels (at "
+                      f"{where or 'the top'})", where or None)
+        if isinstance(value, dict):
+            for name, item in value.items():
+                path = f"{where}.{name}" if where else name
+                if not _is_unicode(name):
+                    raise bad(f"the field name {name!r} in {where or 'the body'} holds a lone surrogate: not Unicode "
+                              f"text", where or None)
+                if isinstance(item, str | dict | list):
+                    stack.append((item, depth + 1, path))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)
+                         if isinstance(item, str | dict | list))
+        else:
+            _unicode(value, where)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_fields(body: dict, kind: str) -> Request:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 
 from medusa.serve.app import ServeConfig, Server, build_app
@@ -34,7 +35,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=default["max_waiting"],
                    help="requests queued beyond those running; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=default["max_body_bytes"],
-                   help="largest request body (413 beyond)")
+                   help="largest request body, counted as it arrives (413 beyond)")
+    p.add_argument("--max-header-bytes", type=int, default=default["max_header_bytes"],
+                   help="largest request line and headers (400 beyond)")
+    p.add_argument("--read-timeout-s", type=float, default=default["read_timeout_s"],
+                   help="a client that sends nothing of its headers or body for this long is cut off")
     p.add_argument("--request-timeout-s", type=float, default=default["request_timeout_s"],
                    help="a request still running then is ended")
     p.add_argument("--default-max-tokens", type=int, default=default["default_max_tokens"],
@@ -66,8 +71,33 @@ def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout_s + 5, access_log=False)
+                            timeout_graceful_shutdown=drain_timeout_s + 5, access_log=False,
+                            http=http_protocol(server.config),
+                            h11_max_incomplete_event_size=server.config.max_header_bytes)
     return DrainingServer(config)
+
+
+def http_protocol(config: ServeConfig):
+    """uvicorn's h11 protocol, answering a request it cannot parse (malformed, or headers over
+    ``max_header_bytes``) with OpenAI's error body rather than plain text."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limit = config.max_header_bytes
+
+    class Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": {"message": f"the request is not valid HTTP/1.1, or its request line and "
+                                                    f"headers are over the server's limit of {limit} bytes",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_http_request"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return Protocol
 
 
 def serve(model, config: ServeConfig, host: str = LOOPBACK, port: int = PORT, drain_timeout_s: float = DRAIN_TIMEOUT_S,
