@@ -11,7 +11,7 @@ import socket
 import pytest
 from test_serve import KEY, NAME, Running, tiny_medusa
 
-from medusa.serve.protocol import COMPLETION, ApiError, parse_body
+from medusa.serve.protocol import CHAT, COMPLETION, ApiError, parse_body
 
 httpx = pytest.importorskip("httpx")
 
@@ -121,3 +121,83 @@ def test_json_nested_5000_levels_is_a_400_not_a_recursion_error():
     with pytest.raises(ApiError, match="deeper than 32 levels") as e:
         parse_body(nested(5000), COMPLETION, 1 << 20)
     assert e.value.status == 400
+
+
+# -- every bad input a 4xx in the error shape ------------------------------------------------------------------------
+SURROGATE = "\\udc80"  # a JSON escape spelling a lone surrogate: valid JSON, not Unicode text
+BAD_RAW = [
+    ('{"model": "tiny-' + SURROGATE + '", "prompt": "hi"}', "/v1/completions", "model"),
+    ('{"model": "tiny-heads", "prompt": "hi", "x' + SURROGATE + '": 1}', "/v1/completions", None),
+    ('{"model": "tiny-heads", "messages": [{"role": "user", "content": "hi", "n' + SURROGATE + '": 1}]}',
+     "/v1/chat/completions", "messages[0]"),
+    ('{"model": "tiny-heads", "prompt": "hi", "stop": ["a' + SURROGATE + '"]}', "/v1/completions", "stop[0]"),
+    ('{"model": "tiny-heads", "prompt": "hi", "n": true}', "/v1/completions", "n"),
+    ('{"model": "tiny-heads", "prompt": "hi", "n": 1.0}', "/v1/completions", "n"),
+    ('{"model": "tiny-heads", "prompt": "hi", "best_of": true}', "/v1/completions", "best_of"),
+    ('{"model": "tiny-heads", "prompt": "hi", "presence_penalty": false}', "/v1/completions", "presence_penalty"),
+    ('{"model": "tiny-heads", "prompt": "hi", "user": 5}', "/v1/completions", "user"),
+    ('{"model": "tiny-heads", "messages": [{"role": "user", "content": []}]}', "/v1/chat/completions",
+     "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize(("raw", "path", "param"), BAD_RAW, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_RAW)])
+def test_bad_values_and_lone_surrogates_anywhere_are_a_400_naming_where(hostile, raw, path, param, caplog):
+    r = httpx.post(hostile.url + path, content=raw.encode(), headers=AUTH | {"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = assert_error_shape(r.json())
+    assert error["param"] == param and r.content.isascii()
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
+
+
+def test_the_request_parser_answers_any_body_with_a_request_or_a_4xx(hostile):
+    """Fuzzed bodies (JSON of the schema's fields with any values, and byte mutations of a valid body), through
+    parsing and preparing (tokenizing, the template, the context check): a Request or a 4xx in the error shape."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = pytest.importorskip("hypothesis.strategies")
+    from medusa.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+
+    chars = st.sampled_from(["a", " ", "<", "|", "\udc80", "\ud83d", "é", "\x00"])  # lone surrogates too
+    text = st.text(chars, max_size=6) | st.text(st.characters(exclude_categories=()), max_size=6)
+    leaf = st.none() | st.booleans() | st.integers(-3, 2**64) | st.floats(allow_nan=False) | text
+    value = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(text, c, max_size=3),
+                         max_leaves=12)
+    message = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "bot"]) | value,
+                                                  "content": text | value, "name": value})
+    fields = sorted(CHAT_FIELDS | COMPLETION_FIELDS)
+    body = st.fixed_dictionaries({"model": st.just(NAME) | value}, optional={
+        **{f: value for f in fields if f != "model"}, "messages": st.lists(message, max_size=3) | value,
+        "prompt": text | st.lists(st.integers(-2, 400), max_size=5) | value,
+        "max_tokens": st.integers(-1, 40) | value}) | st.dictionaries(st.sampled_from(fields) | text, value,
+                                                                       max_size=4)
+    valid = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    mutated = st.lists(st.tuples(st.integers(0, len(valid)), st.binary(max_size=3), st.integers(0, 3)),
+                       min_size=1, max_size=4).map(lambda edits: mutate(valid, edits))
+
+    def answer(raw: bytes, kind: str) -> None:
+        try:
+            hostile.server.prepare(parse_body(raw, kind, 1 << 20))
+        except ApiError as e:
+            assert 400 <= e.status < 500, e.body()
+            assert_error_shape(json.loads(json.dumps(e.body(), ensure_ascii=False).encode("utf-8")))
+            return
+        accepted = json.loads(raw)  # what is accepted is Unicode text, and n is JSON's integer 1
+        json.dumps(accepted, ensure_ascii=False).encode("utf-8")
+        assert accepted.get("n") is None or type(accepted["n"]) is int
+
+    @hypothesis.settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.one_of(body.map(lambda b: json.dumps(b).encode()), mutated), st.sampled_from([CHAT,
+                                                                                                       COMPLETION]))
+    def fuzz(raw: bytes, kind: str) -> None:
+        answer(raw, kind)
+
+    fuzz()
+
+
+def mutate(raw: bytes, edits: list[tuple[int, bytes, int]]) -> bytes:
+    """``raw`` with each ``(at, insert, delete)`` applied: ``delete`` bytes at ``at`` replaced by ``insert``."""
+    for at, insert, delete in edits:
+        at = min(at, len(raw))
+        raw = raw[:at] + insert + raw[at + delete:]
+    return raw

@@ -159,17 +159,21 @@ def check_fields(body: dict, kind: str) -> Request:
 
 def _check_unsupported(body: dict) -> None:
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad(f"n={n!r} is not supported: this server returns one choice per request (n=1)", "n")
+    if n is not None and (type(n) is not int or n != 1):  # true == 1 and 1.0 == 1 in Python: neither is JSON's 1
+        raise bad(f"n={json.dumps(n)} is not supported: n must be the integer 1 (this server returns one choice per "
+                  f"request)", "n")
     for name in ("logprobs", "top_logprobs", "echo"):
         if body.get(name) is not None and body.get(name) is not False:
             raise bad(f"'{name}' is not supported by this server", name)
-    if body.get("best_of") not in (None, 1):
-        raise bad("'best_of' is not supported by this server (only 1)", "best_of")
+    if body.get("best_of") is not None and (type(body["best_of"]) is not int or body["best_of"] != 1):
+        raise bad("'best_of' is not supported by this server (only the integer 1)", "best_of")
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' is not supported by this server", "suffix")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad(f"'user' must be a string, got {type(body['user']).__name__}", "user")
     for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value not in (0, 0.0)):
             raise bad(f"'{name}' is not supported by this server (only 0)", name)
 
 
@@ -278,6 +282,8 @@ def _content(value, where: str) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
     if isinstance(value, str):
         return _unicode(value, where)
+    if isinstance(value, list) and not value:
+        raise bad(f"{where} is an empty list of parts: a message needs text (a string, or text parts)", where)
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
         return _unicode("".join(p["text"] for p in value), where)
