@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import pytest
 from test_serve import KEY, NAME, Running, tiny_medusa
@@ -201,3 +202,22 @@ def mutate(raw: bytes, edits: list[tuple[int, bytes, int]]) -> bytes:
         at = min(at, len(raw))
         raw = raw[:at] + insert + raw[at + delete:]
     return raw
+
+
+# -- nothing on the event loop that grows with the input -------------------------------------------------------------
+def test_tokenizing_runs_off_the_event_loop_and_admission_comes_before_it():
+    running = Running(tiny_medusa(seed=4), max_running=1, max_waiting=1)
+    threads = []
+    prompt_ids = running.server.prompt_ids
+    running.server.prompt_ids = lambda request: threads.append(threading.current_thread()) or prompt_ids(request)
+    try:
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(running.url + "/v1/completions", json=body).status_code == 200
+        assert len(threads) == 1 and threads[0] is not running.thread  # the thread running uvicorn's event loop
+        running.server.scheduler.load = lambda: 2  # one running, one waiting: full
+        r = httpx.post(running.url + "/v1/completions", json=body)
+        assert r.status_code == 429 and assert_error_shape(r.json())["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
+        assert len(threads) == 1, "the refused request was tokenized"  # admission came first
+    finally:
+        running.close()

@@ -98,6 +98,8 @@ class Server:
         added = getattr(model.tokenizer, "added_tokens_decoder", {})  # special tokens outside the named roles too
         self.special_ids = set(model.tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         self.created = int(time.time())
+        self.preparing = 0
+        """Requests admitted and being parsed and tokenized (off the event loop), not yet queued."""
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; those in flight get ``seconds`` to finish."""
@@ -181,14 +183,30 @@ class Server:
             raise bad(f"these decoding settings cannot be honoured: {e}", code="unsupported_setting") from None
         return decoding
 
+    def admit(self) -> None:
+        """Admission, before a request's body is read, parsed or tokenized: refused while the requests running,
+        waiting and being prepared already fill ``max_running + max_waiting``, so that a flood costs no more than
+        that many prompts' tokenizing at once.
+
+        Raises:
+            ApiError: 429 with ``Retry-After`` when full, 503 while draining.
+        """
+        if self.drain_deadline is not None:
+            raise shutting_down()
+        load = self.scheduler.load() + self.preparing
+        if load >= self.config.max_running + self.config.max_waiting:
+            raise ApiError(429, f"{load} requests are already running, waiting or being prepared (the server's "
+                                f"limit): retry later", code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": RETRY_AFTER_S})
+
     def submit(self, ids: torch.Tensor, max_new: int, decoding) -> tuple[Job, asyncio.Queue]:
         """Queue a job whose events arrive on the returned queue (from the scheduler thread).
 
         Raises:
-            ApiError: 429 when the waiting queue is full, 503 while draining.
+            ApiError: 429 (with ``Retry-After``) when the waiting queue is full, 503 while draining.
         """
         if self.drain_deadline is not None:
-            raise ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
+            raise shutting_down()
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event: tuple) -> None:
@@ -201,9 +219,10 @@ class Server:
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_exceeded") from None
-        except RuntimeError as e:
-            raise ApiError(503, str(e), code="server_shutting_down", kind="server_error") from None
+            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        except RuntimeError:
+            raise shutting_down() from None
         return job, events
 
     async def events(self, job: Job, events: asyncio.Queue, started: float):
@@ -230,6 +249,15 @@ class Server:
         return {"prompt_tokens": prompt_len, "completion_tokens": completion,
                 "total_tokens": prompt_len + completion,
                 "medusa_tau": None if math.isnan(tau) else round(tau, 4)}
+
+
+RETRY_AFTER_S = "1"
+"""``Retry-After`` of a 429 or 503: the queue moves by a request every few steps."""
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error",
+                    headers={"Retry-After": RETRY_AFTER_S})
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
@@ -266,13 +294,20 @@ def sse(data) -> bytes:
 
 async def complete(server: Server, request, kind: str):
     """``POST /v1/chat/completions`` (``kind`` :data:`CHAT`) or ``/v1/completions``."""
+    from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse, StreamingResponse
 
     started = time.monotonic()
     server.check_key(request.headers.get("authorization"))
-    body = parse_body(await read_body(server, request), kind, server.config.max_body_bytes)
-    ids, max_new, decoding = server.prepare(body)
-    job, events = server.submit(ids, max_new, decoding)
+    server.admit()
+    server.preparing += 1
+    try:  # parsing, the chat template and tokenizing grow with the input: off the event loop
+        raw = await read_body(server, request)
+        body = await run_in_threadpool(parse_body, raw, kind, server.config.max_body_bytes)
+        ids, max_new, decoding = await run_in_threadpool(server.prepare, body)
+        job, events = server.submit(ids, max_new, decoding)
+    finally:
+        server.preparing -= 1
     rid = ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
     created, model = int(time.time()), server.config.served_model_name
     text = TextStream(server.model.tokenizer, body.stop)
@@ -284,9 +319,9 @@ async def complete(server: Server, request, kind: str):
     try:
         async for event in server.events(job, events, started):
             if event[0] == "tokens":
-                pieces.append(text.add(event[1]))
+                pieces.append(await run_in_threadpool(text.add, event[1]))
             elif event[0] == "done":
-                pieces.append(text.finish())
+                pieces.append(await run_in_threadpool(text.finish))
                 finish = event[1]
             else:
                 raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error")
@@ -343,8 +378,9 @@ async def receive_within(server: Server, request) -> dict:
     deadline = time.monotonic() + server.config.read_timeout_s
     while True:
         if server.drain_deadline is not None:
-            raise ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error",
-                           headers={"Connection": "close", "Retry-After": "1"})
+            error = shutting_down()
+            error.headers["Connection"] = "close"
+            raise error
         left = deadline - time.monotonic()
         if left <= 0:
             raise ApiError(408, f"the client sent no byte of its body for {server.config.read_timeout_s:g} s",
@@ -367,6 +403,8 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
                  created: int, text: TextStream, prompt_len: int):
     """Server-sent events: one chunk per accepted group of tokens that adds text, the finish reason, the usage when
     asked (``stream_options.include_usage``), then ``[DONE]``; an error ends the stream with an error event."""
+    from starlette.concurrency import run_in_threadpool
+
     model, kind = server.config.served_model_name, body.kind
     try:
         if kind == CHAT:
@@ -378,7 +416,8 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
                                      "code": "decoding_ended"}})
                 yield sse("[DONE]")
                 return
-            piece = text.add(event[1]) if event[0] == "tokens" else text.finish()
+            # decoding the text so far grows with it: off the event loop
+            piece = await run_in_threadpool(*((text.add, event[1]) if event[0] == "tokens" else (text.finish,)))
             finish = "stop" if text.stopped else (event[1] if event[0] == "done" else None)
             if piece:
                 yield sse(chunk_body(kind, rid, created, model, piece, None))
