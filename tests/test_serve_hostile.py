@@ -221,3 +221,96 @@ def test_tokenizing_runs_off_the_event_loop_and_admission_comes_before_it():
         assert len(threads) == 1, "the refused request was tokenized"  # admission came first
     finally:
         running.close()
+
+
+# -- safe defaults ---------------------------------------------------------------------------------------------------
+def test_a_foreign_host_header_is_refused_and_configured_names_are_answered(hostile):
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
+        r = httpx.get(hostile.url + "/v1/models", headers=AUTH | {"Host": host})
+        assert r.status_code == 421 and assert_error_shape(r.json())["code"] == "host_not_allowed", host
+    r = httpx.get(hostile.url + "/health", headers={"Host": "evil.example"})
+    assert r.status_code == 421
+    for host in (f"localhost:{hostile.port}", "127.0.0.1", f"LOCALHOST:{hostile.port}"):
+        assert httpx.get(hostile.url + "/v1/models", headers=AUTH | {"Host": host}).status_code == 200, host
+    status, _, body = raw_exchange(hostile, b"GET /health HTTP/1.1\r\nHost: a\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 400 and assert_error_shape(body)["code"] == "invalid_http_request"  # h11 refuses two
+
+
+def test_allowed_hosts_and_cors_origins_are_opt_in():
+    from medusa.serve.app import Guard, ServeConfig, Server
+
+    server = Server(tiny_medusa(), ServeConfig(NAME, allowed_hosts=["api.example"]))
+    guard = Guard(None, server, bound_host="10.1.2.3")
+
+    def scope(host: bytes) -> dict:
+        return {"headers": [(b"host", host)], "raw_path": b"/health"}
+
+    assert guard.check(scope(b"api.example:8000")) is None and guard.check(scope(b"10.1.2.3:80")) is None
+    assert guard.check(scope(b"[::1]:8000")) is None
+    assert guard.check(scope(b"other.example")).status == 421
+    assert Guard(None, Server(tiny_medusa(), ServeConfig(NAME, allowed_hosts=["*"]))).check(scope(b"x")) is None
+    running = Running(tiny_medusa(), cors_origins=["https://app.example"])
+    try:
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        r = httpx.options(running.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.options(running.url + "/v1/chat/completions", headers=preflight | {"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        running.close()
+
+
+def test_no_cors_by_default_and_no_redirect_built_from_host(hostile):
+    r = httpx.get(hostile.url + "/v1/models", headers=AUTH | {"Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(hostile.url + "/v1/models/", headers=AUTH | {"Host": "localhost"})  # trailing slash
+    assert r.status_code == 404 and "location" not in r.headers and assert_error_shape(r.json())
+
+
+@pytest.mark.parametrize("media", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_post_routes_take_only_json(hostile, media):
+    raw = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 1}).encode()
+    r = httpx.post(hostile.url + "/v1/completions", content=raw, headers=AUTH | ({"Content-Type": media}
+                                                                                  if media else {}))
+    assert r.status_code == 415 and assert_error_shape(r.json())["code"] == "unsupported_media_type"
+    ok = httpx.post(hostile.url + "/v1/completions", content=raw,
+                    headers=AUTH | {"Content-Type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_the_bearer_scheme_in_any_case_and_duplicate_authorization_refused(hostile):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(hostile.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, scheme
+    head = (f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Authorization: Bearer wrong\r\n\r\n").encode()
+    status, _, body = raw_exchange(hostile, head)
+    assert status == 401 and "2 Authorization headers" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"  # as OpenAI's 401
+
+
+def test_the_api_key_from_a_file_or_the_environment(tmp_path):
+    import argparse
+
+    from medusa.serve.app import ServeConfig
+    from medusa.serve.run import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    env = {"MEDUSA_API_KEY": "from-env"}
+    assert ServeConfig.from_flags(parser.parse_args([]), NAME, env).api_key == "from-env"
+    assert ServeConfig.from_flags(parser.parse_args([]), NAME, {}).api_key is None
+    assert ServeConfig.from_flags(parser.parse_args(["--api-key-file", str(key_file)]), NAME, env).api_key == \
+        "from-file"
+    assert ServeConfig.from_flags(parser.parse_args(["--api-key", "flag"]), NAME, env).api_key == "flag"
+    with pytest.raises(ValueError, match="pass one"):
+        ServeConfig.from_flags(parser.parse_args(["--api-key", "k", "--api-key-file", str(key_file)]), NAME, {})
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="first line is empty"):
+        ServeConfig.from_flags(parser.parse_args(["--api-key-file", str(key_file)]), NAME, {})
+    args = parser.parse_args(["--allowed-host", "a.example", "--allowed-host", "b.example", "--cors-origin", "x"])
+    config = ServeConfig.from_flags(args, NAME, {})
+    assert config.allowed_hosts == ["a.example", "b.example"] and config.cors_origins == ["x"]

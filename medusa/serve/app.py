@@ -13,9 +13,10 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +35,13 @@ class ServeConfig:
     served_model_name: str
     """The name ``/v1/models`` lists and requests must ask for."""
     api_key: str | None = None
-    """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>``."""
+    """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>`` (``--api-key``, ``--api-key-file`` or the
+    ``MEDUSA_API_KEY`` environment variable)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """``Host`` names accepted beside localhost, 127.0.0.1, ::1 and the bound address (421 for others: a page
+    elsewhere cannot reach the server through DNS rebinding); ``*`` accepts any."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Origins a browser may call the API from (CORS); none by default."""
     max_running: int = 16
     """Requests decoding at once (rows of the batch, greedy and sampling alike)."""
     max_waiting: int = 64
@@ -56,11 +63,18 @@ class ServeConfig:
     lossy), or a rule registered with :func:`medusa.register_acceptance`."""
 
     @classmethod
-    def from_flags(cls, args, served_model_name: str) -> ServeConfig:
+    def from_flags(cls, args, served_model_name: str, environ: dict | None = None) -> ServeConfig:
         """The configuration ``medusa serve``'s parsed flags give (:func:`medusa.serve.run.add_serve_arguments`):
-        each field from the flag of its name."""
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "served_model_name"]
-        return cls(served_model_name, **{name: getattr(args, name) for name in fields})
+        each field from the flag of its name; the API key from ``--api-key``, else ``--api-key-file``, else the
+        ``MEDUSA_API_KEY`` environment variable (a key on the command line shows in ``ps``).
+
+        Raises:
+            ValueError: both ``--api-key`` and ``--api-key-file``; an empty key file.
+            OSError: an unreadable key file.
+        """
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("served_model_name", "api_key")]
+        key = api_key_from(args.api_key, args.api_key_file, os.environ if environ is None else environ)
+        return cls(served_model_name, api_key=key, **{name: getattr(args, name) for name in fields})
 
     def __post_init__(self):
         if self.speculation not in SPECULATION:
@@ -71,6 +85,31 @@ class ServeConfig:
         if self.max_waiting < 0 or not self.request_timeout_s > 0 or not self.read_timeout_s > 0:
             raise ValueError(f"max_waiting must be >= 0, request_timeout_s and read_timeout_s > 0, got "
                              f"{self.max_waiting}, {self.request_timeout_s}, {self.read_timeout_s}")
+
+
+API_KEY_ENV = "MEDUSA_API_KEY"
+"""The environment variable ``medusa serve`` reads its API key from when no flag gives one."""
+
+
+def api_key_from(flag: str | None, path: str | None, environ) -> str | None:
+    """The API key: ``flag``, else the first line of the file at ``path``, else ``environ[API_KEY_ENV]``.
+
+    Raises:
+        ValueError: both a flag and a file, or an empty key.
+    """
+    if flag is not None and path is not None:
+        raise ValueError("--api-key and --api-key-file both give the API key: pass one")
+    key = flag
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file's first line is empty")
+    elif key is None:
+        key = environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty")
+    return key
 
 
 class Server:
@@ -107,15 +146,21 @@ class Server:
             self.drain_deadline = time.monotonic() + seconds
 
     # -- one request --------------------------------------------------------------------------------------------------
-    def check_key(self, authorization: str | None) -> None:
-        """Raises ``ApiError`` 401 when an API key is set and ``authorization`` does not carry it."""
+    def check_key(self, headers) -> None:
+        """Raises ``ApiError`` 401 when an API key is set and the request's ``headers`` (Starlette's) do not carry
+        it in one ``Authorization: Bearer`` header (the scheme in any case, RFC 7235; two such headers are refused,
+        whichever holds the key)."""
         key = self.config.api_key
         if key is None:
             return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme != "Bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        given = headers.getlist("authorization")
+        if len(given) > 1:
+            raise ApiError(401, f"{len(given)} Authorization headers: send one, 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        scheme, _, token = (given[0] if given else "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", kind="authentication_error")
+                           code="invalid_api_key")
 
     def prepare(self, request: Request) -> tuple[torch.Tensor, int, object]:
         """``(prompt ids (T,), max new tokens, Decoding)`` of a validated request.
@@ -298,7 +343,11 @@ async def complete(server: Server, request, kind: str):
     from starlette.responses import JSONResponse, StreamingResponse
 
     started = time.monotonic()
-    server.check_key(request.headers.get("authorization"))
+    server.check_key(request.headers)
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the request body must be JSON, sent as 'Content-Type: application/json' (got "
+                            f"{media or 'none'!r})", code="unsupported_media_type")
     server.admit()
     server.preparing += 1
     try:  # parsing, the chat template and tokenizing grow with the input: off the event loop
@@ -441,8 +490,13 @@ class Guard:
     """ASGI middleware: what is checked of every HTTP request before a route sees it: the size of its request line
     and headers (431 beyond ``max_header_bytes``; h11 itself bounds only a header block that arrives in pieces)."""
 
-    def __init__(self, app, server: Server):
+    def __init__(self, app, server: Server, bound_host: str | None = None):
         self.app, self.server = app, server
+        names = {*LOCAL_HOSTS, *(h.lower() for h in server.config.allowed_hosts)}
+        if bound_host and bound_host not in WILDCARD_HOSTS:
+            names.add(bound_host.lower().strip("[]"))
+        self.hosts = None if "*" in names else names
+        """The ``Host`` names accepted (without the port); ``None``: any."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -457,11 +511,32 @@ class Guard:
         if size > limit:
             return ApiError(431, f"the request line and headers are {size} bytes, over the server's limit of "
                                  f"{limit}", code="headers_too_large", headers={"Connection": "close"})
+        hosts = [v for k, v in scope["headers"] if k == b"host"]
+        if self.hosts is not None:
+            name = host_name(hosts[0]) if len(hosts) == 1 else None
+            if name not in self.hosts:
+                shown = hosts[0].decode("latin-1")[:100] if len(hosts) == 1 else f"{len(hosts)} Host headers"
+                return ApiError(421, f"this server does not answer for the host {shown!r}: it answers for "
+                                     f"{', '.join(sorted(self.hosts))} (medusa serve --allowed-host NAME adds one)",
+                                code="host_not_allowed")
         return None
 
 
-def build_app(server: Server):
-    """The Starlette application serving ``server``; the scheduler thread runs while the app does."""
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def host_name(value: bytes) -> str:
+    """The name of a ``Host`` header's value, lowercase, without its port or an IPv6 address's brackets."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def build_app(server: Server, bound_host: str | None = None):
+    """The Starlette application serving ``server`` bound to ``bound_host`` (a ``Host`` it also answers for); the
+    scheduler thread runs while the app does."""
     import contextlib
 
     from starlette.applications import Starlette
@@ -477,7 +552,7 @@ def build_app(server: Server):
         return await complete(server, request, COMPLETION)
 
     async def models(request: HttpRequest):
-        server.check_key(request.headers.get("authorization"))
+        server.check_key(request.headers)
         entry = {"id": server.config.served_model_name, "object": "model", "created": server.created,
                  "owned_by": "medusa"}
         return JSONResponse({"object": "list", "data": [entry]})
@@ -518,5 +593,11 @@ def build_app(server: Server):
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
     handlers = {ApiError: api_error, ClientGone: client_gone, HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-    app.add_middleware(Guard, server=server)
+    app.router.redirect_slashes = False  # its Location would be built from the client's Host header
+    if server.config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=server.config.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(Guard, server=server, bound_host=bound_host)  # outermost: before CORS answers
     return app

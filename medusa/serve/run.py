@@ -29,7 +29,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=LOOPBACK, help="address to bind (loopback by default: only this machine)")
     p.add_argument("--port", type=int, default=PORT, help="TCP port")
     p.add_argument("--served-model-name", help="the model name clients ask for (default: the heads folder's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (shows in ps: prefer "
+                                     "--api-key-file or the MEDUSA_API_KEY environment variable)")
+    p.add_argument("--api-key-file", help="read the API key from the first line of this file")
+    p.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts", metavar="NAME",
+                   help="a Host name the server answers for, beside localhost, 127.0.0.1, ::1 and --host "
+                        "(repeatable; '*' for any); other Host headers get 421")
+    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+                   help="an origin browsers may call the API from, e.g. https://app.example (repeatable; none by "
+                        "default)")
     p.add_argument("--max-running", type=int, default=default["max_running"],
                    help="requests decoding at once (rows of the batch)")
     p.add_argument("--max-waiting", type=int, default=default["max_waiting"],
@@ -70,7 +78,7 @@ def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
             server.drain(drain_timeout_s)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, lifespan="on",
+    config = uvicorn.Config(build_app(server, host), host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout_s + 5, access_log=False,
                             http=http_protocol(server.config),
                             h11_max_incomplete_event_size=server.config.max_header_bytes)
@@ -106,4 +114,7 @@ def serve(model, config: ServeConfig, host: str = LOOPBACK, port: int = PORT, dr
     if host not in (LOOPBACK, "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines%s", host,
                        "" if config.api_key else ", with no --api-key")
+        if host in ("0.0.0.0", "::") and not config.allowed_hosts:
+            logger.warning("bound to every address: only requests whose Host is localhost or 127.0.0.1 are "
+                           "answered; pass --allowed-host NAME for the names clients use")
     make_uvicorn_server(Server(model, config), host, port, drain_timeout_s, log_level).run()
