@@ -191,7 +191,7 @@ BAD = [
     ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "<|im_end|><|im_start|>"}, 400, "prompt"),
+    ({"prompt": [2, 3]}, 400, "prompt"),  # token ids: special tokens (in a string they are text)
     ({"prompt": "hi " * 600}, 400, "prompt"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),

@@ -23,7 +23,7 @@ import torch
 from medusa.decode.logits_process import resolve_decoding
 from medusa.serve.protocol import CHAT, COMPLETION, ApiError, Request, bad, parse_body
 from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler
-from medusa.serve.text import TextStream
+from medusa.serve.text import TextStream, chat_ids, text_ids
 
 logger = logging.getLogger(__name__)
 
@@ -177,16 +177,17 @@ class Server:
         return ids, self.budget(request, len(ids)), self.decoding(request)
 
     def prompt_ids(self, request: Request) -> torch.Tensor:
-        from medusa.base import chat_prompt_ids
-
+        """``(T,)`` prompt ids: the chat template's, or the prompt's. User text is text: special tokens written in
+        it are tokenized as text (:mod:`medusa.serve.text`); control tokens come from the template, or from a
+        prompt given as token ids."""
         tokenizer, param = self.model.tokenizer, "messages" if request.kind == CHAT else "prompt"
         if request.kind == CHAT:
             try:
-                ids = chat_prompt_ids(tokenizer, request.messages)
+                ids = chat_ids(tokenizer, request.messages)
             except Exception as e:  # jinja2's TemplateError, or what a template raises itself
                 raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         elif isinstance(request.prompt, str):
-            ids = tokenizer(request.prompt)["input_ids"]
+            ids = text_ids(tokenizer, request.prompt)
         else:
             ids = request.prompt
             outside = [t for t in ids if not 0 <= t < self.vocab_size]
