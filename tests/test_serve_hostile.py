@@ -346,3 +346,57 @@ def test_special_tokens_in_user_text_are_text_and_only_the_template_places_contr
     prompt = ids(json.dumps({"model": NAME, "prompt": FORGED}), COMPLETION)
     assert start not in prompt and end not in prompt
     assert ids(json.dumps({"model": NAME, "prompt": [5, start, 6]}), COMPLETION) == [5, start, 6]  # ids: as given
+
+
+# -- connection hygiene ----------------------------------------------------------------------------------------------
+def closed_by_server(s: socket.socket) -> bytes:
+    """What the server sends before it closes ``s`` (the socket's 10 s timeout fails the test first)."""
+    data = b""
+    while more := s.recv(65536):
+        data += more
+    return data
+
+
+def test_stalled_headers_and_bodies_are_cut_off_and_a_body_stall_gets_a_408(hostile):
+    with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as idle:
+        with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as partial:
+            partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never the blank line
+            assert closed_by_server(partial) == b""
+        assert closed_by_server(idle) == b""  # connected, never sent a byte
+    head = request_head(hostile, extra="Content-Length: 1000\r\n")
+    status, headers, body = raw_exchange(hostile, head, [b'{"model": '])  # and then nothing
+    assert status == 408 and assert_error_shape(body)["code"] == "request_timeout"
+    assert headers["connection"] == "close"
+
+
+def test_a_client_gone_mid_upload_is_one_info_line_and_the_drain_ends_half_sent_uploads(caplog):
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="medusa.serve")
+    running = Running(tiny_medusa(), max_connections=3)
+    try:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+            s.sendall(request_head(running, extra="Content-Length: 1000\r\n") + b'{"model": ')
+        for _ in range(500):
+            if any("went away" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.01)
+        gone = [r for r in caplog.records if "went away" in r.getMessage()]
+        assert len(gone) == 1 and gone[0].levelname == "INFO" and gone[0].exc_info is None
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+        held = [socket.create_connection(("127.0.0.1", running.port), timeout=10) for _ in range(3)]
+        try:
+            with socket.create_connection(("127.0.0.1", running.port), timeout=10) as extra:
+                assert closed_by_server(extra) == b""  # one over the limit: closed at once
+        finally:
+            for s in held:
+                s.close()
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+            s.sendall(request_head(running, extra="Content-Length: 1000\r\n") + b'{"model": ')
+            time.sleep(0.1)
+            running.server.drain(5.0)  # as SIGTERM does: a half-sent upload is not waited for
+            answer = closed_by_server(s)
+        assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer
+    finally:
+        running.close()

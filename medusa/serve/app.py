@@ -52,6 +52,10 @@ class ServeConfig:
     """Largest request line and header block (400 beyond, the connection closed)."""
     read_timeout_s: float = 30.0
     """A client that sends no byte of its headers or body for this long is cut off (408 while sending a body)."""
+    max_connections: int = 256
+    """Open connections at once; one more is closed as soon as it is made."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this long."""
     request_timeout_s: float = 600.0
     """A request not finished by then is cancelled (504, or an error event when streaming)."""
     default_max_tokens: int = 512
@@ -79,12 +83,14 @@ class ServeConfig:
     def __post_init__(self):
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
-        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens"):
+        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0 or not self.request_timeout_s > 0 or not self.read_timeout_s > 0:
-            raise ValueError(f"max_waiting must be >= 0, request_timeout_s and read_timeout_s > 0, got "
-                             f"{self.max_waiting}, {self.request_timeout_s}, {self.read_timeout_s}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 API_KEY_ENV = "MEDUSA_API_KEY"

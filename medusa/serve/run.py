@@ -48,6 +48,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request line and headers (400 beyond)")
     p.add_argument("--read-timeout-s", type=float, default=default["read_timeout_s"],
                    help="a client that sends nothing of its headers or body for this long is cut off")
+    p.add_argument("--max-connections", type=int, default=default["max_connections"],
+                   help="open connections at once; more are closed as soon as they are made")
+    p.add_argument("--keep-alive-s", type=float, default=default["keep_alive_s"],
+                   help="an idle keep-alive connection is closed after this long")
     p.add_argument("--request-timeout-s", type=float, default=default["request_timeout_s"],
                    help="a request still running then is ended")
     p.add_argument("--default-max-tokens", type=int, default=default["default_max_tokens"],
@@ -80,20 +84,57 @@ def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
 
     config = uvicorn.Config(build_app(server, host), host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout_s + 5, access_log=False,
-                            http=http_protocol(server.config),
+                            http=http_protocol(server.config), timeout_keep_alive=server.config.keep_alive_s,
                             h11_max_incomplete_event_size=server.config.max_header_bytes)
     return DrainingServer(config)
 
 
 def http_protocol(config: ServeConfig):
-    """uvicorn's h11 protocol, answering a request it cannot parse (malformed, or headers over
-    ``max_header_bytes``) with OpenAI's error body rather than plain text."""
+    """uvicorn's h11 protocol with the server's connection hygiene: at most ``max_connections`` open (one more is
+    closed as soon as it is made); a connection that sends no complete request line and headers within
+    ``read_timeout_s`` of its first byte (or of connecting) is closed; a request it cannot parse (malformed, or
+    headers over ``max_header_bytes``) is answered with OpenAI's error body rather than plain text."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     limit = config.max_header_bytes
 
     class Protocol(H11Protocol):
+        header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > config.max_connections:
+                logger.info("refused a connection from %s: %d open, the limit", self.client and self.client[0],
+                            config.max_connections)
+                self.transport.close()
+                return
+            self._await_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is None or self.cycle.response_complete:  # between requests: headers awaited
+                self._await_headers()
+            elif self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_headers(self) -> None:
+            if self.header_timer is None and not self.transport.is_closing():
+                self.header_timer = self.loop.call_later(config.read_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self.header_timer = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                logger.info("closed a connection from %s: no complete request headers within %g s",
+                            self.client and self.client[0], config.read_timeout_s)
+                self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             body = json.dumps({"error": {"message": f"the request is not valid HTTP/1.1, or its request line and "
                                                     f"headers are over the server's limit of {limit} bytes",
