@@ -400,3 +400,52 @@ def test_a_client_gone_mid_upload_is_one_info_line_and_the_drain_ends_half_sent_
         assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer
     finally:
         running.close()
+
+
+# -- OpenAI's conventions --------------------------------------------------------------------------------------------
+def test_openai_conventions_401_type_retrieve_a_model_and_retry_after_on_503():
+    openai = pytest.importorskip("openai")
+    running = Running(tiny_medusa(), api_key=KEY)
+    try:
+        r = httpx.get(running.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        assert running.client.models.retrieve(NAME).id == NAME
+        with pytest.raises(openai.NotFoundError):
+            running.client.models.retrieve("gpt-4")
+        running.server.drain(30.0)
+        for r in (httpx.post(running.url + "/v1/completions", headers=AUTH, json={"model": NAME, "prompt": "hi"}),
+                  httpx.get(running.url + "/health")):
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    finally:
+        running.close()
+
+
+def test_metrics_report_requests_tokens_tau_queue_steps_and_latencies():
+    running = Running(tiny_medusa(), max_running=2)
+    try:
+        body = {"model": NAME, "prompt": "hello world", "max_tokens": 12, "temperature": 0}
+        answers = [httpx.post(running.url + "/v1/completions", json=body).json() for _ in range(2)]
+        with httpx.stream("POST", running.url + "/v1/completions", json=body | {"stream": True}) as r:
+            assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+        assert httpx.post(running.url + "/v1/completions", json=body | {"n": 2}).status_code == 400
+        r = httpx.get(running.url + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        values = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        assert values['medusa_requests_total{route="/v1/completions",status="200"}'] == 3
+        assert values['medusa_requests_total{route="/v1/completions",status="400"}'] == 1
+        usage = [a["usage"] for a in answers]
+        assert values["medusa_completion_tokens_total"] == 3 * 12
+        assert values["medusa_prompt_tokens_total"] == 3 * usage[0]["prompt_tokens"]
+        assert values["medusa_tau"] == pytest.approx(values["medusa_decode_tokens_total"]
+                                                     / values["medusa_decode_steps_total"])
+        assert values["medusa_tau"] >= 1.0 and values['medusa_queue_depth{state="running"}'] == 0
+        assert sum(v for k, v in values.items() if k.startswith("medusa_batched_steps_total{")) > 0
+        assert values['medusa_request_duration_seconds_count{route="/v1/completions"}'] == 3
+        assert values['medusa_request_duration_seconds_bucket{route="/v1/completions",le="+Inf"}'] == 3
+        assert values["medusa_time_to_first_token_seconds_count"] == 1
+    finally:
+        running.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa.decode.logits_process import resolve_decoding
+from medusa.serve.metrics import Metrics
 from medusa.serve.protocol import CHAT, COMPLETION, ApiError, Request, bad, parse_body
 from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler
 from medusa.serve.text import TextStream, chat_ids, text_ids
@@ -144,6 +145,7 @@ class Server:
         self.special_ids = set(model.tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         self.created = int(time.time())
         self.preparing = 0
+        self.metrics = Metrics()
         """Requests admitted and being parsed and tokenized (off the event loop), not yet queued."""
 
     def drain(self, seconds: float) -> None:
@@ -380,16 +382,23 @@ async def complete(server: Server, request, kind: str):
                 pieces.append(await run_in_threadpool(text.finish))
                 finish = event[1]
             else:
-                raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error")
+                retry = {"Retry-After": RETRY_AFTER_S} if event[2] in (429, 503) else None
+                raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error", headers=retry)
             if text.stopped:
                 finish = "stop"
                 break
     finally:
         watch.cancel()
         job.cancelled = True  # a no-op once done; frees the slot when a stop string matched
-    completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+        completion = completion_tokens(text)
+        server.metrics.finished(ROUTES[kind != CHAT], job.stats, len(ids), completion, time.monotonic() - started)
     usage = server.usage(job, len(ids), completion)
     return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+
+
+def completion_tokens(text: TextStream) -> int:
+    """Tokens of the answer: those decoded until a stop string appeared, else all."""
+    return text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
 
 
 class ClientGone(Exception):
@@ -465,7 +474,7 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
     try:
         if kind == CHAT:
             yield sse(chunk_body(kind, rid, created, model, None, None, first=True))
-        finish = None
+        finish, first_text = None, True
         async for event in server.events(job, events, started):
             if event[0] == "error":
                 yield sse({"error": {"message": event[1], "type": "server_error", "param": None,
@@ -476,6 +485,9 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
             piece = await run_in_threadpool(*((text.add, event[1]) if event[0] == "tokens" else (text.finish,)))
             finish = "stop" if text.stopped else (event[1] if event[0] == "done" else None)
             if piece:
+                if first_text:
+                    server.metrics.first_token.observe(time.monotonic() - started)
+                    first_text = False
                 yield sse(chunk_body(kind, rid, created, model, piece, None))
             if finish:
                 break
@@ -484,13 +496,15 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
         else:
             yield sse(chunk_body(kind, rid, created, model, "", finish))
         if body.include_usage:
-            completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+            completion = completion_tokens(text)
             usage = server.usage(job, prompt_len, completion)
             yield sse({"id": rid, "object": "chat.completion.chunk" if kind == CHAT else COMPLETION,
                        "created": created, "model": model, "choices": [], "usage": usage})
         yield sse("[DONE]")
     finally:
         job.cancelled = True  # the client went away, or a stop string ended the text: the slot is freed
+        server.metrics.finished(ROUTES[kind != CHAT], job.stats, prompt_len, completion_tokens(text),
+                                time.monotonic() - started)
 
 
 class Guard:
@@ -506,11 +520,19 @@ class Guard:
         """The ``Host`` names accepted (without the port); ``None``: any."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            error = self.check(scope)
-            if error is not None:
-                return await error_response(error.body(), error.status, error.headers)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = route_label(scope["path"])
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.server.metrics.answered(route, message["status"])
+            await send(message)
+
+        error = self.check(scope)
+        if error is not None:
+            return await error_response(error.body(), error.status, error.headers)(scope, receive, counted)
+        return await self.app(scope, receive, counted)
 
     def check(self, scope) -> ApiError | None:
         limit = self.server.config.max_header_bytes
@@ -527,6 +549,17 @@ class Guard:
                                      f"{', '.join(sorted(self.hosts))} (medusa serve --allowed-host NAME adds one)",
                                 code="host_not_allowed")
         return None
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+"""The routes' paths: the chat route first, then the completions route (``ROUTES[kind != CHAT]``)."""
+
+
+def route_label(path: str) -> str:
+    """The route a path counts under in ``/metrics`` (a bounded set of labels, whatever paths clients send)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -549,7 +582,7 @@ def build_app(server: Server, bound_host: str | None = None):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request as HttpRequest
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
     async def chat(request: HttpRequest):
@@ -558,16 +591,30 @@ def build_app(server: Server, bound_host: str | None = None):
     async def completions(request: HttpRequest):
         return await complete(server, request, COMPLETION)
 
+    def model_entry() -> dict:
+        return {"id": server.config.served_model_name, "object": "model", "created": server.created,
+                "owned_by": "medusa"}
+
     async def models(request: HttpRequest):
         server.check_key(request.headers)
-        entry = {"id": server.config.served_model_name, "object": "model", "created": server.created,
-                 "owned_by": "medusa"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    async def model(request: HttpRequest):
+        server.check_key(request.headers)
+        name = request.path_params["model_id"]
+        if name != server.config.served_model_name:
+            raise ApiError(404, f"The model '{name}' does not exist: this server serves "
+                                f"'{server.config.served_model_name}'", "model", "model_not_found")
+        return JSONResponse(model_entry())
+
+    async def metrics(request: HttpRequest):
+        return PlainTextResponse(server.metrics.text(server.scheduler, server.preparing),
+                                 media_type="text/plain; version=0.0.4")
 
     async def health(request: HttpRequest):
         state = "draining" if server.drain_deadline is not None else "ok"
         return JSONResponse({"status": state, **server.scheduler.snapshot()}, status_code=200 if state == "ok"
-                            else 503)
+                            else 503, headers=None if state == "ok" else {"Retry-After": RETRY_AFTER_S})
 
     async def api_error(request: HttpRequest, exc: ApiError):
         return error_response(exc.body(), exc.status, exc.headers)
@@ -597,7 +644,9 @@ def build_app(server: Server, bound_host: str | None = None):
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
     handlers = {ApiError: api_error, ClientGone: client_gone, HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.router.redirect_slashes = False  # its Location would be built from the client's Host header
