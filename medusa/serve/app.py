@@ -238,9 +238,9 @@ class Server:
         return decoding
 
     def admit(self) -> None:
-        """Admission, before a request's body is read, parsed or tokenized: refused while the requests running,
-        waiting and being prepared already fill ``max_running + max_waiting``, so that a flood costs no more than
-        that many prompts' tokenizing at once.
+        """Admission, before a request's body is read and again before it is parsed and tokenized: refused while the
+        requests running, waiting and being prepared already fill ``max_running + max_waiting``, so that a flood
+        costs no more than that many prompts' tokenizing at once.
 
         Raises:
             ApiError: 429 with ``Retry-After`` when full, 503 while draining.
@@ -357,10 +357,11 @@ async def complete(server: Server, request, kind: str):
     if media != "application/json":
         raise ApiError(415, f"the request body must be JSON, sent as 'Content-Type: application/json' (got "
                             f"{media or 'none'!r})", code="unsupported_media_type")
+    server.admit()  # a full server refuses before reading the body
+    raw = await read_body(server, request)  # not counted as preparing: a slow upload holds no place in the queue
     server.admit()
     server.preparing += 1
     try:  # parsing, the chat template and tokenizing grow with the input: off the event loop
-        raw = await read_body(server, request)
         body = await run_in_threadpool(parse_body, raw, kind, server.config.max_body_bytes)
         ids, max_new, decoding = await run_in_threadpool(server.prepare, body)
         job, events = server.submit(ids, max_new, decoding)

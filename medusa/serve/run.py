@@ -1,8 +1,10 @@
 """Running the server: uvicorn on the Starlette app, and the drain on SIGTERM.
 
 On the first SIGTERM (or SIGINT) the server stops accepting connections; requests in flight get
-``drain_timeout_s`` to finish, and those still running then end with an error (an error event when streaming), so
-the process exits within about that time. A second signal exits at once (uvicorn's own behaviour).
+``drain_timeout_s`` to finish, and those still running then end with an error (an error event when streaming). A
+half-sent upload is answered 503 at once, a connection still sending its headers is closed, and uvicorn cancels what
+still runs 1 s after the drain, so the process exits within ``drain_timeout_s`` + 1 s (and the scheduler's current
+step). A second signal exits at once (uvicorn's own behaviour).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(build_app(server, host), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout_s + 5, access_log=False,
+                            timeout_graceful_shutdown=drain_timeout_s + 1, access_log=False,
                             http=http_protocol(server.config), timeout_keep_alive=server.config.keep_alive_s,
                             h11_max_incomplete_event_size=server.config.max_header_bytes)
     return DrainingServer(config)
