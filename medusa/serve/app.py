@@ -50,7 +50,8 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (413 beyond), counted as it arrives, chunked or not: no more is read."""
     max_header_bytes: int = 16 << 10
-    """Largest request line and header block (400 beyond, the connection closed)."""
+    """Largest request line and header block (431 beyond; 400 when h11 refuses a block arriving in pieces; the
+    connection closed)."""
     read_timeout_s: float = 30.0
     """A client that sends no byte of its headers or body for this long is cut off (408 while sending a body)."""
     max_connections: int = 256
@@ -145,8 +146,8 @@ class Server:
         self.special_ids = set(model.tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         self.created = int(time.time())
         self.preparing = 0
-        self.metrics = Metrics()
         """Requests admitted and being parsed and tokenized (off the event loop), not yet queued."""
+        self.metrics = Metrics()
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; those in flight get ``seconds`` to finish."""
