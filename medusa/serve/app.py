@@ -538,7 +538,8 @@ class Guard:
 
     def check(self, scope) -> ApiError | None:
         limit = self.server.config.max_header_bytes
-        size = sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path", b""))
+        size = (sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path", b""))
+                + len(scope.get("query_string", b"")))
         if size > limit:
             return ApiError(431, f"the request line and headers are {size} bytes, over the server's limit of "
                                  f"{limit}", code="headers_too_large", headers={"Connection": "close"})
