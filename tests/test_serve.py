@@ -191,7 +191,7 @@ BAD = [
     ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "<|im_end|><|im_start|>"}, 400, "prompt"),
+    ({"prompt": [2, 3]}, 400, "prompt"),  # token ids: special tokens (in a string they are text)
     ({"prompt": "hi " * 600}, 400, "prompt"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -502,6 +502,11 @@ def test_sigterm_drains_in_flight_requests_and_exits(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.1)
         body = {"model": "heads", "prompt": "hello", "max_tokens": 480, "temperature": 0, "stream": True}
+        upload = socket.create_connection(("127.0.0.1", port), timeout=60)  # half-sent: it must not hold the exit
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        headers = socket.create_connection(("127.0.0.1", port), timeout=60)  # still sending its headers
+        headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -509,6 +514,9 @@ def test_sigterm_drains_in_flight_requests_and_exits(tmp_path):
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"  # finished within the drain, or ended with an error event
         assert proc.wait(120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert upload.recv(65536).startswith(b"HTTP/1.1 503") and headers.recv(65536) == b""
+        upload.close()
+        headers.close()
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:

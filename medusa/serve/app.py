@@ -13,16 +13,18 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from medusa.decode.logits_process import resolve_decoding
+from medusa.serve.metrics import Metrics
 from medusa.serve.protocol import CHAT, COMPLETION, ApiError, Request, bad, parse_body
 from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler
-from medusa.serve.text import TextStream
+from medusa.serve.text import TextStream, chat_ids, text_ids
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +36,28 @@ class ServeConfig:
     served_model_name: str
     """The name ``/v1/models`` lists and requests must ask for."""
     api_key: str | None = None
-    """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>``."""
+    """When set, ``/v1`` requests need ``Authorization: Bearer <api_key>`` (``--api-key``, ``--api-key-file`` or the
+    ``MEDUSA_API_KEY`` environment variable)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """``Host`` names accepted beside localhost, 127.0.0.1, ::1 and the bound address (421 for others: a page
+    elsewhere cannot reach the server through DNS rebinding); ``*`` accepts any."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Origins a browser may call the API from (CORS); none by default."""
     max_running: int = 16
     """Requests decoding at once (rows of the batch, greedy and sampling alike)."""
     max_waiting: int = 64
     """Requests queued beyond those running; more get 429."""
     max_body_bytes: int = 1 << 20
-    """Largest request body accepted (413 beyond)."""
+    """Largest request body accepted (413 beyond), counted as it arrives, chunked or not: no more is read."""
+    max_header_bytes: int = 16 << 10
+    """Largest request line and header block (431 beyond; 400 when h11 refuses a block arriving in pieces; the
+    connection closed)."""
+    read_timeout_s: float = 30.0
+    """A client that sends no byte of its headers or body for this long is cut off (408 while sending a body)."""
+    max_connections: int = 256
+    """Open connections at once; one more is closed as soon as it is made."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this long."""
     request_timeout_s: float = 600.0
     """A request not finished by then is cancelled (504, or an error event when streaming)."""
     default_max_tokens: int = 512
@@ -52,21 +69,55 @@ class ServeConfig:
     lossy), or a rule registered with :func:`medusa.register_acceptance`."""
 
     @classmethod
-    def from_flags(cls, args, served_model_name: str) -> ServeConfig:
+    def from_flags(cls, args, served_model_name: str, environ: dict | None = None) -> ServeConfig:
         """The configuration ``medusa serve``'s parsed flags give (:func:`medusa.serve.run.add_serve_arguments`):
-        each field from the flag of its name."""
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "served_model_name"]
-        return cls(served_model_name, **{name: getattr(args, name) for name in fields})
+        each field from the flag of its name; the API key from ``--api-key``, else ``--api-key-file``, else the
+        ``MEDUSA_API_KEY`` environment variable (a key on the command line shows in ``ps``).
+
+        Raises:
+            ValueError: both ``--api-key`` and ``--api-key-file``; an empty key file.
+            OSError: an unreadable key file.
+        """
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("served_model_name", "api_key")]
+        key = api_key_from(args.api_key, args.api_key_file, os.environ if environ is None else environ)
+        return cls(served_model_name, api_key=key, **{name: getattr(args, name) for name in fields})
 
     def __post_init__(self):
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
-        for name in ("max_running", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0 or not self.request_timeout_s > 0:
-            raise ValueError(f"max_waiting must be >= 0 and request_timeout_s > 0, got {self.max_waiting}, "
-                             f"{self.request_timeout_s}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+API_KEY_ENV = "MEDUSA_API_KEY"
+"""The environment variable ``medusa serve`` reads its API key from when no flag gives one."""
+
+
+def api_key_from(flag: str | None, path: str | None, environ) -> str | None:
+    """The API key: ``flag``, else the first line of the file at ``path``, else ``environ[API_KEY_ENV]``.
+
+    Raises:
+        ValueError: both a flag and a file, or an empty key.
+    """
+    if flag is not None and path is not None:
+        raise ValueError("--api-key and --api-key-file both give the API key: pass one")
+    key = flag
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file's first line is empty")
+    elif key is None:
+        key = environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty")
+    return key
 
 
 class Server:
@@ -94,6 +145,9 @@ class Server:
         added = getattr(model.tokenizer, "added_tokens_decoder", {})  # special tokens outside the named roles too
         self.special_ids = set(model.tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         self.created = int(time.time())
+        self.preparing = 0
+        """Requests admitted and being parsed and tokenized (off the event loop), not yet queued."""
+        self.metrics = Metrics()
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; those in flight get ``seconds`` to finish."""
@@ -101,15 +155,21 @@ class Server:
             self.drain_deadline = time.monotonic() + seconds
 
     # -- one request --------------------------------------------------------------------------------------------------
-    def check_key(self, authorization: str | None) -> None:
-        """Raises ``ApiError`` 401 when an API key is set and ``authorization`` does not carry it."""
+    def check_key(self, headers) -> None:
+        """Raises ``ApiError`` 401 when an API key is set and the request's ``headers`` (Starlette's) do not carry
+        it in one ``Authorization: Bearer`` header (the scheme in any case, RFC 7235; two such headers are refused,
+        whichever holds the key)."""
         key = self.config.api_key
         if key is None:
             return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme != "Bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        given = headers.getlist("authorization")
+        if len(given) > 1:
+            raise ApiError(401, f"{len(given)} Authorization headers: send one, 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        scheme, _, token = (given[0] if given else "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", kind="authentication_error")
+                           code="invalid_api_key")
 
     def prepare(self, request: Request) -> tuple[torch.Tensor, int, object]:
         """``(prompt ids (T,), max new tokens, Decoding)`` of a validated request.
@@ -126,16 +186,17 @@ class Server:
         return ids, self.budget(request, len(ids)), self.decoding(request)
 
     def prompt_ids(self, request: Request) -> torch.Tensor:
-        from medusa.base import chat_prompt_ids
-
+        """``(T,)`` prompt ids: the chat template's, or the prompt's. User text is text: special tokens written in
+        it are tokenized as text (:mod:`medusa.serve.text`); control tokens come from the template, or from a
+        prompt given as token ids."""
         tokenizer, param = self.model.tokenizer, "messages" if request.kind == CHAT else "prompt"
         if request.kind == CHAT:
             try:
-                ids = chat_prompt_ids(tokenizer, request.messages)
+                ids = chat_ids(tokenizer, request.messages)
             except Exception as e:  # jinja2's TemplateError, or what a template raises itself
                 raise bad(f"the chat template rejected the messages: {e}", "messages") from None
         elif isinstance(request.prompt, str):
-            ids = tokenizer(request.prompt)["input_ids"]
+            ids = text_ids(tokenizer, request.prompt)
         else:
             ids = request.prompt
             outside = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -177,14 +238,30 @@ class Server:
             raise bad(f"these decoding settings cannot be honoured: {e}", code="unsupported_setting") from None
         return decoding
 
+    def admit(self) -> None:
+        """Admission, before a request's body is read and again before it is parsed and tokenized: refused while the
+        requests running, waiting and being prepared already fill ``max_running + max_waiting``, so that a flood
+        costs no more than that many prompts' tokenizing at once.
+
+        Raises:
+            ApiError: 429 with ``Retry-After`` when full, 503 while draining.
+        """
+        if self.drain_deadline is not None:
+            raise shutting_down()
+        load = self.scheduler.load() + self.preparing
+        if load >= self.config.max_running + self.config.max_waiting:
+            raise ApiError(429, f"{load} requests are already running, waiting or being prepared (the server's "
+                                f"limit): retry later", code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": RETRY_AFTER_S})
+
     def submit(self, ids: torch.Tensor, max_new: int, decoding) -> tuple[Job, asyncio.Queue]:
         """Queue a job whose events arrive on the returned queue (from the scheduler thread).
 
         Raises:
-            ApiError: 429 when the waiting queue is full, 503 while draining.
+            ApiError: 429 (with ``Retry-After``) when the waiting queue is full, 503 while draining.
         """
         if self.drain_deadline is not None:
-            raise ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
+            raise shutting_down()
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event: tuple) -> None:
@@ -197,9 +274,10 @@ class Server:
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_exceeded") from None
-        except RuntimeError as e:
-            raise ApiError(503, str(e), code="server_shutting_down", kind="server_error") from None
+            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        except RuntimeError:
+            raise shutting_down() from None
         return job, events
 
     async def events(self, job: Job, events: asyncio.Queue, started: float):
@@ -228,6 +306,15 @@ class Server:
                 "medusa_tau": None if math.isnan(tau) else round(tau, 4)}
 
 
+RETRY_AFTER_S = "1"
+"""``Retry-After`` of a 429 or 503: the queue moves by a request every few steps."""
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="server_shutting_down", kind="server_error",
+                    headers={"Retry-After": RETRY_AFTER_S})
+
+
 def chunk_body(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
                first: bool = False) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
@@ -249,23 +336,38 @@ def response_body(kind: str, rid: str, created: int, model: str, text: str, fini
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
 
 
+def error_response(body: dict, status: int, headers: dict[str, str] | None = None):
+    """An error answer: OpenAI's body as ASCII JSON (whatever text it quotes, the answer encodes)."""
+    from starlette.responses import Response
+
+    return Response(json.dumps(body, ensure_ascii=True), status, headers, media_type="application/json")
+
+
 def sse(data) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
 async def complete(server: Server, request, kind: str):
     """``POST /v1/chat/completions`` (``kind`` :data:`CHAT`) or ``/v1/completions``."""
+    from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse, StreamingResponse
 
     started = time.monotonic()
-    server.check_key(request.headers.get("authorization"))
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > server.config.max_body_bytes:
-        raise ApiError(413, f"the request body is {declared} bytes, over the server's limit of "
-                            f"{server.config.max_body_bytes}", code="request_too_large")
-    body = parse_body(await request.body(), kind, server.config.max_body_bytes)
-    ids, max_new, decoding = server.prepare(body)
-    job, events = server.submit(ids, max_new, decoding)
+    server.check_key(request.headers)
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the request body must be JSON, sent as 'Content-Type: application/json' (got "
+                            f"{media or 'none'!r})", code="unsupported_media_type")
+    server.admit()  # a full server refuses before reading the body
+    raw = await read_body(server, request)  # not counted as preparing: a slow upload holds no place in the queue
+    server.admit()
+    server.preparing += 1
+    try:  # parsing, the chat template and tokenizing grow with the input: off the event loop
+        body = await run_in_threadpool(parse_body, raw, kind, server.config.max_body_bytes)
+        ids, max_new, decoding = await run_in_threadpool(server.prepare, body)
+        job, events = server.submit(ids, max_new, decoding)
+    finally:
+        server.preparing -= 1
     rid = ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
     created, model = int(time.time()), server.config.served_model_name
     text = TextStream(server.model.tokenizer, body.stop)
@@ -277,21 +379,83 @@ async def complete(server: Server, request, kind: str):
     try:
         async for event in server.events(job, events, started):
             if event[0] == "tokens":
-                pieces.append(text.add(event[1]))
+                pieces.append(await run_in_threadpool(text.add, event[1]))
             elif event[0] == "done":
-                pieces.append(text.finish())
+                pieces.append(await run_in_threadpool(text.finish))
                 finish = event[1]
             else:
-                raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error")
+                retry = {"Retry-After": RETRY_AFTER_S} if event[2] in (429, 503) else None
+                raise ApiError(event[2], event[1], code="decoding_ended", kind="server_error", headers=retry)
             if text.stopped:
                 finish = "stop"
                 break
     finally:
         watch.cancel()
         job.cancelled = True  # a no-op once done; frees the slot when a stop string matched
-    completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+        completion = completion_tokens(text)
+        server.metrics.finished(ROUTES[kind != CHAT], job.stats, len(ids), completion, time.monotonic() - started)
     usage = server.usage(job, len(ids), completion)
     return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+
+
+def completion_tokens(text: TextStream) -> int:
+    """Tokens of the answer: those decoded until a stop string appeared, else all."""
+    return text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read: nothing to answer."""
+
+
+def too_large(limit: int, declared: str | None = None) -> ApiError:
+    said = f"is {declared} bytes" if declared else "goes on past it"
+    return ApiError(413, f"the request body {said}: over the server's limit of {limit} bytes",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+async def read_body(server: Server, request) -> bytes:
+    """The request's body, read as it arrives and refused as soon as it passes ``max_body_bytes`` (a declared
+    Content-Length is checked first): memory holds at most the limit plus one chunk, whatever the client sends.
+
+    Raises:
+        ApiError: 413 over the limit; 408 when the client sends nothing for ``read_timeout_s``; 503 once the drain
+            has begun (a half-sent upload does not hold up the exit). Each closes the connection.
+        ClientGone: the client disconnected mid-body.
+    """
+    limit = server.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit, declared)
+    chunks, size = [], 0
+    while True:
+        message = await receive_within(server, request)
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def receive_within(server: Server, request) -> dict:
+    """The next ASGI message of ``request`` within the read timeout, or the ``ApiError`` of :func:`read_body`."""
+    deadline = time.monotonic() + server.config.read_timeout_s
+    while True:
+        if server.drain_deadline is not None:
+            error = shutting_down()
+            error.headers["Connection"] = "close"
+            raise error
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(408, f"the client sent no byte of its body for {server.config.read_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"})
+        try:  # in slices, so that the drain is seen; uvicorn keeps what arrives meanwhile
+            return await asyncio.wait_for(request.receive(), min(left, 0.25))
+        except TimeoutError:
+            continue
 
 
 async def cancel_on_disconnect(request, job: Job) -> None:
@@ -306,20 +470,26 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
                  created: int, text: TextStream, prompt_len: int):
     """Server-sent events: one chunk per accepted group of tokens that adds text, the finish reason, the usage when
     asked (``stream_options.include_usage``), then ``[DONE]``; an error ends the stream with an error event."""
+    from starlette.concurrency import run_in_threadpool
+
     model, kind = server.config.served_model_name, body.kind
     try:
         if kind == CHAT:
             yield sse(chunk_body(kind, rid, created, model, None, None, first=True))
-        finish = None
+        finish, first_text = None, True
         async for event in server.events(job, events, started):
             if event[0] == "error":
                 yield sse({"error": {"message": event[1], "type": "server_error", "param": None,
                                      "code": "decoding_ended"}})
                 yield sse("[DONE]")
                 return
-            piece = text.add(event[1]) if event[0] == "tokens" else text.finish()
+            # decoding the text so far grows with it: off the event loop
+            piece = await run_in_threadpool(*((text.add, event[1]) if event[0] == "tokens" else (text.finish,)))
             finish = "stop" if text.stopped else (event[1] if event[0] == "done" else None)
             if piece:
+                if first_text:
+                    server.metrics.first_token.observe(time.monotonic() - started)
+                    first_text = False
                 yield sse(chunk_body(kind, rid, created, model, piece, None))
             if finish:
                 break
@@ -328,23 +498,94 @@ async def stream(server: Server, job: Job, events: asyncio.Queue, started: float
         else:
             yield sse(chunk_body(kind, rid, created, model, "", finish))
         if body.include_usage:
-            completion = text.tokens_at_stop if text.tokens_at_stop is not None else len(text.ids)
+            completion = completion_tokens(text)
             usage = server.usage(job, prompt_len, completion)
             yield sse({"id": rid, "object": "chat.completion.chunk" if kind == CHAT else COMPLETION,
                        "created": created, "model": model, "choices": [], "usage": usage})
         yield sse("[DONE]")
     finally:
         job.cancelled = True  # the client went away, or a stop string ended the text: the slot is freed
+        server.metrics.finished(ROUTES[kind != CHAT], job.stats, prompt_len, completion_tokens(text),
+                                time.monotonic() - started)
 
 
-def build_app(server: Server):
-    """The Starlette application serving ``server``; the scheduler thread runs while the app does."""
+class Guard:
+    """ASGI middleware: what is checked of every HTTP request before a route sees it: the size of its request line
+    and headers (431 beyond ``max_header_bytes``; h11 itself bounds only a header block that arrives in pieces)."""
+
+    def __init__(self, app, server: Server, bound_host: str | None = None):
+        self.app, self.server = app, server
+        names = {*LOCAL_HOSTS, *(h.lower() for h in server.config.allowed_hosts)}
+        if bound_host and bound_host not in WILDCARD_HOSTS:
+            names.add(bound_host.lower().strip("[]"))
+        self.hosts = None if "*" in names else names
+        """The ``Host`` names accepted (without the port); ``None``: any."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = route_label(scope["path"])
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.server.metrics.answered(route, message["status"])
+            await send(message)
+
+        error = self.check(scope)
+        if error is not None:
+            return await error_response(error.body(), error.status, error.headers)(scope, receive, counted)
+        return await self.app(scope, receive, counted)
+
+    def check(self, scope) -> ApiError | None:
+        limit = self.server.config.max_header_bytes
+        size = (sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path", b""))
+                + len(scope.get("query_string", b"")))
+        if size > limit:
+            return ApiError(431, f"the request line and headers are {size} bytes, over the server's limit of "
+                                 f"{limit}", code="headers_too_large", headers={"Connection": "close"})
+        hosts = [v for k, v in scope["headers"] if k == b"host"]
+        if self.hosts is not None:
+            name = host_name(hosts[0]) if len(hosts) == 1 else None
+            if name not in self.hosts:
+                shown = hosts[0].decode("latin-1")[:100] if len(hosts) == 1 else f"{len(hosts)} Host headers"
+                return ApiError(421, f"this server does not answer for the host {shown!r}: it answers for "
+                                     f"{', '.join(sorted(self.hosts))} (medusa serve --allowed-host NAME adds one)",
+                                code="host_not_allowed")
+        return None
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+"""The routes' paths: the chat route first, then the completions route (``ROUTES[kind != CHAT]``)."""
+
+
+def route_label(path: str) -> str:
+    """The route a path counts under in ``/metrics`` (a bounded set of labels, whatever paths clients send)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def host_name(value: bytes) -> str:
+    """The name of a ``Host`` header's value, lowercase, without its port or an IPv6 address's brackets."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def build_app(server: Server, bound_host: str | None = None):
+    """The Starlette application serving ``server`` bound to ``bound_host`` (a ``Host`` it also answers for); the
+    scheduler thread runs while the app does."""
     import contextlib
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request as HttpRequest
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
     async def chat(request: HttpRequest):
@@ -353,30 +594,48 @@ def build_app(server: Server):
     async def completions(request: HttpRequest):
         return await complete(server, request, COMPLETION)
 
+    def model_entry() -> dict:
+        return {"id": server.config.served_model_name, "object": "model", "created": server.created,
+                "owned_by": "medusa"}
+
     async def models(request: HttpRequest):
-        server.check_key(request.headers.get("authorization"))
-        entry = {"id": server.config.served_model_name, "object": "model", "created": server.created,
-                 "owned_by": "medusa"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        server.check_key(request.headers)
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    async def model(request: HttpRequest):
+        server.check_key(request.headers)
+        name = request.path_params["model_id"]
+        if name != server.config.served_model_name:
+            raise ApiError(404, f"The model '{name}' does not exist: this server serves "
+                                f"'{server.config.served_model_name}'", "model", "model_not_found")
+        return JSONResponse(model_entry())
+
+    async def metrics(request: HttpRequest):
+        return PlainTextResponse(server.metrics.text(server.scheduler, server.preparing),
+                                 media_type="text/plain; version=0.0.4")
 
     async def health(request: HttpRequest):
         state = "draining" if server.drain_deadline is not None else "ok"
         return JSONResponse({"status": state, **server.scheduler.snapshot()}, status_code=200 if state == "ok"
-                            else 503)
+                            else 503, headers=None if state == "ok" else {"Retry-After": RETRY_AFTER_S})
 
     async def api_error(request: HttpRequest, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc.body(), exc.status, exc.headers)
+
+    async def client_gone(request: HttpRequest, exc: ClientGone):
+        logger.info("client %s went away before its request was read", request.client and request.client.host)
+        return Response(status_code=400)  # sent to nobody
 
     async def http_error(request: HttpRequest, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
-        return JSONResponse(body, status_code=exc.status_code)
+        return error_response(body, exc.status_code, exc.headers)
 
     async def internal_error(request: HttpRequest, exc: Exception):
         logger.exception("request failed")
         body = {"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
                           "param": None, "code": None}}
-        return JSONResponse(body, status_code=500)
+        return error_response(body, 500)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -388,6 +647,16 @@ def build_app(server: Server):
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
-    handlers = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+    handlers = {ApiError: api_error, ClientGone: client_gone, HTTPException: http_error, Exception: internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.router.redirect_slashes = False  # its Location would be built from the client's Host header
+    if server.config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=server.config.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(Guard, server=server, bound_host=bound_host)  # outermost: before CORS answers
+    return app

@@ -21,15 +21,19 @@ MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
 """Stop sequences per request, as OpenAI allows."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects a body may hold (a valid request nests 5 levels)."""
 
 
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` and OpenAI's error body (:meth:`body`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})
+        """HTTP headers the answer carries (``Retry-After``, ``Connection: close``)."""
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -66,8 +70,9 @@ def parse_body(raw: bytes, kind: str, max_bytes: int) -> Request:
     """Parse and validate one request body.
 
     Raises:
-        ApiError: 413 for a body over ``max_bytes``; 400 naming the problem for invalid UTF-8, malformed JSON, a
-            body that is not an object, an unknown field, or a bad value (see :func:`check_fields`).
+        ApiError: 413 for a body over ``max_bytes``; 400 naming the problem for invalid UTF-8, malformed JSON, JSON
+            nested deeper than :data:`MAX_JSON_DEPTH`, a lone surrogate in any string or field name, a body that is
+            not an object, an unknown field, or a bad value (see :func:`check_fields`).
     """
     if len(raw) > max_bytes:
         raise ApiError(413, f"the request body is {len(raw)} bytes, over the server's limit of {max_bytes}",
@@ -80,9 +85,49 @@ def parse_body(raw: bytes, kind: str, max_bytes: int) -> Request:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:  # the parser's own stack ran out, far beyond MAX_JSON_DEPTH
+        raise bad(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_text(body)
     return check_fields(body, kind)
+
+
+def check_text(body: dict) -> None:
+    """Check every string and field name of a parsed body, without recursion: nesting within
+    :data:`MAX_JSON_DEPTH` and no lone surrogates (JSON's ``\\ud800``-style escapes can spell them; they are not
+    Unicode text, and neither a tokenizer nor a UTF-8 answer can hold them).
+
+    Raises:
+        ApiError: 400 naming where (``messages[0].content``), the offending name or string escaped.
+    """
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels (at "
+                      f"{where or 'the top'})", where or None)
+        if isinstance(value, dict):
+            for name, item in value.items():
+                path = f"{where}.{name}" if where else name
+                if not _is_unicode(name):
+                    raise bad(f"the field name {name!r} in {where or 'the body'} holds a lone surrogate: not Unicode "
+                              f"text", where or None)
+                if isinstance(item, str | dict | list):
+                    stack.append((item, depth + 1, path))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)
+                         if isinstance(item, str | dict | list))
+        else:
+            _unicode(value, where)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_fields(body: dict, kind: str) -> Request:
@@ -114,17 +159,21 @@ def check_fields(body: dict, kind: str) -> Request:
 
 def _check_unsupported(body: dict) -> None:
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad(f"n={n!r} is not supported: this server returns one choice per request (n=1)", "n")
+    if n is not None and (type(n) is not int or n != 1):  # true == 1 and 1.0 == 1 in Python: neither is JSON's 1
+        raise bad(f"n={json.dumps(n)} is not supported: n must be the integer 1 (this server returns one choice per "
+                  f"request)", "n")
     for name in ("logprobs", "top_logprobs", "echo"):
         if body.get(name) is not None and body.get(name) is not False:
             raise bad(f"'{name}' is not supported by this server", name)
-    if body.get("best_of") not in (None, 1):
-        raise bad("'best_of' is not supported by this server (only 1)", "best_of")
+    if body.get("best_of") is not None and (type(body["best_of"]) is not int or body["best_of"] != 1):
+        raise bad("'best_of' is not supported by this server (only the integer 1)", "best_of")
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' is not supported by this server", "suffix")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad(f"'user' must be a string, got {type(body['user']).__name__}", "user")
     for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value not in (0, 0.0)):
             raise bad(f"'{name}' is not supported by this server (only 0)", name)
 
 
@@ -233,6 +282,8 @@ def _content(value, where: str) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
     if isinstance(value, str):
         return _unicode(value, where)
+    if isinstance(value, list) and not value:
+        raise bad(f"{where} is an empty list of parts: a message needs text (a string, or text parts)", where)
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
         return _unicode("".join(p["text"] for p in value), where)

@@ -177,6 +177,11 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def load(self) -> int:
+        """Requests running and waiting (from any thread)."""
+        with self._lock:
+            return len(self.jobs) + len(self.waiting)
+
     def snapshot(self) -> dict:
         """Counters for ``/health``: requests running and waiting, verify forwards and the rows they held."""
         with self._lock:

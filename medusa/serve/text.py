@@ -77,3 +77,64 @@ class TextStream:
                     longest = k
                     break
         return longest
+
+
+# -- user text in ---------------------------------------------------------------------------------------------------
+def special_strings(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (named roles and added special tokens)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return sorted({*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)} - {""})
+
+
+def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text`` as text: a special token's string inside it (``<|im_start|>``) is split into ordinary
+    tokens, never read as the control token. ``add_special_tokens``: the tokenizer's own BOS/EOS, as it adds them."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"])
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat's generation prompt (:func:`medusa.base.chat_prompt_ids`), where only the chat template
+    places control tokens: special tokens' strings in the messages' content are tokenized as text, so that a user
+    cannot forge a system or assistant turn. Without such strings the ids are exactly ``chat_prompt_ids``'.
+
+    Raises:
+        ValueError: the content holds special tokens' strings and the template does not insert the content
+            verbatim (it edits or repeats it), so it cannot be kept apart from the template's text.
+    """
+    from medusa.base import chat_prompt_ids, render_plain_chat
+
+    specials = special_strings(tokenizer)
+    if not any(s in m["content"] for m in messages for s in specials):
+        return chat_prompt_ids(tokenizer, messages)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def render(contents: list[str]) -> str:
+        chat = [m | {"content": c} for m, c in zip(messages, contents, strict=True)]
+        if templated:
+            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return render_plain_chat(chat, add_generation_prompt=True)[0]
+
+    import secrets
+
+    marks = [f"MEDUSA{secrets.token_hex(8)}MARK{i}" for i in range(len(messages))]
+    marked, parts = render(marks), []
+    for mark in marks:
+        before, found, marked = marked.partition(mark)
+        if not found or mark in marked:
+            raise ValueError("the messages hold special tokens' text and the chat template does not insert each "
+                             "message's content once, verbatim: it cannot be kept as text")
+        parts.append(before)
+    parts.append(marked)
+    real = render([m["content"] for m in messages])
+    for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
+        if "".join(p + c for p, c in zip(parts, [*contents, ""], strict=True)) == real:
+            break
+    else:
+        raise ValueError("the messages hold special tokens' text and the chat template edits the content: it "
+                         "cannot be kept as text")
+    prefix = [] if templated else text_ids(tokenizer, "")  # the tokenizer's own BOS, as chat_prompt_ids gets it
+    ids = list(prefix)
+    for part, content in zip(parts, [*contents, ""], strict=True):
+        ids += tokenizer(part, add_special_tokens=False)["input_ids"]  # the template's text: its control tokens
+        ids += text_ids(tokenizer, content, add_special_tokens=False)
+    return ids
