@@ -16,18 +16,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def dump_worker_stacks(launcher_pid: int) -> None:
+    """SIGABRT to every process under ``launcher_pid`` but the launcher: each Python worker started with
+    ``PYTHONFAULTHANDLER=1`` writes its threads' stacks to its stderr before it dies."""
+    import psutil  # accelerate's own dependency
+
+    try:
+        workers = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for worker in workers:
+        try:
+            worker.send_signal(signal.SIGABRT)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(workers, timeout=10)
+
+
 def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 480) -> subprocess.CompletedProcess:
     """Run a launcher command (``accelerate launch``, ``torch.distributed.run``) to the end; asserts it succeeded
     (an ``AssertionError`` with the tail of its stderr when it failed or ran past ``timeout`` seconds).
 
-    On a timeout the launcher gets SIGTERM first, which it passes on to its workers (they run in sessions of their
-    own, out of reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
+    On a timeout every worker still running first gets SIGABRT, on which Python's faulthandler (switched on here
+    through ``PYTHONFAULTHANDLER``) writes each of its threads' stacks to stderr: the message says where it hung.
+    Then the launcher gets SIGTERM, which it passes on to its workers (they run in sessions of their own, out of
+    reach of a kill of the launcher's group), then its group gets SIGKILL: nothing is left running.
     """
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        dump_worker_stacks(proc.pid)
         proc.terminate()
         try:
             stdout, stderr = proc.communicate(timeout=60)
@@ -35,6 +55,6 @@ def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float 
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate(timeout=60)
         raise AssertionError(f"{' '.join(map(str, cmd[:4]))} ... ran past {timeout:.0f} s (a loaded machine?); "
-                             f"its stderr ends:\n{(stderr or '')[-4000:]}") from None
+                             f"its stderr ends:\n{(stderr or '')[-12000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -101,6 +101,44 @@ def distill(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = jsonl_ids(out_path)
+    todo, too_long, too_short = prompts_to_distill(tokenizer, conversations, done, max_prompt_tokens, turns, seed,
+                                                   prefix_lengths)
+    logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped, %d documents no longer "
+                "than the shortest prefix skipped)", len(todo), len(done), too_long, max_prompt_tokens, too_short)
+    todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
+    start, written, generated = time.monotonic(), 0, 0
+    with open_for_append(out_path) as out:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b : b + batch_size]
+            batch_start = time.monotonic()
+            responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
+            for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
+                out.write(json.dumps(distilled_record(tokenizer, conv_id, prompt, ids, response), ensure_ascii=False)
+                          + "\n")
+            out.flush()
+            written += len(batch)
+            generated += sum(len(r) for r in responses)
+            now = time.monotonic()
+            elapsed, batch_s = now - start, max(now - batch_start, 1e-9)
+            logger.info("distilled %d/%d prompts in %.0f s: batch %.2f answers/s %.1f tokens/s; overall %.2f "
+                        "answers/s %.1f tokens/s", written, len(todo), elapsed, len(batch) / batch_s,
+                        sum(len(r) for r in responses) / batch_s, written / elapsed, generated / elapsed)
+            if time_limit_s is not None and elapsed > time_limit_s:
+                break
+    return written
+
+
+def prompts_to_distill(tokenizer, conversations: list[Conversation], done: set[str], max_prompt_tokens: int,
+                       turns: str, seed: int, prefix_lengths: tuple[int, ...]):
+    """The prompts :func:`distill` (and ``distill --server``) answer, in file order.
+
+    Returns:
+        ``(todo, too_long, too_short)``: ``todo`` holds ``(id, prompt messages or None for a document prefix,
+        prompt token ids)`` of every conversation not in ``done``; the counts of those skipped because no prompt fit
+        ``max_prompt_tokens``, and of documents no longer than the shortest prefix.
+    """
     todo, too_long, too_short = [], 0, 0
     for conv in conversations:
         if conv.id in done:
@@ -121,37 +159,29 @@ def distill(
                 break
         else:
             too_long += 1
-    logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped, %d documents no longer "
-                "than the shortest prefix skipped)", len(todo), len(done), too_long, max_prompt_tokens, too_short)
-    todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
-    start, written, generated = time.monotonic(), 0, 0
-    with open(out_path, "a", encoding="utf-8") as out:
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b : b + batch_size]
-            batch_start = time.monotonic()
-            responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
-            for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
-                if prompt is None:  # a document prefix and its continuation
-                    record = {"id": conv_id, "text": tokenizer.decode(ids + response, skip_special_tokens=True),
-                              "prompt_ids": ids, "response_ids": response}
-                else:
-                    text = tokenizer.decode(response, skip_special_tokens=True)
-                    record = {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}],
-                              "prompt_ids": ids, "response_ids": response}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-            written += len(batch)
-            generated += sum(len(r) for r in responses)
-            now = time.monotonic()
-            elapsed, batch_s = now - start, max(now - batch_start, 1e-9)
-            logger.info("distilled %d/%d prompts in %.0f s: batch %.2f answers/s %.1f tokens/s; overall %.2f "
-                        "answers/s %.1f tokens/s", written, len(todo), elapsed, len(batch) / batch_s,
-                        sum(len(r) for r in responses) / batch_s, written / elapsed, generated / elapsed)
-            if time_limit_s is not None and elapsed > time_limit_s:
-                break
-    return written
+    return todo, too_long, too_short
+
+
+def distilled_record(tokenizer, conv_id: str, prompt: list[dict] | None, ids: list[int], response: list[int]) -> dict:
+    """One JSON line of distilled data: a chat's messages with the answer's text, or a document prefix's text with
+    its continuation, and the exact ``prompt_ids`` / ``response_ids``."""
+    if prompt is None:
+        return {"id": conv_id, "text": tokenizer.decode(ids + response, skip_special_tokens=True),
+                "prompt_ids": ids, "response_ids": response}
+    text = tokenizer.decode(response, skip_special_tokens=True)
+    return {"id": conv_id, "messages": prompt + [{"role": "assistant", "content": text}], "prompt_ids": ids,
+            "response_ids": response}
+
+
+def open_for_append(path: Path):
+    """``path`` opened to append JSON lines, after cutting off a last line an interrupted write left unfinished
+    (so that the next record starts on a line of its own)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a", encoding="utf-8")
 
 
 def document_prefix(tokenizer, conv: Conversation, prefix_lengths, seed: int) -> list[int] | None:

@@ -62,6 +62,7 @@ from train.config import TrainConfig
 from train.conversations import prepare_conversations, tokenize_held_out
 from train.data import collate, default_tokenize_cache_dir, target_token_counts, to_device, tokenize_conversations
 from train.loop import step_loop
+from train.run import end_run
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,8 @@ def train_draft_model(config: TrainConfig, model=None, tokenizer=None) -> Path:
         (out / EVAL_NAME).write_text(json.dumps(metrics, indent=2) + "\n")
         logger.info("draft model written to %s; held-out %s%s", out / DRAFT_DIR, format_draft_metrics(after),
                     f" (before training: {format_draft_metrics(before)})" if before else "")
-    run.accelerator.wait_for_everyone()
-    run.accelerator.end_training()
+    del state  # so that nothing of the run outlives end_run
+    end_run(run)
     return out / DRAFT_DIR
 
 

@@ -138,6 +138,26 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    g = p.add_argument_group("through a server (any OpenAI-compatible one: vLLM, SGLang, TGI, llama.cpp, serve)")
+    g.add_argument("--server", metavar="URL", default=None,
+                   help="ask this server instead of running --base here, e.g. http://127.0.0.1:8000/v1 (--base "
+                        "still gives the tokenizer, and the token check's model)")
+    g.add_argument("--server-model", default=None, help="the served name (default: the first /v1/models lists)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="completions: the prompt's token ids, exactly the record's (default); chat: the messages, "
+                        "through the server's own chat template")
+    g.add_argument("--api-key-file", default=None,
+                   help="a file whose first line is the API key (default: $MEDUSA_API_KEY, then $OPENAI_API_KEY)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    g.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request (default 300 s)")
+    g.add_argument("--retries", type=int, default=4,
+                   help="tries again after 429, 5xx, timeouts and network errors, with backoff (default 4)")
+    g.add_argument("--check-prompts", type=int, default=8,
+                   help="answer this many prompts with --base here too, and compare tokens before writing (0: no "
+                        "check, and --base's weights are not loaded)")
+    g.add_argument("--min-agreement", type=float, default=0.5,
+                   help="the token check fails below this mean share of tokens agreeing before the first "
+                        "difference (default 0.5)")
 
 
 def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,6 +187,8 @@ def run_distill(args: argparse.Namespace) -> int:
     names = DISTILL_SPLITS if args.split == "all" else [args.split]
     chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.server:
+        return run_distill_through_server(args, chosen, device)
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
     distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
                    max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
@@ -178,6 +200,60 @@ def run_distill(args: argparse.Namespace) -> int:
         done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
         print(f"{path}: {done} answers ({len(split)} conversations in the split)")
     return 0
+
+
+def run_distill_through_server(args: argparse.Namespace, chosen: list, device: str) -> int:
+    """``medusa distill --server``: the chosen splits answered by the server (:mod:`train.distill_server`)."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from medusa.base import stop_token_ids
+    from medusa.build import DTYPES
+    from train.distill import DEFAULT_PREFIX_LENGTHS
+    from train.distill_server import ServerClient, ServerSettings, distill_through_server, read_api_key
+
+    logging.getLogger("train.distill_server").setLevel(logging.INFO)
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    try:
+        generation = GenerationConfig.from_pretrained(args.base)
+    except OSError:  # no generation_config.json: the tokenizer's EOS is where the base stops
+        generation = None
+    stop = stop_token_ids(generation, tokenizer if generation is None else None)
+    settings = ServerSettings(args.server, args.server_model, args.endpoint, read_api_key(args.api_key_file),
+                              args.concurrency, args.request_timeout_s, args.retries)
+    check_model = None
+    if args.check_prompts > 0:
+        check_model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype]))
+        check_model = check_model.to(device).eval()
+    client = ServerClient(settings, stop, tokenizer)
+    start, totals = time.monotonic(), {"written": 0, "malformed": 0, "answer_tokens": 0}
+    try:
+        for split, path in chosen:
+            left = None if args.time_limit_s is None else args.time_limit_s - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                print(f"time limit reached: {path.name} waits for the next run")
+                continue
+            with torch.inference_mode():
+                result = distill_through_server(
+                    client, tokenizer, split, path, train_default("distill_max_new_tokens", args.max_new_tokens),
+                    train_default("distill_max_prompt_tokens", args.max_prompt_tokens), left,
+                    train_default("distill_turns", args.turns), train_default("seed", args.seed),
+                    tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS), check_model, args.check_prompts,
+                    args.min_agreement)
+            check_model = None  # checked once, on the first split's first answers
+            for key in totals:
+                totals[key] += result[key]
+            done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
+            print(f"{path}: {done} answers ({len(split)} conversations in the split)")
+    finally:
+        client.close()
+    seconds = time.monotonic() - start
+    print(f"{settings.url}: {totals['written']} answers, {totals['answer_tokens']} answer tokens in {seconds:.0f} s "
+          f"({totals['answer_tokens'] / max(seconds, 1e-9):.1f} answer tokens/s); {totals['malformed']} malformed "
+          f"answers not written (a rerun asks again)")
+    return 1 if totals["malformed"] else 0
 
 
 def run_held_out_prompts(args: argparse.Namespace) -> int:

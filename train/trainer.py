@@ -58,6 +58,7 @@ from train.history import write_curves
 from train.loop import batch_hidden_states, crop_window, fit, micro_batches, train_step, window_starts  # noqa: F401
 from train.medusa2 import ADAPTER_DIR, save_adapter
 from train.objective import head_loss, mixed_step_loss, step_loss, teacher_logits  # noqa: F401
+from train.run import end_run
 from train.setup import (  # noqa: F401
     Run,
     describe_processes,
@@ -151,8 +152,8 @@ def train_heads(config: TrainConfig, model=None, tokenizer=None) -> Path:
         (out / EVAL_NAME).write_text(json.dumps({"steps": run.step, **metrics}, indent=2) + "\n")
         write_curves(out)
         logger.info("heads written to %s; held-out %s", out / HEADS_DIR, format_metrics(metrics))
-    run.accelerator.wait_for_everyone()
-    run.accelerator.end_training()
+    del state  # so that nothing of the run outlives end_run
+    end_run(run)
     return out / HEADS_DIR
 
 

@@ -327,12 +327,16 @@ def chunk_body(kind: str, rid: str, created: int, model: str, text: str | None, 
     return {"id": rid, "object": COMPLETION, "created": created, "model": model, "choices": [choice]}
 
 
-def response_body(kind: str, rid: str, created: int, model: str, text: str, finish: str, usage: dict) -> dict:
+def response_body(kind: str, rid: str, created: int, model: str, text: str, finish: str, usage: dict,
+                  token_ids: list[int] | None = None) -> dict:
+    """The whole answer; ``token_ids`` (the completion's, asked with ``return_token_ids``) go in its choice."""
     if kind == CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
 
 
@@ -395,7 +399,8 @@ async def complete(server: Server, request, kind: str):
         completion = completion_tokens(text)
         server.metrics.finished(ROUTES[kind != CHAT], job.stats, len(ids), completion, time.monotonic() - started)
     usage = server.usage(job, len(ids), completion)
-    return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage))
+    token_ids = text.ids[:completion] if body.return_token_ids else None
+    return JSONResponse(response_body(kind, rid, created, model, "".join(pieces), finish, usage, token_ids))
 
 
 def completion_tokens(text: TextStream) -> int:

@@ -14,7 +14,7 @@ CHAT = "chat.completion"
 COMPLETION = "text_completion"
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-                 "logprobs", "user", "frequency_penalty", "presence_penalty"}
+                 "logprobs", "user", "frequency_penalty", "presence_penalty", "return_token_ids"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 MESSAGE_FIELDS = {"role", "content", "name"}
@@ -64,6 +64,9 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
+    """vLLM's extension: the answer's choice also carries ``token_ids``, the completion's token ids (what
+    ``medusa distill --server`` records). Not with ``stream``."""
 
 
 def parse_body(raw: bytes, kind: str, max_bytes: int) -> Request:
@@ -149,7 +152,9 @@ def check_fields(body: dict, kind: str) -> Request:
         raise bad("'model' is required: a string naming the served model (GET /v1/models lists it)", "model")
     request = Request(kind, model, max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0.0, 2.0),
                       top_p=_top_p(body), seed=_seed(body), stop=_stop(body), stream=_bool(body, "stream"),
-                      include_usage=_include_usage(body))
+                      include_usage=_include_usage(body), return_token_ids=_bool(body, "return_token_ids"))
+    if request.return_token_ids and request.stream:
+        raise bad("'return_token_ids' is answered only without 'stream'", "return_token_ids")
     if kind == CHAT:
         request.messages = _messages(body.get("messages"))
     else:

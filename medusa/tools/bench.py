@@ -269,6 +269,9 @@ class BenchResult:
     plain_decode_s: float = 0.0
     plain_decode_steps: int = 0
     plain_identical_prompts: int = 0
+    identical_to_plain_prompts: int = 0
+    """Prompts whose Medusa tokens equal plain decoding's through the same engine (exactness relative to the model
+    the engine runs: a quantized engine's tokens may differ from the fp32 base's)."""
     hf_lookup_tokens: int = 0
     hf_lookup_s: float = 0.0
     hf_lookup_identical_prompts: int = 0
@@ -301,6 +304,7 @@ class BenchResult:
             "step_cost_vs_plain": step_ms["total"] / plain_step_ms if plain_step_ms else None,
             "identical": self.identical_prompts / max(self.prompts, 1),
             "plain_identical": self.plain_identical_prompts / max(self.prompts, 1) if self.plain_s else None,
+            "identical_to_plain": self.identical_to_plain_prompts / max(self.prompts, 1) if self.plain_s else None,
             "ties": ties,
             "true_divergences": len(self.divergences) - ties,
             "divergences": self.divergences,
@@ -504,6 +508,7 @@ def _add_prompt(result: BenchResult, runs: dict, reference, tokens, stats, plain
     result.plain_decode_steps += plain_stats.decode_steps
     result.identical_prompts += tokens == reference
     result.plain_identical_prompts += plain == reference
+    result.identical_to_plain_prompts += tokens == plain
 
 
 def warm_up_engine(model: MedusaModel, encoded: list[torch.Tensor], max_new_tokens: int) -> dict:

@@ -47,6 +47,7 @@ def bench_table(result: dict, reference: dict | None = None, reference_name: str
                 ("machine", machine_text(r)),
                 ("machine profile", Path((r.get("profile") or {}).get("path", "not recorded")).name),
                 ("identical prompts", fmt(r["identical"])),
+                ("identical to plain, same engine", fmt(r.get("identical_to_plain"))),
                 ("divergences: ties / true", f"{r.get('ties', '?')} / {r.get('true_divergences', '?')}"),
                 ("per-head accept", " ".join(f"{a:.3f}" for a in r["per_head_accept"])),
                 ("kept a draft at depth 1, 2, ...", " ".join(f"{a:.3f}" for a in r.get("per_depth_accept", []))),

