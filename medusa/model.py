@@ -141,14 +141,15 @@ class MedusaModel(nn.Module):
             from medusa.tools.measure import ensure_engine, ensure_profile, heads_level_s, stderr_progress
 
             profile = profile if profile is not None else ensure_profile(self.base, announce=stderr_progress)
-            profile = ensure_engine(profile, self.base, self.engine.name, stderr_progress)
+            profile = ensure_engine(profile, self.base, self.engine, stderr_progress)
             level_s = heads_level_s(profile, self.heads)
         elif profile is None:
             profile, why = stored_profile(self.base)
         # The sizes a tree settles on: the engine's buckets, else the sizes the profile measured (a forward's cost
         # jumps between sizes, by kernel choice, more than interpolation shows).
         buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else "measured")
-        cost = StepCost.from_profile(profile, self.engine.name, self.heads, buckets, level_s=level_s, why=why)
+        cost = StepCost.from_profile(profile, self.engine.profile_name, self.heads, buckets, level_s=level_s,
+                                     why=why)
         self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)
 
     @property

@@ -167,7 +167,10 @@ class MachineProfile:
     """Measured costs on one machine for one base model and dtype (see the module docstring); seconds throughout.
 
     ``engines[name]`` is ``{"forward_s": {n: s}, "batch_forward_s": {B: {n: s}}, "plain_token_s": s,
-    "scores_all_nodes": bool}``, or ``{"error": str}`` for an engine that could not run here.
+    "scores_all_nodes": bool, "one_token_split_s": {"products_s": s, "outside_s": s}}`` (the split: a one-token
+    forward's matrix-product kernels and the rest of it, on a CPU), or ``{"error": str}`` for an engine that could
+    not run here. ``name`` is the engine's ``profile_name``: its registry name, plus the options that change its
+    cost (``int4:lm_head=bf16``).
     """
 
     key: dict

@@ -200,3 +200,30 @@ def test_the_other_transformers_release_is_the_one_asked_for():
     import transformers
 
     assert transformers.__version__ == os.environ["MEDUSA_TRANSFORMERS_VERSION"]
+
+
+def test_a_slot_cache_keeps_slots_already_in_place_without_copying_and_moves_the_rest(monkeypatch):
+    """Plain decoding and an accepted chain prefix keep slots ``0 .. A-1``, already where they belong: nothing is
+    copied (a gather and a write per layer cost 0.4 ms a token on SmolLM2-135M). Any other kept set is moved down."""
+    from medusa.engines import static_cache
+
+    cache = static_cache.SlotCache(num_layers=2, capacity=8)
+    cache.begin_step(3)
+    keys = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    for layer in range(2):
+        cache.update(keys, -keys, layer)
+    moved = []
+    monkeypatch.setattr(kv_cache, "move_slots", lambda *args, **kw: moved.append(args))
+    cache.keep(0, torch.tensor([0, 1]))
+    assert cache.length == 2 and moved == []
+    cache.keep(0, torch.tensor([], dtype=torch.long))
+    assert cache.length == 0 and moved == []
+    monkeypatch.undo()
+    cache.length = 0
+    cache.begin_step(3)
+    for layer in range(2):
+        cache.update(keys, -keys, layer)
+    cache.keep(0, torch.tensor([0, 2]))  # a branch: slot 2 moves down to slot 1
+    assert cache.length == 2
+    assert torch.equal(cache.layers[1].keys[:, :, :2], keys[:, :, [0, 2]])
+    assert torch.equal(cache.layers[1].values[:, :, :2], -keys[:, :, [0, 2]])

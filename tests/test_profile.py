@@ -69,6 +69,11 @@ def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
     assert sorted(entry["forward_s"]) == list(prof.STEP_SIZES) and entry["plain_token_s"] > 0
     assert sorted(entry["batch_forward_s"]) == list(prof.BATCH_SIZES)
     assert profile.key == prof.profile_key(model) and profile.key["model"]["hidden_size"] == 64
+    # a one-token forward split into its matrix products and the rest, for every engine (the overhead has a number)
+    for name in ("eager", "static", "onednn"):
+        split = profile.engines[name]["one_token_split_s"]
+        assert split["products_s"] > 0 and split["outside_s"] >= 0
+        assert split["products_s"] + split["outside_s"] < 10 * profile.forward_s(name, 1)
 
     def must_not_measure(*args, **kwargs):
         raise AssertionError("a matching stored profile was measured again")
@@ -453,3 +458,28 @@ def test_dtype_auto_through_the_cli_converts_the_model_and_the_bench_records_why
     assert result["dtype"] == "torch.bfloat16" and "bfloat16 pays here" in result["dtype_reason"]
     assert result["engine"]["engine"] == "static" and result["profile"]["key"]["dtype"] == "bfloat16"
     assert "--dtype auto: bfloat16 pays here" in capsys.readouterr().err
+
+
+def test_an_engine_instance_is_measured_as_configured_under_its_profile_name(monkeypatch, tmp_path):
+    """The int4 engine with the checked bf16 lm_head costs otherwise than the default int4 (its lm_head scores every
+    node): it is measured as it was made, under ``int4:lm_head=bf16``, beside (not over) ``int4``."""
+    from medusa.engines.quantized import quantize_unavailable
+
+    if quantize_unavailable("int4", "cpu") is not None:
+        pytest.skip(quantize_unavailable("int4", "cpu"))
+    model = tiny_model("llama")
+    key = prof.profile_key(model)
+    fake_profile(key, 50.0, AMD_LIKE).save(prof.profile_path(key, tmp_path))
+    measured = []
+    monkeypatch.setattr(measure, "time_forwards",
+                        lambda engine, model: measured.append(engine) or {n: 1e-4 for n in prof.STEP_SIZES})
+    monkeypatch.setattr(measure, "time_batch_forwards", lambda engine, model, batch: {n: 1e-4 for n in (1, 16)})
+    monkeypatch.setattr(measure, "time_plain_decoding", lambda engine, model: 1e-4)
+    engine = make_engine("int4", model, lm_head="bf16")
+    assert engine.profile_name == "int4:lm_head=bf16" and make_engine("int4", model).profile_name == "int4"
+    profile = measure.ensure_engine(measure.load_profile(model, folder=tmp_path), model, engine)
+    assert measured == [engine]  # this very engine, not a default int4 made by name
+    entry = profile.engines["int4:lm_head=bf16"]
+    assert entry["scores_all_nodes"] is True and entry["candidate"] is False and "int4" not in profile.engines
+    measure.ensure_engine(profile, model, engine)
+    assert measured == [engine]  # stored: not measured again

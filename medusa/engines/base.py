@@ -213,6 +213,12 @@ class Engine(abc.ABC):
         engine compiles); returns the seconds each took by ``"N@capacity"`` (empty: nothing to prepare)."""
         return {}
 
+    @property
+    def profile_name(self) -> str:
+        """The name this engine's costs are stored under in the machine profile: :attr:`name`, plus the options
+        that change its cost (an engine whose options do overrides this, e.g. ``int4:lm_head=bf16``)."""
+        return self.name
+
     def settings(self) -> dict:
         """What the bench records about this engine."""
         auto = {} if self.choice is None else {"auto": self.choice.to_dict()}

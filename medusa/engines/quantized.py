@@ -395,6 +395,12 @@ class QuantizedEngine(StaticEngine):
         self.lean_reason = "lean=False" if not self.use_lean else lean_unsupported(self.model, self.quantized.dense)
         self.lean = None if self.lean_reason is not None else LeanDecoder(self.quantized.decoder, self.quantized.fuse)
 
+    @property
+    def profile_name(self) -> str:
+        """``int4`` / ``int8``, with ``:lm_head=MODE`` when the lm_head is not the base's fp32 one: the lm_head's
+        precision changes a step's cost curve (and whether every node is scored), the codes' source does not."""
+        return self.name if self.lm_head_mode == "fp32" else f"{self.name}:lm_head={self.lm_head_mode}"
+
     def _scores_all_nodes(self) -> bool:
         """With a quantized lm_head its few-row product is cheap enough to score every node."""
         quantized = self.lm_head_mode == "int4" and self.quantized.lm_head is not None  # not left dense

@@ -123,8 +123,13 @@ class SlotCache(Cache):
     def keep(self, prefix_len: int, keep: torch.Tensor) -> None:
         """Leave the first ``prefix_len`` slots and, after them, the new slots listed in ``keep`` ``(A,)`` in order.
 
-        One gather and one write per layer's keys and values; the prefix is never copied.
+        One gather and one write per layer's keys and values; the prefix is never copied, and nothing is when the
+        kept slots are already in place (``keep`` is ``0 .. A-1``: plain decoding, an accepted chain prefix).
         """
+        if keep.device.type == "cpu" and (keep.numel() == 0 or int(keep[-1]) == len(keep) - 1
+                                          and bool((keep[1:] > keep[:-1]).all())):
+            self.length = prefix_len + len(keep)
+            return
         kv_cache.move_slots(self, keep.to(self._slots.device) + prefix_len, prefix_len)  # (A,) slots kept
         self.length = prefix_len + len(keep)
 

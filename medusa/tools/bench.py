@@ -531,7 +531,7 @@ def predict(model: MedusaModel, result: dict) -> dict:
     through the bench's engine): the seed's analysis next to the measured figures."""
     from medusa.tools.measure import ensure_profile, stderr_progress, time_forwards
 
-    name, nodes = model.engine.name, model.drafter.max_nodes
+    name, nodes = model.engine.profile_name, model.drafter.max_nodes
     if model.per_step and result.get("tree_sizes", {}).get("mean"):
         nodes = max(1, round(result["tree_sizes"]["mean"]))
     profile = ensure_profile(model.base, announce=stderr_progress)

@@ -248,9 +248,9 @@ def build_tree(model, sequences: list[tuple[list[int], int]], top_k: int, max_no
     states = sequence_states(model.base, sequences, model.heads.base_layers)
     replays = replay_data(model.heads, states, top_k, max(lookup_lengths), lookup_max_ngram)
     accuracy = rank_accuracy_from_replays(replays, top_k)
-    engine = model.engine.name
+    engine = model.engine.profile_name
     profile = profile if profile is not None else ensure_profile(model.base, announce=stderr_progress)
-    profile = ensure_engine(profile, model.base, engine, stderr_progress)
+    profile = ensure_engine(profile, model.base, model.engine, stderr_progress)
     curve = profile.cost_curve(engine)
     per_depth = heads_level_s(profile, model.heads)
     cost = sum(per_depth) / len(per_depth) / curve["one_token_s"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -105,10 +106,17 @@ def ensure_profile(model, announce=None, folder: str | Path | None = None, refre
     return profile
 
 
-def ensure_engine(profile: MachineProfile, model, engine: str, progress=None) -> MachineProfile:
+def ensure_engine(profile: MachineProfile, model, engine, progress=None) -> MachineProfile:
     """Measure ``engine`` into ``profile`` when it is not in it yet (e.g. ``compiled``, never measured by default:
-    each of its step sizes compiles), and store the profile again."""
-    if engine not in profile.engines:
+    each of its step sizes compiles), and store the profile again.
+
+    Args:
+        engine: an engine name (a default instance is made and measured), or an engine instance, measured as it is
+            under its :attr:`medusa.engines.Engine.profile_name` (an ``int4`` engine with a bf16 lm_head costs
+            otherwise than the default ``int4``).
+    """
+    key = engine if isinstance(engine, str) else engine.profile_name
+    if key not in profile.engines:
         _measure_engines(profile, model, [engine], progress)
         if profile.path is not None:
             profile.save(profile.path)
@@ -190,6 +198,41 @@ def time_batch_forwards(engine, model, batch: int, sizes=BATCH_STEP_SIZES, repea
     return {n: _best(t) for n, t in times.items()}
 
 
+PRODUCT_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int4pack_mm_for_cpu",
+                         "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mkldnn_linear"})
+"""The profiler's names of the matrix-product kernels a forward's linear layers and lm_head run on a CPU (the
+composite ``aten::linear``/``aten::matmul`` hold no time of their own)."""
+
+
+@torch.inference_mode()
+def time_outside_products(engine, model, repeats: int = 5, prefix_len: int = PREFIX_LEN) -> dict | None:
+    """Where a one-token forward's time goes: ``{"products_s", "outside_s"}``, the seconds of its matrix-product
+    kernels (:data:`PRODUCT_OPS`, their own CPU time under ``torch.profiler``, per forward) and the rest of the
+    forward's wall time (norms, attention, rotary, casts, copies, Python): the overhead a leaner forward cuts. The
+    median of ``repeats`` forwards after ``prefix_len`` cached tokens, lm_head applied as decoding applies it.
+    ``None`` on a GPU (kernels run asynchronously there; docs/gpu.md times them apart)."""
+    if model.device.type != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(0, vocab, (prefix_len + repeats + 1,), generator=torch.Generator().manual_seed(4))
+    cache = engine.new_cache(prefix_len + repeats + 2)
+    engine.forward(prompt[:prefix_len], torch.arange(prefix_len), kv_cache.causal_mask(prefix_len, model.device),
+                   cache, logits_for=slice(-1, None))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    engine.forward(prompt[prefix_len:prefix_len + 1], torch.arange(prefix_len, prefix_len + 1), one, cache)  # untimed
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(prefix_len + 1, prefix_len + 1 + repeats):
+            start = time.perf_counter()
+            engine.forward(prompt[i:i + 1], torch.tensor([i]), one, cache)
+            walls.append(time.perf_counter() - start)
+    products = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in PRODUCT_OPS) / 1e6 / repeats
+    wall = statistics.median(walls)
+    return {"products_s": products, "outside_s": max(wall - products, 0.0)}
+
+
 @torch.inference_mode()
 def time_plain_decoding(engine, model, tokens: int = PLAIN_TOKENS, runs: int = 2,
                         prefix_len: int = PREFIX_LEN) -> float:
@@ -232,14 +275,16 @@ def time_hf_generate(model, tokens: int = PLAIN_TOKENS, runs: int = 2, prefix_le
 
 
 def _measure_engines(profile: MachineProfile, model, names, progress) -> None:
-    """Measure each engine of ``names`` into ``profile.engines`` (an engine that fails is recorded with its error;
-    one measured on request that is not a candidate of ``auto`` here is marked ``"candidate": false``)."""
+    """Measure each engine of ``names`` (names, or engine instances measured as they are, under their
+    ``profile_name``) into ``profile.engines`` (an engine that fails is recorded with its error; one measured on
+    request that is not a candidate of ``auto`` here is marked ``"candidate": false``)."""
     say = progress or (lambda text: None)
     candidates = auto_candidates(model.device, model.dtype)
-    for name in names:
+    for given in names:
         start, engine = time.perf_counter(), None
+        name = given if isinstance(given, str) else given.profile_name
         try:
-            engine = make_engine(name, model)
+            engine = make_engine(given, model) if isinstance(given, str) else given
             say(f"profile: {name} engine, forwards over {', '.join(map(str, STEP_SIZES))} new tokens")
             entry = {"forward_s": time_forwards(engine, model), "scores_all_nodes": engine.scores_all_nodes}
             if engine.supports_batch:
@@ -251,6 +296,9 @@ def _measure_engines(profile: MachineProfile, model, names, progress) -> None:
                     entry["batch_error"] = f"{type(e).__name__}: {e}"
             say(f"profile: {name} engine, plain decoding")
             entry["plain_token_s"] = time_plain_decoding(engine, model)
+            split = time_outside_products(engine, model)
+            if split is not None:
+                entry["one_token_split_s"] = split
         except Exception as e:  # noqa: BLE001 - an engine that cannot run here is recorded, not fatal
             logger.warning("profile: the %s engine could not be measured here: %s", name, e)
             entry = {"error": f"{type(e).__name__}: {e}"}

@@ -220,6 +220,10 @@ def profile_table(profile: dict, path: str | None = None, choices: dict[int, str
         curve = {int(k): v for k, v in entry["forward_s"].items()}
         cells = "  ".join(f"{1e3 * curve[n]:7.1f}" if n in curve else f"{'':7}" for n in sizes)
         lines.append(f"{name:8}  {1e3 * entry['plain_token_s']:14.1f}  {cells}")
+        split = entry.get("one_token_split_s")
+        if split:
+            lines.append(f"{'':8}  one token: {1e3 * split['products_s']:.1f} ms in matrix products, "
+                         f"{1e3 * split['outside_s']:.1f} ms outside them")
         for batch, by_n in (entry.get("batch_forward_s") or {}).items():
             text = ", ".join(f"n={k} {1e3 * v:.1f} ms" for k, v in by_n.items())
             lines.append(f"{'':8}  batch {batch}: {text}")
