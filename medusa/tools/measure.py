@@ -208,28 +208,34 @@ composite ``aten::linear``/``aten::matmul`` hold no time of their own)."""
 def time_outside_products(engine, model, repeats: int = 5, prefix_len: int = PREFIX_LEN) -> dict | None:
     """Where a one-token forward's time goes: ``{"products_s", "outside_s"}``, the seconds of its matrix-product
     kernels (:data:`PRODUCT_OPS`, their own CPU time under ``torch.profiler``, per forward) and the rest of the
-    forward's wall time (norms, attention, rotary, casts, copies, Python): the overhead a leaner forward cuts. The
-    median of ``repeats`` forwards after ``prefix_len`` cached tokens, lm_head applied as decoding applies it.
-    ``None`` on a GPU (kernels run asynchronously there; docs/gpu.md times them apart)."""
+    forward's wall time, taken without the profiler (norms, attention, rotary, casts, copies, Python): the overhead a
+    leaner forward cuts. Medians of ``repeats`` forwards after ``prefix_len`` cached tokens, lm_head applied as
+    decoding applies it. ``None`` on a GPU (kernels run asynchronously there; docs/gpu.md times them apart)."""
     if model.device.type != "cpu":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    prompt = torch.randint(0, vocab, (prefix_len + repeats + 1,), generator=torch.Generator().manual_seed(4))
-    cache = engine.new_cache(prefix_len + repeats + 2)
+    prompt = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(4))
+    cache = engine.new_cache(prefix_len + 1)
     engine.forward(prompt[:prefix_len], torch.arange(prefix_len), kv_cache.causal_mask(prefix_len, model.device),
                    cache, logits_for=slice(-1, None))
-    one = torch.ones(1, 1, dtype=torch.bool)
-    engine.forward(prompt[prefix_len:prefix_len + 1], torch.arange(prefix_len, prefix_len + 1), one, cache)  # untimed
-    walls = []
+    one, position, nothing = torch.ones(1, 1, dtype=torch.bool), torch.tensor([prefix_len]), torch.empty(0).long()
+    rows = None if engine.scores_all_nodes else slice(-1, None)
+
+    def step() -> float:  # the same position each time: the token is dropped again after it
+        start = time.perf_counter()
+        engine.forward(prompt[prefix_len:], position, one, cache, logits_for=rows)
+        seconds = time.perf_counter() - start
+        engine.keep_positions(cache, prefix_len, nothing)
+        return seconds
+
+    step()  # untimed
+    wall = statistics.median(step() for _ in range(repeats))  # without the profiler, whose cost per op adds up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(prefix_len + 1, prefix_len + 1 + repeats):
-            start = time.perf_counter()
-            engine.forward(prompt[i:i + 1], torch.tensor([i]), one, cache)
-            walls.append(time.perf_counter() - start)
+        for _ in range(repeats):
+            step()
     products = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in PRODUCT_OPS) / 1e6 / repeats
-    wall = statistics.median(walls)
     return {"products_s": products, "outside_s": max(wall - products, 0.0)}
 
 
