@@ -148,7 +148,7 @@ def machine() -> dict:
             "load_before": os.getloadavg(), "versions": versions, "python": platform.python_version()}
 
 
-def memory(args) -> None:
+def peak_memory(args) -> None:
     """Peak resident size of a process that loads each decoder and answers the first prompt (the machine profile
     read, not measured: run the timed bench first). Printed as a table; with ``--out``, written as JSON."""
     import subprocess
@@ -186,7 +186,7 @@ def main() -> None:
     args.gguf = args.gguf or default_gguf()
     torch.set_num_threads(args.threads)
     if args.memory:
-        return memory(args)
+        return peak_memory(args)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

@@ -64,7 +64,8 @@ def forwards(args) -> None:
             cache.length = prefix  # the step forgotten: the next round writes the same slots
         return 1e3 * statistics.median(times)
 
-    print(f"one forward after {prefix} cached tokens, ms (median of {args.rounds})\n| N | chain | star |\n|---|---|---|")
+    print(f"one forward after {prefix} cached tokens, ms (median of {args.rounds})")
+    print("| N | chain | star |\n|---|---|---|")
     with torch.inference_mode():
         for n in (1, 2, 4, 8):
             print(f"| {n} | {timed(chain, n):.1f} | {timed(star, n):.1f} |", flush=True)
@@ -81,7 +82,7 @@ def decode(args) -> None:
         models[name] = build_model(DecodeConfig(base=args.base, heads=args.heads, max_tree_nodes=cap, **options))
     prompts = [encode_prompt(models["plain"].tokenizer, r)
                for r in read_prompts(REPO / "benchmarks/prompts/mt-bench-style.jsonl")[: args.limit]]
-    totals = {name: {"tokens": 0, "s": 0.0, "steps": 0, "same": 0} for name in models}
+    totals = {name: {"tokens": 0, "s": 0.0, "steps": 0, "same": 0, "draft_s": 0.0} for name in models}
     with torch.inference_mode():
         for model in models.values():
             model.generate(prompts[0], 16)  # warm-up
@@ -94,15 +95,16 @@ def decode(args) -> None:
                 row["s"] += time.perf_counter() - start
                 row["tokens"] += len(out)
                 row["steps"] += stats.decode_steps + 1
+                row["draft_s"] += stats.step_s.get("draft", 0.0)
                 plain = out if plain is None else plain
                 row["same"] += out == plain
     base = totals["plain"]["tokens"] / totals["plain"]["s"]
     print(f"\n{len(prompts)} MT-bench-style prompts, {args.max_new_tokens} new tokens, interleaved\n"
-          "| decoder | tok/s | vs plain | tau | = plain |\n|---|---|---|---|---|")
+          "| decoder | tok/s | vs plain | tau | drafting ms a step | = plain |\n|---|---|---|---|---|---|")
     for name, row in totals.items():
         rate = row["tokens"] / row["s"]
         print(f"| {name} | {rate:.1f} | {rate / base:.3f} | {row['tokens'] / row['steps']:.2f} | "
-              f"{row['same']}/{len(prompts)} |")
+              f"{1e3 * row['draft_s'] / row['steps']:.2f} | {row['same']}/{len(prompts)} |")
 
 
 def main() -> None:

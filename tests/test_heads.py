@@ -172,3 +172,25 @@ def test_most_frequent_tokens_keeps_requested_ids():
 def test_most_frequent_tokens_refuses_to_drop_requested_ids():
     with pytest.raises(ValueError, match="3 token ids must always be kept"):
         most_frequent_tokens(torch.arange(10), 2, always=[0, 1, 2])
+
+
+def test_drafting_on_a_cpu_projects_through_a_packed_copy_equal_to_matmul_and_repacked_after_a_change():
+    """Under no_grad on a CPU the shared projection runs on a oneDNN-packed copy of the rows (when oneDNN runs here):
+    the logits equal ``matmul``'s up to summation order, a changed weight is packed again, and with gradients on the
+    product stays ``matmul`` (training is untouched)."""
+    from medusa.engines.onednn import onednn_unavailable_for
+
+    heads = make_heads()
+    feats = torch.randn(4, heads.config.hidden_size)
+    reference = feats @ heads.shared_weight_t
+    with torch.no_grad():
+        packed = heads.project(0, feats)
+        if onednn_unavailable_for("cpu", torch.float32) is None:
+            assert heads.__dict__["_packed"][1] is not None
+        assert torch.allclose(packed, reference, atol=1e-5) and packed.shape == (4, heads.head_vocab_size)
+        assert torch.allclose(heads.project(0, feats[None]), reference[None], atol=1e-5)  # (1, 4, H) too
+        heads.shared_weight_t.mul_(2)  # changed in place: packed again
+        assert torch.allclose(heads.project(0, feats), 2 * reference, atol=1e-5)
+    feats.requires_grad_(True)
+    heads.project(0, feats).sum().backward()  # gradients on: matmul, which has a backward
+    assert torch.allclose(feats.grad, heads.shared_weight_t.sum(1).expand(4, -1), atol=1e-5)

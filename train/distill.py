@@ -98,11 +98,8 @@ def distill(
     """
     if not prefix_lengths or min(prefix_lengths) < 1:
         raise ValueError(f"prefix_lengths must be lengths >= 1, got {list(prefix_lengths)}")
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = jsonl_ids(out_path)
-    todo, too_long, too_short = prompts_to_distill(tokenizer, conversations, done, max_prompt_tokens, turns, seed,
-                                                   prefix_lengths)
+    out_path, done, (todo, too_long, too_short) = pending_prompts(out_path, tokenizer, conversations,
+                                                                  max_prompt_tokens, turns, seed, prefix_lengths)
     logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped, %d documents no longer "
                 "than the shortest prefix skipped)", len(todo), len(done), too_long, max_prompt_tokens, too_short)
     todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
@@ -128,6 +125,16 @@ def distill(
             if time_limit_s is not None and elapsed > time_limit_s:
                 break
     return written
+
+
+def pending_prompts(out_path, tokenizer, conversations: list[Conversation], max_prompt_tokens: int, turns: str,
+                    seed: int, prefix_lengths: tuple[int, ...]):
+    """``(out_path as a Path, ids already in it, prompts_to_distill(...) for the rest)``; the folder is made."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = jsonl_ids(out_path)
+    return out_path, done, prompts_to_distill(tokenizer, conversations, done, max_prompt_tokens, turns, seed,
+                                              prefix_lengths)
 
 
 def prompts_to_distill(tokenizer, conversations: list[Conversation], done: set[str], max_prompt_tokens: int,

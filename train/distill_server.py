@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.data import Conversation
-from train.distill import distilled_record, jsonl_ids, open_for_append, prompts_to_distill
+from train.distill import distilled_record, open_for_append, pending_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -337,11 +337,8 @@ def distill_through_server(client: ServerClient, tokenizer, conversations: list[
         ServerError: the server failed for good (every answer received before is written).
         ValueError: the token check failed (nothing is written).
     """
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = jsonl_ids(out_path)
-    todo, too_long, too_short = prompts_to_distill(tokenizer, conversations, done, max_prompt_tokens, turns, seed,
-                                                   prefix_lengths)
+    out_path, done, (todo, too_long, too_short) = pending_prompts(out_path, tokenizer, conversations,
+                                                                  max_prompt_tokens, turns, seed, prefix_lengths)
     logger.info("distilling %d prompts through %s (%s, %d at once; %d already done, %d longer than %d tokens "
                 "skipped, %d documents no longer than the shortest prefix skipped)", len(todo), client.settings.url,
                 client.settings.endpoint, client.settings.concurrency, len(done), too_long, max_prompt_tokens,

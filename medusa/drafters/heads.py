@@ -239,10 +239,38 @@ class _HeadsBase(nn.Module):
     last hidden state only; the eagle drafter reads its fused layers)."""
 
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
-        """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy."""
+        """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy.
+
+        Drafting on a CPU (no gradient) projects through a oneDNN-packed copy of the shared rows where oneDNN runs
+        their dtype: 0.11 ms for 4 rows of SmolLM2's 4096-row head vocabulary against 0.67 ms through ``matmul``
+        (2 threads, AMD EPYC; docs/quantized.md). The logits equal ``matmul``'s up to float summation order; the
+        verify decides what is emitted either way."""
         if self.lm_heads is None:
+            packed = self._packed_projection(feats)
+            if packed is not None:
+                rows = feats.reshape(-1, feats.shape[-1])
+                out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # (M, Vh)
+                return out.view(*feats.shape[:-1], out.shape[-1])
             return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
+
+    def _packed_projection(self, feats: torch.Tensor) -> torch.Tensor | None:
+        """The shared rows reordered once for oneDNN (again after they changed), or ``None`` where the product must
+        stay ``matmul``: gradients on, not a CPU, another dtype, or no oneDNN for it here."""
+        weight = self.shared_weight_t
+        if (torch.is_grad_enabled() or feats.device.type != "cpu" or feats.dtype != weight.dtype
+                or weight.device.type != "cpu"):
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        cached = self.__dict__.get("_packed")
+        if cached is None or cached[0] != key:
+            from medusa.engines.onednn import PACK_ROWS, onednn_unavailable_for
+
+            packed = None
+            if onednn_unavailable_for(weight.device, weight.dtype) is None:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.T.contiguous(), PACK_ROWS)  # from (Vh, H)
+            cached = self.__dict__["_packed"] = (key, packed)
+        return cached[1]
 
     @property
     def shared_weight(self) -> torch.Tensor | None:
