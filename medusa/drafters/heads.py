@@ -246,17 +246,17 @@ class _HeadsBase(nn.Module):
         (2 threads, AMD EPYC; docs/quantized.md). The logits equal ``matmul``'s up to float summation order; the
         verify decides what is emitted either way."""
         if self.lm_heads is None:
-            packed = self._packed_projection(feats)
-            if packed is not None:
-                rows = feats.reshape(-1, feats.shape[-1])
-                out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # (M, Vh)
+            product = self._packed_projection(feats)
+            if product is not None:
+                out = product(feats.reshape(-1, feats.shape[-1]))  # (M, Vh)
                 return out.view(*feats.shape[:-1], out.shape[-1])
             return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
 
-    def _packed_projection(self, feats: torch.Tensor) -> torch.Tensor | None:
-        """The shared rows reordered once for oneDNN (again after they changed), or ``None`` where the product must
-        stay ``matmul``: gradients on, not a CPU, another dtype, or no oneDNN for it here."""
+    def _packed_projection(self, feats: torch.Tensor):
+        """The shared rows' oneDNN product (:func:`medusa.engines.onednn.packed_product`, made again after they
+        changed), or ``None`` where the product must stay ``matmul``: gradients on, not a CPU, another dtype, or no
+        oneDNN for it here."""
         weight = self.shared_weight_t
         if (torch.is_grad_enabled() or feats.device.type != "cpu" or feats.dtype != weight.dtype
                 or weight.device.type != "cpu"):
@@ -264,12 +264,9 @@ class _HeadsBase(nn.Module):
         key = (weight.data_ptr(), weight._version, weight.dtype)
         cached = self.__dict__.get("_packed")
         if cached is None or cached[0] != key:
-            from medusa.engines.onednn import PACK_ROWS, onednn_unavailable_for
+            from medusa.engines.onednn import packed_product
 
-            packed = None
-            if onednn_unavailable_for(weight.device, weight.dtype) is None:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.T.contiguous(), PACK_ROWS)  # from (Vh, H)
-            cached = self.__dict__["_packed"] = (key, packed)
+            cached = self.__dict__["_packed"] = (key, packed_product(weight.T))  # from the (Vh, H) rows
         return cached[1]
 
     @property

@@ -38,12 +38,9 @@ def bf16_product(weight: torch.Tensor):
     once into its blocked layout where this CPU has it (1.5 ms against 3.6 ms for ``F.linear`` on SmolLM2's
     49152 x 576 lm_head, one row, 2 threads of an AVX-512 EPYC: docs/quantized.md), else ``F.linear``. Both accumulate
     in fp32 and round the output to bf16, which is what the bound assumes."""
-    from medusa.engines.onednn import PACK_ROWS, onednn_unavailable_for
+    from medusa.engines.onednn import packed_product
 
-    if weight.device.type != "cpu" or onednn_unavailable_for(weight.device, torch.bfloat16) is not None:
-        return lambda rows: functional.linear(rows, weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-    return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    return packed_product(weight) or (lambda rows: functional.linear(rows, weight))
 
 
 class CheckedHead:

@@ -66,6 +66,17 @@ def onednn_unavailable_for(device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def packed_product(weight: torch.Tensor):
+    """``rows (M, K) -> (M, N)`` with the ``(N, K)`` ``weight`` on a copy reordered once into oneDNN's blocked layout
+    (no bias, no gradient; the rows in the weight's dtype), or ``None`` where oneDNN cannot run that dtype here (see
+    :func:`onednn_unavailable_for`): the one place the drafters' and the checked lm_head's packed products are made.
+    A snapshot of the weight: make it again after the weight changed."""
+    if onednn_unavailable_for(weight.device, weight.dtype) is not None:
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` whose forward is ``nn.Linear``'s own (not a router or quantized subclass)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
