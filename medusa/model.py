@@ -98,8 +98,15 @@ class MedusaModel(nn.Module):
                 logger.warning("--engine auto: %s", reason)
                 self.engine = make_engine(FALLBACK_ENGINE, self.base, step_size=step_size, **options)
                 self.engine.choice = EngineChoice(FALLBACK_ENGINE, reason, step_size)
+                self._pack_drafter()
                 return
         self.engine = make_engine(name, self.base, step_size=step_size, **options)
+        self._pack_drafter()
+
+    def _pack_drafter(self) -> None:
+        """The heads draft through packed projections exactly when the engine packs its own products."""
+        if self.heads is not None and hasattr(self.heads, "pack_projection"):
+            self.heads.pack_projection = bool(getattr(self.engine, "packs_drafter_products", False))
 
     def use_per_step_tree(self, calibration, profile=None, measure: bool = False, **options) -> None:
         """Decode with a tree grown each step from the heads' calibrated confidence and this machine's measured

@@ -184,6 +184,9 @@ def test_drafting_on_a_cpu_projects_through_a_packed_copy_equal_to_matmul_and_re
     feats = torch.randn(4, heads.config.hidden_size)
     reference = feats @ heads.shared_weight_t
     with torch.no_grad():
+        heads.project(0, feats)
+        assert "_packed" not in heads.__dict__  # not asked for: matmul
+        heads.pack_projection = True
         packed = heads.project(0, feats)
         if onednn_unavailable_for("cpu", torch.float32) is None:
             assert heads.__dict__["_packed"][1] is not None
@@ -194,3 +197,20 @@ def test_drafting_on_a_cpu_projects_through_a_packed_copy_equal_to_matmul_and_re
     feats.requires_grad_(True)
     heads.project(0, feats).sum().backward()  # gradients on: matmul, which has a backward
     assert torch.allclose(feats.grad, heads.shared_weight_t.sum(1).expand(4, -1), atol=1e-5)
+
+
+def test_the_heads_pack_their_projection_exactly_when_the_engine_packs_its_own_products():
+    """The choice follows the engine (which auto picks by measuring): packed beside onednn, matmul beside static."""
+    from medusa.decode.tree import Tree
+    from medusa.engines.onednn import onednn_unavailable_for
+    from medusa.model import MedusaModel
+
+    base = tiny_model("llama")
+    heads = make_heads(weight=base.get_output_embeddings().weight.detach())
+    model = MedusaModel(base, heads, Tree.chain(2), None, "static")
+    assert model.heads.pack_projection is False
+    if onednn_unavailable_for("cpu", torch.float32) is None:
+        model.use_engine("onednn")
+        assert model.engine.packs_drafter_products and model.heads.pack_projection is True
+        model.use_engine("static")
+        assert model.heads.pack_projection is False

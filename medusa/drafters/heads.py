@@ -241,7 +241,8 @@ class _HeadsBase(nn.Module):
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy.
 
-        Drafting on a CPU (no gradient) projects through a oneDNN-packed copy of the shared rows where oneDNN runs
+        Drafting on a CPU (no gradient) beside an engine that packs its own products (:attr:`pack_projection`)
+        projects through a oneDNN-packed copy of the shared rows where oneDNN runs
         their dtype: 0.11 ms for 4 rows of SmolLM2's 4096-row head vocabulary against 0.67 ms through ``matmul``
         (2 threads, AMD EPYC; docs/quantized.md). The logits equal ``matmul``'s up to float summation order; the
         verify decides what is emitted either way."""
@@ -253,13 +254,18 @@ class _HeadsBase(nn.Module):
             return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
 
+    pack_projection: bool = False
+    """Draft through the packed projection (set by :class:`medusa.model.MedusaModel` from its engine's
+    ``packs_drafter_products``: the onednn and quantized engines, which ``auto`` picks by measuring or the user asks
+    for); otherwise ``matmul``."""
+
     def _packed_projection(self, feats: torch.Tensor):
         """The shared rows' oneDNN product (:func:`medusa.engines.onednn.packed_product`, made again after they
         changed), or ``None`` where the product must stay ``matmul``: gradients on, not a CPU, another dtype, or no
         oneDNN for it here."""
         weight = self.shared_weight_t
-        if (torch.is_grad_enabled() or feats.device.type != "cpu" or feats.dtype != weight.dtype
-                or weight.device.type != "cpu"):
+        if (not self.pack_projection or torch.is_grad_enabled() or feats.device.type != "cpu"
+                or feats.dtype != weight.dtype or weight.device.type != "cpu"):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype)
         cached = self.__dict__.get("_packed")

@@ -102,6 +102,10 @@ class Engine(abc.ABC):
     returns_layers: ClassVar[bool] = True
     """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
+    packs_drafter_products: ClassVar[bool] = False
+    """The drafter's projections run on oneDNN-packed copies too (:meth:`medusa.drafters.heads._HeadsBase.project`):
+    declared by the engines that pack the base's own products, so the choice follows the engine's (which ``auto``
+    makes from this machine's measured profile), never a guess about the CPU."""
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""
 

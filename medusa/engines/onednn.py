@@ -210,6 +210,7 @@ class OneDNNEngine(StaticEngine):
 
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
                "as the weights; static elsewhere)")
+    packs_drafter_products = True
 
     @classmethod
     def candidate_for(cls, device, dtype: torch.dtype) -> bool:

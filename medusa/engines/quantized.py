@@ -340,7 +340,8 @@ class QuantizedLinears:
 
 class QuantizedEngine(StaticEngine):
     """:class:`StaticEngine` whose forwards run a shadow of the decoder on weight-only quantized linear layers
-    (:mod:`medusa.engines.quantized`); the base's own modules are left as they are.
+    (:mod:`medusa.engines.quantized`); the base's own modules are left as they are. The drafter's projections run
+    packed beside it (:attr:`medusa.engines.Engine.packs_drafter_products`).
 
     Args:
         model: a transformers ``*ForCausalLM`` on a CPU.
@@ -355,6 +356,8 @@ class QuantizedEngine(StaticEngine):
         ValueError: the kernel cannot run for this model's device or in this torch (the message names what works);
             a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``).
     """
+
+    packs_drafter_products = True
 
     kind: ClassVar[str] = ""
 
