@@ -67,7 +67,7 @@ def read_distilled(path: Path) -> list[Conversation]:
     """The complete records of a distilled JSON-lines file, read line by line (not through the ``datasets`` cache:
     the file grows between reads, and every process must read the same records)."""
     report, conversations = ReadReport(), []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):  # not splitlines: U+2028 in a text
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -80,44 +80,22 @@ def read_distilled(path: Path) -> list[Conversation]:
 
 def self_distill_split(config: TrainConfig, accelerator: Accelerator, model, tokenizer,
                        convs: list[Conversation], path: Path) -> list[Conversation]:
-    """Distill the conversations of one split into ``path`` (resumable; each process answers a shard).
+    """Distill the conversations of one split into ``path`` (resumable; the processes share the batches and the
+    file is the one-process file, :func:`train.distill.distill`).
 
     Returns the conversations that already had base ids plus the distilled ones (those within the time budget).
     """
     have_ids = [c for c in convs if c.response_ids is not None]
-    done = jsonl_ids(path)
-    todo = [c for c in convs if c.response_ids is None and c.id not in done]
-    rank, world = accelerator.process_index, accelerator.num_processes
-    shard_path = path if world == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-    if todo:
-        distill(model, tokenizer, todo[rank::world], shard_path, max_new_tokens=config.distill_max_new_tokens,
+    todo = [c for c in convs if c.response_ids is None]
+    if todo:  # the same on every process: all or none of them take part
+        distill(model, tokenizer, todo, path, max_new_tokens=config.distill_max_new_tokens,
                 max_prompt_tokens=config.distill_max_prompt_tokens, batch_size=config.distill_batch_size,
                 time_limit_s=config.distill_time_limit_s, turns=config.distill_turns, seed=config.seed,
-                prefix_lengths=tuple(config.distill_prefix_lengths or DEFAULT_PREFIX_LENGTHS))
-    accelerator.wait_for_everyone()
-    if world > 1 and accelerator.is_main_process:
-        _merge_jsonl(path, sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}")))
-    accelerator.wait_for_everyone()
+                prefix_lengths=tuple(config.distill_prefix_lengths or DEFAULT_PREFIX_LENGTHS),
+                accelerator=accelerator)
     wanted = {c.id for c in convs}
     distilled = read_distilled(path) if jsonl_ids(path) & wanted else []
     return have_ids + [c for c in distilled if c.id in wanted]
-
-
-def _merge_jsonl(path: Path, shards: list[Path]) -> None:
-    """Append the complete, new records of each per-process shard to ``path``, then delete the shards."""
-    done = jsonl_ids(path)
-    with open(path, "a", encoding="utf-8") as out:
-        for shard in shards:
-            for line in shard.read_text(encoding="utf-8").splitlines():
-                try:
-                    record_id = json.loads(line)["id"]
-                except (json.JSONDecodeError, KeyError):
-                    continue
-                if record_id not in done:
-                    out.write(line + "\n")
-                    done.add(record_id)
-    for shard in shards:
-        shard.unlink()
 
 
 def tokenize_held_out(convs: list[Conversation], tokenizer, max_seq_len: int, fraction: float,

@@ -10,6 +10,8 @@ line per conversation with the messages and the exact token ids (Medusa report, 
 The output file is appended batch by batch and read back on restart, so an interrupted run resumes where it stopped.
 Prompts are batched by length within windows of file order (little padding, yet a time-limited run keeps prompts of
 every length, not only the shortest ones), and each batch logs answers/s and generated tokens/s.
+Under ``accelerate launch`` the processes share the batches of that one-process plan, whole, and the main process
+merges their files in the plan's order: the result is the one-process file (:func:`distill`).
 A plain-text document gives one prompt: its first ``n`` tokens, ``n`` drawn by a hash of its id from
 ``prefix_lengths`` (those shorter than the document), and the base continues it greedily; its record holds the
 prefix and continuation ids and their text (a pretrained base, with no chat template, is distilled this way). Chats
@@ -24,13 +26,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from medusa.base import chat_prompt_ids, hf_greedy_batch, stop_token_ids
 from train.data import Conversation, turn_prompts
+from train.processes import rank_and_world, wait_for_everyone
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +53,20 @@ def jsonl_ids(out_path: Path) -> set[str]:
     """Ids of the complete records of a JSON-lines file (empty when the file does not exist)."""
     if not out_path.is_file():
         return set()
-    done = set()
-    for line in out_path.read_text(encoding="utf-8").splitlines():
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError):
-            # A line cut off by an interrupted write: it will be regenerated.
-            continue
-    return done
+    ids = (record_id(line) for line in out_path.read_bytes().split(b"\n"))
+    return {i for i in ids if i is not None}
+
+
+def record_id(line: bytes | str) -> str | None:
+    """The id of one JSON line, or ``None`` for a line cut off by an interrupted write (it is answered again).
+
+    Lines are split at ``\\n`` only: ``json.dumps(..., ensure_ascii=False)`` leaves U+2028 and its kin raw inside
+    strings, where ``str.splitlines`` would cut a record in two.
+    """
+    try:
+        return json.loads(line)["id"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
 
 
 @torch.inference_mode()
@@ -70,9 +82,17 @@ def distill(
     turns: str = "all",
     seed: int = 0,
     prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS,
+    accelerator=None,
 ) -> int:
     """Answer one prompt of each conversation (or continue a prefix of each document) with the base model (greedy)
     and append the results as JSON lines.
+
+    Under several processes each answers whole batches of the one-process plan (:func:`planned_batches`, batch
+    ``b`` on process ``b % N``) into a file of its own (:func:`rank_file`), and the main process then appends them to
+    ``out_path`` in the plan's order: the batches, their padding and their order are those of one process, so the
+    file is byte-identical to one process's wherever the base gives the same tokens for the same batch (same
+    kernels: device, dtype, thread count). Per-process files an interrupted run left are folded in first, whatever
+    number of processes wrote them (:func:`fold_rank_files`).
 
     Args:
         model: the base causal LM (eval mode, on its device).
@@ -85,30 +105,67 @@ def distill(
         max_prompt_tokens: prompts longer than this are skipped (counted in the log).
         batch_size: prompts generated together (left padded; sorted by length within windows of
             :data:`WINDOW_BATCHES` batches in file order, to limit padding).
-        time_limit_s: stop after the batch that crosses this wall-clock budget (seconds); ``None`` for no limit.
+        time_limit_s: stop after the batch that crosses this wall-clock budget (seconds; each process its own);
+            ``None`` for no limit; at most 0: no batch is answered (under several processes the other steps still
+            run: every process takes part in the merge).
         turns: ``"all"`` or ``"first"`` (:data:`train.data.TURN_CHOICES`).
         seed: seeds the drawn turn and the drawn document prefix length.
         prefix_lengths: documents: the prefix lengths (tokens) one is drawn from.
+        accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState`` when every process of a launch calls
+            this together (it waits for the others three times); ``None`` for one process.
 
     Returns:
-        Number of new records written.
+        Number of new records this process answered.
 
     Raises:
         ValueError: ``prefix_lengths`` is empty or holds a length < 1.
     """
     if not prefix_lengths or min(prefix_lengths) < 1:
         raise ValueError(f"prefix_lengths must be lengths >= 1, got {list(prefix_lengths)}")
+    rank, world = rank_and_world(accelerator)
+    if rank == 0:
+        fold_rank_files(Path(out_path))  # what an interrupted multi-process run left
+    wait_for_everyone(accelerator)
+    out_of_time = time_limit_s is not None and time_limit_s <= 0
+    if out_of_time:
+        logger.info("time limit reached: %s waits for the next run", Path(out_path).name)
+        if world == 1:
+            return 0
     out_path, done, (todo, too_long, too_short) = pending_prompts(out_path, tokenizer, conversations,
                                                                   max_prompt_tokens, turns, seed, prefix_lengths)
-    logger.info("distilling %d prompts (%d already done, %d longer than %d tokens skipped, %d documents no longer "
-                "than the shortest prefix skipped)", len(todo), len(done), too_long, max_prompt_tokens, too_short)
+    batches = planned_batches(todo, batch_size)
+    if rank == 0:
+        logger.info("distilling %d prompts in %d batches on %d process(es) (%d already done, %d longer than %d "
+                    "tokens skipped, %d documents no longer than the shortest prefix skipped)", len(todo),
+                    len(batches), world, len(done), too_long, max_prompt_tokens, too_short)
+    mine = [] if out_of_time else batches[rank::world]  # whole batches: each answered as one process would
+    written = answer_batches(model, tokenizer, mine, rank_file(out_path, rank, world), max_new_tokens,
+                             time_limit_s)
+    if world > 1:
+        wait_for_everyone(accelerator)
+        if rank == 0:
+            fold_rank_files(out_path, order=[conv_id for batch in batches for conv_id, _, _ in batch])
+        wait_for_everyone(accelerator)  # the file is whole before any process reads it
+    return written
+
+
+def planned_batches(todo: list, batch_size: int) -> list[list]:
+    """The batches one process answers ``todo`` (:func:`prompts_to_distill`'s items) in: sorted by prompt length
+    within windows of :data:`WINDOW_BATCHES` batches in file order, then cut into ``batch_size`` prompts."""
     todo = window_sorted(todo, lambda item: len(item[2]), batch_size * WINDOW_BATCHES)
+    return [todo[b : b + batch_size] for b in range(0, len(todo), batch_size)]
+
+
+def answer_batches(model, tokenizer, batches: list[list], out_path: Path, max_new_tokens: int,
+                   time_limit_s: float | None) -> int:
+    """Answer ``batches`` greedily in turn, appending each batch's records to ``out_path`` (flushed per batch);
+    stop after the batch that crosses ``time_limit_s`` (seconds). Returns the records written."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
+    total = sum(len(batch) for batch in batches)
     start, written, generated = time.monotonic(), 0, 0
     with open_for_append(out_path) as out:
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b : b + batch_size]
+        for batch in batches:
             batch_start = time.monotonic()
             responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
             for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
@@ -120,11 +177,56 @@ def distill(
             now = time.monotonic()
             elapsed, batch_s = now - start, max(now - batch_start, 1e-9)
             logger.info("distilled %d/%d prompts in %.0f s: batch %.2f answers/s %.1f tokens/s; overall %.2f "
-                        "answers/s %.1f tokens/s", written, len(todo), elapsed, len(batch) / batch_s,
+                        "answers/s %.1f tokens/s", written, total, elapsed, len(batch) / batch_s,
                         sum(len(r) for r in responses) / batch_s, written / elapsed, generated / elapsed)
             if time_limit_s is not None and elapsed > time_limit_s:
                 break
     return written
+
+
+def rank_file(out_path: Path, rank: int, world: int) -> Path:
+    """Where process ``rank`` of ``world`` writes its answers: ``out_path`` itself for one process, else
+    ``<stem>.rank<rank><suffix>`` beside it (folded into ``out_path`` by :func:`fold_rank_files`)."""
+    return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.rank{rank}{out_path.suffix}")
+
+
+def rank_files(out_path: Path) -> list[Path]:
+    """The per-process files beside ``out_path`` (:func:`rank_file`), in rank order."""
+    pattern = re.compile(rf"{re.escape(out_path.stem)}\.rank(\d+){re.escape(out_path.suffix)}")
+    found = [(int(m.group(1)), p) for p in out_path.parent.glob(f"{out_path.stem}.rank*{out_path.suffix}")
+             if (m := pattern.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def fold_rank_files(out_path: Path, order: Sequence[str] = ()) -> int:
+    """Append to ``out_path`` the complete records of its per-process files whose ids it lacks, then delete those
+    files; returns how many were appended.
+
+    The ids of ``order`` come first, in that order (the one-process plan); any others (an interrupted run's, whose
+    plan is gone) follow in rank-file order. Lines are copied byte for byte, a cut-off one is dropped (answered
+    again), and an id is written once. Interrupted, it leaves the per-process files in place and the next fold
+    appends only what is still missing.
+    """
+    shards = rank_files(out_path)
+    if not shards:
+        return 0
+    done, lines = jsonl_ids(out_path), {}
+    for shard in shards:
+        for line in shard.read_bytes().split(b"\n"):
+            conv_id = record_id(line)
+            if conv_id is not None and conv_id not in done and conv_id not in lines:
+                lines[conv_id] = line
+    position = {conv_id: i for i, conv_id in enumerate(order)}
+    ordered = sorted(lines, key=lambda conv_id: position.get(conv_id, len(position)))  # stable: the rest keep order
+    open_for_append(out_path).close()  # cuts a line an interrupted write left unfinished
+    with open(out_path, "ab") as out:
+        out.write(b"".join(lines[conv_id] + b"\n" for conv_id in ordered))
+        out.flush()
+        os.fsync(out.fileno())  # on disk before the per-process copies go
+    for shard in shards:
+        shard.unlink()
+    logger.info("%s: %d answers folded in from %d per-process files", out_path.name, len(ordered), len(shards))
+    return len(ordered)
 
 
 def pending_prompts(out_path, tokenizer, conversations: list[Conversation], max_prompt_tokens: int, turns: str,
@@ -209,21 +311,20 @@ def window_sorted(items: list, key, window: int) -> list:
 
 def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str | Path]], max_new_tokens: int,
                    max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None, turns: str = "all",
-                   seed: int = 0, prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS) -> list[Path]:
-    """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`); ``medusa
-    distill`` passes validation, held-out, training.
+                   seed: int = 0, prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS,
+                   accelerator=None) -> list[Path]:
+    """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`, whose
+    ``accelerator`` this passes on); ``medusa distill`` passes validation, held-out, training.
 
-    ``time_limit_s`` (seconds) bounds them together: each split gets what the ones before left, and the rest are
-    skipped when nothing is left. Returns the paths.
+    ``time_limit_s`` (seconds) bounds them together: each split gets what the ones before left, and none is answered
+    once nothing is left. Returns the paths.
     """
     start = time.monotonic()
     paths = []
     for convs, path in splits:
         paths.append(Path(path))
         left = None if time_limit_s is None else time_limit_s - (time.monotonic() - start)
-        if left is not None and left <= 0:
-            logger.info("time limit reached: %s waits for the next run", Path(path).name)
-            continue
+        # Called even when no time is left: under several processes each must take part in every split's merge.
         distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left, turns, seed,
-                prefix_lengths)
+                prefix_lengths, accelerator)
     return paths

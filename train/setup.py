@@ -185,8 +185,7 @@ def check_init_heads(config: TrainConfig, heads_config: MedusaHeadsConfig, layer
 def make_accelerator(config: TrainConfig) -> Accelerator:
     """The run's Accelerator: mixed precision, tracker, and DDP that does not re-broadcast the heads' buffers.
 
-    Accelerate turns a multi-process launch into CPU DDP (gloo) only when asked for CPU, and ``accelerate launch
-    --multi_gpu`` / ``torchrun`` do not say so: a multi-process launch on a machine without CUDA runs on CPU.
+    A multi-process launch on a machine without CUDA runs on CPU (:func:`launched_on_cpu`).
 
     Raises:
         ImportError: the tracker's package is not installed.
@@ -197,7 +196,7 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
         raise ImportError(f'tracker="{config.tracker}" needs the {module} package: pip install -e ".[tracking]"')
     if config.tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
-    cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    cpu = launched_on_cpu()
     # Checked before the Accelerator exists: its state is process-wide and a refused mode must not stick to it.
     mixed_precision = resolve_mixed_precision(config.mixed_precision, PartialState(cpu=cpu).device)
     # The shared lm_head rows and token map are constant buffers: broadcasting them every forward is wasted traffic.
@@ -209,6 +208,13 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
         raise ValueError(f"mixed_precision={config.mixed_precision!r}: Accelerate runs no {mixed_precision} autocast "
                          f"on {accelerator.device}; use 'no' or 'auto'")
     return accelerator
+
+
+def launched_on_cpu() -> bool:
+    """Whether this is one of several launched processes (``WORLD_SIZE`` > 1) on a machine without CUDA: Accelerate
+    runs them as CPU processes over gloo only when asked (``cpu=True``), and ``accelerate launch --multi_gpu`` /
+    ``torchrun`` do not ask."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
 
 
 def describe_processes(accelerator: Accelerator) -> str:

@@ -174,19 +174,36 @@ def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_distill(args: argparse.Namespace) -> int:
-    """``medusa distill``: the chosen splits answered by the base, written to ``--out-dir``; one line per file."""
+    """``medusa distill``: the chosen splits answered by the base, written to ``--out-dir``; one line per file.
+
+    Under ``accelerate launch`` every process loads the base on its own device and answers its share of the batches;
+    the files are the one-process files (:func:`train.distill.distill`). The process group is closed at the end.
+
+    Raises:
+        ValueError: ``--server``, or a ``--device`` other than cpu, under several processes.
+    """
     import torch
+    from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from medusa.build import DTYPES
     from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
+    from train.setup import launched_on_cpu
 
+    state = PartialState(cpu=launched_on_cpu())
+    several = state.num_processes > 1
+    if several and args.server:
+        raise ValueError(f"--server under {state.num_processes} processes: distill --server runs in one process (it "
+                         "sends --concurrency requests at once); run it without accelerate launch")
+    if several and args.device not in (None, "cpu"):
+        raise ValueError(f"--device {args.device} under {state.num_processes} processes would put them all on one "
+                         f"device: leave it out (each process then runs on its own; this one on {state.device})")
     splits = distill_splits_of(args.data, args.max_conversations, args.sample, args.held_out_fraction,
                                args.validation_fraction, args.seed, args.skip_conversations)
     logging.getLogger("train.distill").setLevel(logging.INFO)  # answers/s per batch, even without --verbose
     names = DISTILL_SPLITS if args.split == "all" else [args.split]
     chosen = [(splits[name], split_file(args.out_dir, name)) for name in names]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or (state.device if several else "cuda" if torch.cuda.is_available() else "cpu")
     if args.server:
         return run_distill_through_server(args, chosen, device)
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
@@ -195,10 +212,15 @@ def run_distill(args: argparse.Namespace) -> int:
                    max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
                    batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
                    turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
-                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
-    for split, path in chosen:
-        done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
-        print(f"{path}: {done} answers ({len(split)} conversations in the split)")
+                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS),
+                   accelerator=state if several else None)
+    if several:
+        # Left to interpreter teardown, gloo's threads can abort a process after its work is done.
+        state.destroy_process_group()
+    if state.is_main_process:
+        for split, path in chosen:
+            done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
+            print(f"{path}: {done} answers ({len(split)} conversations in the split)")
     return 0
 
 

@@ -20,7 +20,9 @@ A store is a folder:
 Example ``i`` lives in one shard at a token offset, with its length ``T_i``; that index is rebuilt from the lengths
 in ``meta.json``. Shards keep the examples in their original order; inside a shard the examples go through the base
 in length-sorted batches (little padding). A shard is written under a temporary name and renamed, then ``meta.json``
-is rewritten the same way, so an interrupted build resumes after the last shard ``meta.json`` lists.
+is rewritten the same way, so an interrupted build resumes after the last shard ``meta.json`` lists. Under
+``accelerate launch`` the processes write the shards in rounds, one each, and the main process lists them: the folder
+is the one a single process writes (:func:`build_store`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from medusa.base import base_states, check_layer_indices
 from medusa.drafters.heads import fingerprint_mismatch, lm_head_fingerprint
 from medusa.io.files import atomic_file
 from train.data import collate
+from train.processes import rank_and_world, wait_for_everyone
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,11 @@ META_NAME = "meta.json"
 HIDDEN_SUFFIX = ".hidden"
 TOKENS_SUFFIX = ".tokens"
 TMP_PREFIX = ".tmp-"
-DEFAULT_SHARD_TOKENS = 1 << 20
+DEFAULT_SHARD_TOKENS = 1 << 18
+"""Tokens per shard unless asked otherwise: small enough that a store of a few million tokens gives several
+processes a shard each (the shard is the unit of work), large enough to keep the files few. It was ``1 << 20``
+before the processes shared the build: stores built so open as they are, and a partly built one resumes with its
+own size."""
 # On open with a model, this many leading tokens of example 0 go through the base again and must match the stored
 # states to this relative L2 error: bf16 storage and another compute dtype stay far below it, another base does not.
 STATE_CHECK_TOKENS = 16
@@ -115,12 +122,18 @@ def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]
 
 
 def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
-                shard_tokens: int = DEFAULT_SHARD_TOKENS, layers: tuple[int, ...] = ()) -> Path:
+                shard_tokens: int | None = None, layers: tuple[int, ...] = (), accelerator=None) -> Path:
     """Run the frozen base once over ``examples`` and write their states to the store folder ``path``.
 
     Resumable: a folder holding part of the same store (same base, examples, ``max_seq_len``, ``shard_tokens``,
-    ``layers``) continues after its last finished shard; a finished store is left as it is. The bytes per token are
-    logged at the start, progress (tokens/s) per shard.
+    ``layers``) continues after the last shard ``meta.json`` lists; a finished store is left as it is. The bytes per
+    token are logged at the start, progress (tokens/s) per shard.
+
+    Under several processes the shards of the plan (:func:`plan_shards`, which does not depend on how many) are
+    written in rounds: in each, process ``r`` writes shard ``done + r``; once all have written theirs, the main
+    process lists them in ``meta.json``. Each shard holds the same examples in the same batches as one process would
+    compute, so the folder is byte-identical to one process's wherever the base gives the same states for the same
+    batch (same kernels: device, dtype, thread count). An interrupted round is written again on resume.
 
     Args:
         path: the store folder (created).
@@ -129,11 +142,15 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
         max_seq_len: the tokenisation limit the examples were cut to (recorded and checked on open).
         batch_size: sequences per base forward.
         shard_tokens: tokens per shard file (the last shard may hold fewer); :func:`bytes_per_token` each.
+            ``None``: a partly built store resumes with the size it was started with, else
+            :data:`DEFAULT_SHARD_TOKENS`.
         layers: decoder layers (0-based) whose outputs are stored after the last hidden state
             (:func:`medusa.base.base_states`); ``()`` stores the last hidden state alone.
+        accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState`` when every process of a launch calls
+            this together (with the same arguments); ``None`` for one process.
 
     Returns:
-        ``path``.
+        ``path``, the store finished (on every process).
 
     Raises:
         StoreError: ``path`` holds a store of another base, other examples, another ``max_seq_len`` or other
@@ -149,35 +166,59 @@ def build_store(path: str | Path, model, examples: list[dict], max_seq_len: int,
         raise ValueError(f"{path}: example lengths must be in [1, max_seq_len={max_seq_len}], got "
                          f"{min(lengths)}..{max(lengths)}")
     check_layer_indices(layers, base_identity(model)["num_hidden_layers"])
+    # Every process reads and checks the folder before any writes to it, so all raise the same error or none does.
+    stored = read_meta(path) if (path / META_NAME).is_file() else None
+    if shard_tokens is None:
+        resumed = stored is not None and not stored.get("complete")
+        shard_tokens = stored.get("shard_tokens", DEFAULT_SHARD_TOKENS) if resumed else DEFAULT_SHARD_TOKENS
     meta = _new_meta(model, examples, lengths, max_seq_len, shard_tokens, layers)
-    if (path / META_NAME).is_file():
-        stored = read_meta(path)
+    if stored is not None:
         # A finished store is used whatever shard size built it; a partial one resumes only with the same plan.
         _check_same_build(path, stored, meta, model, with_plan=not stored.get("complete"))
         _check_shard_sizes(path, stored["shards"])
         if stored.get("complete"):
             return path
         meta["shards"] = stored["shards"]
-    path.mkdir(parents=True, exist_ok=True)
-    for leftover in path.glob(f"{TMP_PREFIX}*"):  # an interrupted shard: written again below
-        leftover.unlink()
+    rank, world = rank_and_world(accelerator)
     plan = plan_shards(lengths, shard_tokens)
-    logger.info("%s: %d examples, %d tokens, layers %s: %d bytes per token (%.2f GB)", path, len(examples),
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for leftover in path.glob(f"{TMP_PREFIX}*"):  # an interrupted shard: written again below
+            leftover.unlink()
+        _log_plan(path, meta, len(plan))
+    wait_for_everyone(accelerator)  # no process writes a temporary file before the leftovers are gone
+    for done in range(len(meta["shards"]), len(plan), world):
+        if done + rank < len(plan):
+            _write_planned_shard(path, done + rank, plan, model, examples, batch_size, layers)
+        wait_for_everyone(accelerator)
+        if rank == 0:
+            width = state_width(meta["base"]["hidden_size"], layers)
+            written = range(done, min(done + world, len(plan)))
+            meta["shards"] += [_shard_entry(i, plan[i][0], lengths[plan[i][0] : plan[i][1]], width) for i in written]
+            _check_shard_sizes(path, meta["shards"][done:])  # what the other processes wrote is on disk
+            meta["complete"] = len(meta["shards"]) == len(plan)
+            _write_json_atomic(path / META_NAME, meta)
+    wait_for_everyone(accelerator)  # meta.json lists every shard before any process returns
+    return path
+
+
+def _log_plan(path: Path, meta: dict, shards: int) -> None:
+    logger.info("%s: %d examples, %d tokens, layers %s: %d bytes per token (%.2f GB)", path, meta["num_examples"],
                 meta["num_tokens"], meta["layers"], meta["bytes_per_token"],
                 meta["bytes_per_token"] * meta["num_tokens"] / 1e9)
     if meta["shards"]:
-        logger.info("%s: resuming after shard %d of %d", path, len(meta["shards"]), len(plan))
-    for index in range(len(meta["shards"]), len(plan)):
-        first, stop = plan[index]
-        start = time.monotonic()
-        shard = _write_shard(path, index, first, model, examples[first:stop], batch_size, layers)
-        meta["shards"].append(shard)
-        meta["complete"] = index == len(plan) - 1
-        _write_json_atomic(path / META_NAME, meta)
-        seconds = time.monotonic() - start
-        logger.info("%s: shard %d/%d, %d examples, %d tokens in %.1f s (%.0f tokens/s)", path, index + 1,
-                    len(plan), stop - first, shard["tokens"], seconds, shard["tokens"] / max(seconds, 1e-9))
-    return path
+        logger.info("%s: resuming after shard %d of %d", path, len(meta["shards"]), shards)
+
+
+def _write_planned_shard(path: Path, index: int, plan: list[tuple[int, int]], model, examples: list[dict],
+                         batch_size: int, layers: tuple[int, ...]) -> None:
+    """Write shard ``index`` of ``plan`` and log its rate."""
+    first, stop = plan[index]
+    start = time.monotonic()
+    shard = _write_shard(path, index, first, model, examples[first:stop], batch_size, layers)
+    seconds = time.monotonic() - start
+    logger.info("%s: shard %d/%d, %d examples, %d tokens in %.1f s (%.0f tokens/s)", path, index + 1, len(plan),
+                stop - first, shard["tokens"], seconds, shard["tokens"] / max(seconds, 1e-9))
 
 
 def _new_meta(model, examples: list[dict], lengths: list[int], max_seq_len: int, shard_tokens: int,
@@ -254,9 +295,16 @@ def _write_shard(path: Path, index: int, first: int, model, examples: list[dict]
         hidden.flush()
         del hidden
         tokens.tofile(tmp_tokens)
-    return {"name": name, "first_example": first, "examples": len(examples), "tokens": int(offsets[-1]),
-            "hidden_bytes": int(offsets[-1]) * width * 2, "tokens_bytes": int(tokens.nbytes),
-            "lengths": lengths}
+    return _shard_entry(index, first, lengths, width)
+
+
+def _shard_entry(index: int, first: int, lengths: list[int], width: int) -> dict:
+    """Shard ``index``'s entry in ``meta.json`` (its examples start at ``first``, their lengths ``lengths``; ``width``
+    bf16 states per token): what the files must hold, known without reading them."""
+    tokens = int(sum(lengths))
+    return {"name": f"shard_{index:05d}", "first_example": first, "examples": len(lengths), "tokens": tokens,
+            "hidden_bytes": tokens * width * 2, "tokens_bytes": tokens * 2 * np.dtype(np.int32).itemsize,
+            "lengths": list(lengths)}
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -266,15 +314,13 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 def ensure_store(path: str | Path, model, examples: list[dict], max_seq_len: int, batch_size: int = 8,
                  accelerator=None, layers: tuple[int, ...] = ()) -> HiddenStateStore:
-    """Build (or resume) the store of ``layers`` at ``path`` on the main process, then open it on every process.
+    """Build (or resume) the store of ``layers`` at ``path``, the processes sharing its shards
+    (:func:`build_store`), then open it on every process.
 
-    ``accelerator`` is an ``accelerate.Accelerator`` or ``None`` for a single process. Raises what
-    :func:`build_store` and :meth:`HiddenStateStore.open` raise.
+    ``accelerator`` is an ``accelerate.Accelerator`` (or ``PartialState``), or ``None`` for a single process.
+    Raises what :func:`build_store` and :meth:`HiddenStateStore.open` raise.
     """
-    if accelerator is None or accelerator.is_main_process:
-        build_store(path, model, examples, max_seq_len, batch_size, layers=layers)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
+    build_store(path, model, examples, max_seq_len, batch_size, layers=layers, accelerator=accelerator)
     return HiddenStateStore.open(path, model=model, max_seq_len=max_seq_len, examples=examples, layers=layers)
 
 
