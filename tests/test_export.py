@@ -399,8 +399,9 @@ def test_cli_round_trip_of_shared_heads_through_a_base_folder(tmp_path):
 
 # --- export the eagle drafter -> speculators eagle3 ---------------------------------------------------------------
 
-def eagle_drafter(arch="llama", layers=(0, 1, 2), token_map=None, share=True, seed=0):
-    """A random eagle drafter on a tiny base config (4 decoder layers, GPT-2's 2), with the base's weights."""
+def eagle_drafter(arch="llama", layers=(0, 1, 2), token_map=None, share=True, seed=0, tied=False):
+    """A random eagle drafter on a tiny base config (4 decoder layers, GPT-2's 2), with the base's weights (``tied``:
+    the lm_head is the input embedding, one tensor, as in a base with ``tie_word_embeddings``)."""
     from tiny import tiny_config
 
     from medusa.drafters.eagle import eagle_base_settings
@@ -409,7 +410,8 @@ def eagle_drafter(arch="llama", layers=(0, 1, 2), token_map=None, share=True, se
     base = tiny_config(arch) if arch == "gpt2" else tiny_config(arch, num_hidden_layers=4)
     g = torch.Generator().manual_seed(seed)
     vocab, hidden = base.vocab_size, base.hidden_size
-    lm_head, embed = torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g)
+    lm_head = torch.randn(vocab, hidden, generator=g)
+    embed = lm_head if tied else torch.randn(vocab, hidden, generator=g)
     config = MedusaHeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=3, head_type="eagle",
                                eagle_layers=list(layers), eagle_base=eagle_base_settings(base),
                                head_vocab_size=None if token_map is None else len(token_map), share_lm_head=share,
@@ -466,6 +468,17 @@ def test_eagle3_folder_recomputes_the_drafters_logits(tmp_path, layers, token_ma
 
 
 V_BASE = 320  # tests/tiny.py's vocabulary
+
+
+def test_eagle3_export_writes_a_tied_bases_embedding_and_lm_head(tmp_path):
+    """A base whose lm_head is its input embedding (tie_word_embeddings, as SmolLM2) hands the export one tensor for
+    both names; the full-vocabulary folder holds it under each (safetensors writes no shared storage)."""
+    from medusa.io.speculators import export_speculators_eagle3
+
+    heads, base, lm_head, embed = eagle_drafter(tied=True)
+    out = export_speculators_eagle3(heads, tmp_path / "eagle3", base, lm_head, embed)
+    state = load_file(out / "model.safetensors")
+    assert torch.equal(state["lm_head.weight"], lm_head) and torch.equal(state["embed_tokens.weight"], lm_head)
 
 
 def with_base_setting(**setting):

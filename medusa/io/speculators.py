@@ -10,9 +10,10 @@ Format facts (followed from the files below; facts only, no code taken from them
   (the Llama first layer), ``speculators/model.py`` (``DraftVocabMixin``: ``d2t`` / ``t2d``, ``lm_head``),
   ``speculators/config.py`` (``speculators_config``, ``verifier``) and ``speculators/proposals/greedy.py``; the same
   files sit in vllm-project/speculators under ``src/speculators/`` (``models/eagle3/config.py`` @11ecdd33 and
-  ``core.py`` @033c87f2 read there too). Checked once by hand: speculators 0.9.0's ``Eagle3DraftModel``
-  loads an exported folder and its own forward gives the drafter's logits (speculators is no dependency of ours, so
-  the tests recompute with :func:`speculators_eagle3_logits` instead).
+  ``core.py`` @033c87f2 read there too). ``scripts/speculators_check.sh`` loads exported folders with speculators
+  0.9.0's own ``SpeculatorModel.from_pretrained`` in a second environment and compares its forward's logits with the
+  drafter's (docs/formats.md); speculators is no dependency of ours, so the tests recompute with
+  :func:`speculators_eagle3_logits` instead.
 - The reader that serves it: vllm-project/vllm ``vllm/model_executor/models/llama_eagle3.py`` @00bd1493 (model and
   weight loader), ``vllm/transformers_utils/configs/speculators/algos.py`` @cfb173ab (config translation) and
   ``vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`` @da844450 (which base layers it captures).
@@ -262,7 +263,8 @@ def _eagle3_state(heads: EagleDrafterHeads, lm_head_weight: torch.Tensor | None,
     state["embed_tokens.weight"] = heads.embed_weight
     rows = _lm_head_rows(heads, lm_head_weight)  # (Vd, H), in the drafter's order
     if heads.token_map is None:
-        state["lm_head.weight"] = rows
+        # A copy: a tied base's lm_head is its embedding, one tensor, and safetensors writes no shared storage.
+        state["lm_head.weight"] = rows.clone()
     else:
         order = torch.argsort(heads.token_map.cpu())
         target = heads.token_map.cpu()[order]  # (Vd,) ascending base ids
