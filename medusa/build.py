@@ -122,6 +122,10 @@ class DecodeConfig:
     quantized_lm_head: str = "fp32"
     """With ``quantize``: the lm_head's precision, ``fp32`` (the base's), ``bf16`` (a bf16 copy whose argmax is
     checked to be fp32's, :mod:`medusa.engines.checked_head`) or ``int4`` (codes like the linears; lossy)."""
+    release_dense: bool = False
+    """With ``quantize``: free the base's dense copies of the layers the engine runs quantized, once the model is
+    built (:meth:`medusa.engines.quantized.QuantizedEngine.release_dense`), so the process holds the quantized
+    model alone; the base can then no longer run unquantized (no HF ``generate`` beside it)."""
     verify_logits: str = "auto"
     """The verify's lm_head: ``all`` nodes in one product, one row at a time along the ``path``, or ``auto``: the
     engine's own choice (:data:`VERIFY_LOGITS`)."""
@@ -135,7 +139,7 @@ class DecodeConfig:
         """The configuration parsed flags describe (:func:`add_decode_arguments`): each field from the flag of its
         name when the command has it; ``overrides`` set fields directly."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in fields}, **overrides)
+        return cls(**({k: v for k, v in vars(args).items() if k in fields} | overrides))
 
     def __post_init__(self):
         self._check_quantize()
@@ -219,6 +223,9 @@ class DecodeConfig:
         if self.quantized_lm_head not in QUANTIZED_LM_HEADS:
             raise ValueError(f"--quantized-lm-head must be one of {', '.join(QUANTIZED_LM_HEADS)}, got "
                              f"{self.quantized_lm_head!r}")
+        if self.release_dense and self.quantize == "none":
+            raise ValueError("--release-dense frees the dense weights a quantized engine replaces: pass --quantize "
+                             "int4 or int8 too")
         if self.quantized_lm_head != "fp32" and self.quantize == "none":
             raise ValueError(f"--quantized-lm-head {self.quantized_lm_head} sets a quantized engine's lm_head: pass "
                              "--quantize int4 or int8 too")
@@ -389,10 +396,14 @@ def build_model(config: DecodeConfig, report: Report = None):
     if name is None:
         config._check_heads()  # names the flags to pass
     if name == "draft_model":
-        return _build_draft_model(config, dtype, device, say)
-    if name in ("heads", "per-step"):
-        return _build_heads(config, dtype, device, reason, measure_dtype, say)
-    return _build_registered(config, dtype, device, say)
+        model = _build_draft_model(config, dtype, device, say)
+    elif name in ("heads", "per-step"):
+        model = _build_heads(config, dtype, device, reason, measure_dtype, say)
+    else:
+        model = _build_registered(config, dtype, device, say)
+    if config.release_dense:  # last: building may still measure the profile through other engines
+        say(f"--release-dense: freed {model.engine.release_dense() / 2**20:.0f} MB of the base's dense weights")
+    return model
 
 
 def _build_heads(config: DecodeConfig, dtype, device, reason, measure_dtype: bool, say):

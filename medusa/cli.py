@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget in tokens")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    _add_release_dense(p)
     p.add_argument("--stats", action="store_true", help="also print tau, tokens/s and a warning when the machine is "
                    "busy, to stderr (the text goes to stdout)")
     add_sampling_arguments(p)
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "heads, with continuous batching")
     add_decode_arguments(p)
     add_serve_arguments(p)
+    _add_release_dense(p)
     p.set_defaults(func=cmd_serve)
 
     p = add_command("bench", "Hugging Face generate vs Medusa (greedy or sampling), same process")
@@ -227,12 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_release_dense(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--release-dense", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --quantize: free the base's fp32 copies of the layers the engine runs quantized, so "
+                        "the process holds the quantized model alone (default: on with --quantize, off without)")
+
+
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
 def _load(args, **overrides):
     """The model the decoding flags describe (:class:`medusa.build.DecodeConfig` holds each flag of its name)."""
+    if getattr(args, "release_dense", False) is None:  # generate and serve: on whenever a quantized engine runs
+        overrides.setdefault("release_dense", getattr(args, "quantize", "none") != "none")
     config = DecodeConfig.from_flags(args, **overrides)
     if getattr(args, "hf_prompt_lookup", 0) < 0:
         raise ValueError(f"--hf-prompt-lookup must be >= 0, got {args.hf_prompt_lookup}")

@@ -322,3 +322,45 @@ def test_quantized_medusa_equals_plain_with_a_checked_lm_head_whose_argmax_is_th
     assert torch.equal(medusa.engine.lm_logits_rows(hidden).argmax(-1), (hidden @ model.lm_head.weight.T).argmax(-1))
     with pytest.raises(ValueError, match="lm_head must be one of"):
         engines.make_engine("int4", model, lm_head="fp16")
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_releasing_the_dense_weights_keeps_the_tokens_and_refuses_the_unquantized_base(kind):
+    """``release_dense`` frees the fp32 weight of every layer the engine runs quantized: decoding through the engine
+    is unchanged (Medusa still equals plain through it), the base itself then refuses to run by name, refresh
+    refuses, and a second call frees nothing."""
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), engine=kind)
+    plain, spec = greedy(medusa, Tree.chain(0)), greedy(medusa)
+    linears = [m for m in kv_cache.decoder_of(model).modules() if isinstance(m, torch.nn.Linear)]
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert medusa.engine.release_dense() == dense_bytes > 0
+    assert all(m.weight.numel() == 0 for m in linears)
+    assert model.get_output_embeddings().weight.numel() > 0  # the heads and the lm_head still read it
+    assert greedy(medusa, Tree.chain(0)) == plain and greedy(medusa) == spec
+    assert medusa.engine.settings()["released_dense_bytes"] == dense_bytes
+    assert medusa.engine.release_dense() == 0
+    with pytest.raises(RuntimeError, match="dense weight was freed by the quantized engine"):
+        hf_greedy(model, IDS, 4)
+    with pytest.raises(RuntimeError, match="freed the base's dense weights"):
+        medusa.engine.refresh()
+
+
+def test_release_dense_through_the_builder_and_the_cli(base_dir, capsys):
+    """generate frees the dense weights by default with --quantize (its tokens are unchanged), keeps them with
+    --no-release-dense, and --release-dense without a quantized engine is refused by name."""
+    from medusa.build import DecodeConfig, build_model
+    from medusa.cli import main
+
+    ids = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9])
+    kept = build_model(DecodeConfig(base=str(base_dir), drafter="none", quantize="int4"))
+    freed = build_model(DecodeConfig(base=str(base_dir), drafter="none", quantize="int4", release_dense=True))
+    assert kept.engine.released_bytes == 0 < freed.engine.released_bytes
+    assert freed.generate(ids, max_new_tokens=12)[0] == kept.generate(ids, max_new_tokens=12)[0]
+    argv = ["generate", "--base", str(base_dir), "--drafter", "none", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert main([*argv, "--quantize", "int4"]) == 0
+    assert "--release-dense: freed" in capsys.readouterr().err
+    assert main([*argv, "--quantize", "int4", "--no-release-dense"]) == 0
+    assert "--release-dense" not in capsys.readouterr().err
+    assert main([*argv, "--release-dense"]) == 2
+    assert "pass --quantize int4 or int8 too" in capsys.readouterr().err

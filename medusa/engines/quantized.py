@@ -391,6 +391,36 @@ class QuantizedEngine(StaticEngine):
         super().__init__(model, max_cache_len, scores_all_nodes)
         self.checked_head = self._checked_head()
         self._build_lean()
+        self.released_bytes = 0
+        """Bytes of dense weights :meth:`release_dense` freed (0: the base is whole)."""
+
+    def release_dense(self) -> int:
+        """Free the base's dense weights of every linear layer this engine runs quantized (and the int4 codes kept
+        to quantize again), so that the process holds the quantized model, not both: each such ``nn.Linear`` of the
+        base keeps an empty weight and a forward pre-hook that raises. What stays dense and shared is untouched:
+        embeddings, norms, the lm_head (the heads and the checked lm_head read it) and any layer left dense.
+
+        After it, the engine decodes as before (its forwards never read those weights), but the base model itself
+        cannot run unquantized (HF ``generate``, another engine) and :meth:`refresh` raises. Calling it twice frees
+        nothing more.
+
+        Returns:
+            the bytes freed by this call.
+        """
+        decoder = kv_cache.decoder_of(self.model)
+        modules = dict(decoder.named_modules())
+        freed = 0
+        for name in self.quantized.source:
+            module = modules.get(name)  # "lm_head" is not under the decoder: kept (tied to the embeddings here)
+            weight = None if module is None else linear_weight(module)
+            if weight is None or weight.numel() == 0:
+                continue
+            freed += weight.numel() * weight.element_size()
+            module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+            module.register_forward_pre_hook(_released_forward)
+        self.quantized.codes = {}  # the lean decoder holds its packed copies; these served only refresh()
+        self.released_bytes += freed
+        return freed
 
     def _build_lean(self) -> None:
         """One row's forwards run :class:`medusa.engines.lean.LeanDecoder` where it supports the model (else the
@@ -410,7 +440,14 @@ class QuantizedEngine(StaticEngine):
         return super()._scores_all_nodes() or quantized or self.lm_head_mode == "bf16"
 
     def refresh(self) -> None:
-        """Quantize again from the base's weights as they are now (see the module docstring)."""
+        """Quantize again from the base's weights as they are now (see the module docstring).
+
+        Raises:
+            RuntimeError: :meth:`release_dense` freed the weights to quantize from.
+        """
+        if self.released_bytes:
+            raise RuntimeError(f"the {self.name} engine freed the base's dense weights (release_dense): there is "
+                               "nothing to quantize again from; load the base again")
         self.quantized.refresh()
         self._build_lean()
         self.checked_head = self._checked_head()
@@ -463,7 +500,14 @@ class QuantizedEngine(StaticEngine):
             "lm_head_quantized": self.quantized.lm_head is not None, "lm_head": self.lm_head_mode,
             "dense_layers": dict(self.quantized.dense),
             "codes_from": sorted(sources), "gguf": self.gguf,
-            "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes()}
+            "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes(),
+            "released_dense_bytes": self.released_bytes}
+
+
+def _released_forward(module, args):
+    raise RuntimeError(f"this {type(module).__name__}'s dense weight was freed by the quantized engine "
+                       "(QuantizedEngine.release_dense, --release-dense): the base runs only through that engine; "
+                       "load the base again to run it unquantized")
 
 
 @register_engine("int4")
