@@ -412,6 +412,34 @@ def test_step_choice_steps_aside_where_plain_is_faster():
         StepChoice("sometimes")
 
 
+def test_step_choice_starts_an_unmeasured_batch_size_from_the_profiles_costs():
+    """With a cost model, a batch size never measured starts in the mode the costs predict from the speculative
+    steps seen so far (tau, tree size), and measurements that contradict the prediction take over."""
+    cost = lambda m: 0.01 + 0.001 * m  # noqa: E731 - a forward's seconds over m new tokens
+    choice = StepChoice("auto", warm=2, explore_every=8, forward_s=cost)
+    assert choice.prior(16) is None  # no speculative step seen yet: nothing to predict from
+    for _ in range(3):
+        choice.record(1, False, 2, cost(4), nodes=4)  # tau 2 with 4-node trees at one row
+    assert choice.prior(2) is False  # 2 rows: 4 tokens / cost(8) beats 2 tokens / cost(2)
+    assert choice.prior(64) is True  # 64 rows: 128 tokens / cost(256) loses to 64 tokens / cost(64)
+    picks = [choice.plain(64)]
+    for _ in range(7):
+        choice.record(64, picks[-1], 64, cost(64)) if picks[-1] else choice.record(64, False, 128, cost(256), 256)
+        picks.append(choice.plain(64))
+    assert picks[0] and picks.count(True) >= 6  # plain from the first step at 64 rows, speculation now and then
+    blind = StepChoice("auto", warm=2)  # the same steps without a cost model: speculative first, to measure
+    for _ in range(3):
+        blind.record(1, False, 2, cost(4), nodes=4)
+    assert blind.prior(64) is None and not blind.plain(64)
+    wrong = StepChoice("auto", warm=2, explore_every=4, forward_s=cost)
+    for _ in range(3):
+        wrong.record(1, False, 2, cost(4), nodes=4)
+    for _ in range(40):  # the costs said plain at 64 rows; measured, speculation is twice as fast there
+        plain = wrong.plain(64)
+        wrong.record(64, plain, 64 if plain else 128, cost(64), None if plain else 256)
+    assert wrong.count[(64, False)] > wrong.count[(64, True)]
+
+
 def test_streamed_text_never_splits_a_character_and_holds_back_a_partial_stop():
     tokenizer = tiny_tokenizer()
     text = "héllo wörld, 日本語 😀 done"

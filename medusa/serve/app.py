@@ -23,7 +23,7 @@ import torch
 from medusa.decode.logits_process import resolve_decoding
 from medusa.serve.metrics import Metrics
 from medusa.serve.protocol import CHAT, COMPLETION, ApiError, Request, bad, parse_body
-from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler
+from medusa.serve.scheduler import SPECULATION, Job, QueueFull, Scheduler, profile_forward_s
 from medusa.serve.text import TextStream, chat_ids, text_ids
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ class Server:
             raise ValueError("serving needs the base's tokenizer (MedusaModel.tokenizer is None)")
         resolve_decoding(model.base.generation_config, acceptance=config.acceptance)
         self.model, self.config = model, config
-        self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation)
+        self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation,
+                                   profile_forward_s(model) if config.speculation == "auto" else None)
         self.drain_deadline: float | None = None
         """Set on SIGTERM (:meth:`drain`): requests still running then end with an error."""
         text_config = model.base.config.get_text_config(decoder=True)

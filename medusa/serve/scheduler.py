@@ -64,19 +64,28 @@ class StepChoice:
     ``explore_every`` steps); then the losing mode again every ``explore_every`` steps while it is close (within
     ``close`` of the winner's rate), every ``4 * explore_every`` when it is not, as acceptance and costs drift.
 
+    A batch size neither measured nor guessed from its neighbours starts from the machine profile's costs
+    (:meth:`prior`), once any speculative step has shown how many tokens a row gains and how large its tree is.
+
     Args:
         mode: one of :data:`SPECULATION`.
+        forward_s: seconds of one forward over ``m`` new tokens (``m`` summed over the rows: a batched forward of
+            ``B`` rows of ``n`` tokens costs about what one row of ``B * n`` tokens costs once the products are
+            compute-bound), from this machine's profile (:func:`profile_forward_s`); ``None``: no prior, each batch
+            size measured as it comes.
     """
 
     def __init__(self, mode: str = "auto", warm: int = 3, explore_every: int = 16, window: int = 16,
-                 close: float = 0.85):
+                 close: float = 0.85, forward_s: Callable[[int], float] | None = None):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {mode!r}")
         self.mode, self.warm, self.explore_every, self.close = mode, warm, explore_every, close
-        self.window = window
+        self.window, self.forward_s = window, forward_s
         self.steps: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         """``(batch size, plain)`` -> the last ``window`` steps' ``(tokens, seconds)``."""
         self.count: dict[tuple[int, bool], int] = {}
+        self.spec_rows = self.spec_tokens = self.spec_nodes = 0
+        """Rows, tokens emitted and tree nodes verified, summed over every speculative step recorded."""
 
     def rate(self, batch: int, plain: bool) -> float:
         """Tokens per second of the last steps measured in that mode at ``batch`` rows, the slowest left out (a
@@ -97,9 +106,12 @@ class StepChoice:
             every = self.explore_every * (1 if close else 4)
             return (plain_rate > spec_rate) != ((spec + plain) % every == 0)
         guess = self.guess(batch)
+        if guess is None:
+            guess = self.prior(batch)
         if guess is None:  # nothing known: measure both, speculative first
             return spec >= self.warm
-        return guess != ((spec + plain) % self.explore_every == 0)  # the other mode measured now and then
+        # The other mode measured now and then, never first: the first step at a new size follows the guess.
+        return guess != ((spec + plain) % self.explore_every == self.explore_every - 1)
 
     def guess(self, batch: int) -> bool | None:
         """Plain at ``batch`` rows (``True``) when plain won at a smaller batch size, speculative (``False``) when
@@ -113,11 +125,40 @@ class StepChoice:
             return False
         return None
 
-    def record(self, batch: int, plain: bool, tokens: int, seconds: float) -> None:
-        """One step's ``tokens`` emitted over all rows in ``seconds``."""
+    def prior(self, batch: int) -> bool | None:
+        """Plain at ``batch`` rows (``True``) when the profile's costs say a plain step emits more tokens per second
+        than a speculative one: ``batch * tau / forward_s(batch * n)`` against ``batch / forward_s(batch)``, with
+        ``tau`` (tokens per row per step) and ``n`` (tree nodes per row) averaged over the speculative steps seen so
+        far at any size (acceptance depends on the text, not on the batch); ``None`` without ``forward_s`` or
+        before any speculative step."""
+        if self.forward_s is None or not self.spec_rows:
+            return None
+        tau, nodes = self.spec_tokens / self.spec_rows, self.spec_nodes / self.spec_rows
+        speculative = batch * tau / self.forward_s(max(1, round(batch * nodes)))
+        return batch / self.forward_s(batch) > speculative
+
+    def record(self, batch: int, plain: bool, tokens: int, seconds: float, nodes: int | None = None) -> None:
+        """One step's ``tokens`` emitted over all rows in ``seconds``; ``nodes``: the tree nodes it verified over
+        all rows (root included), for :meth:`prior` (a speculative step without them is not counted there)."""
         key = (batch, plain)
         self.steps.setdefault(key, deque(maxlen=self.window)).append((tokens, seconds))
         self.count[key] = self.count.get(key, 0) + 1
+        if not plain and nodes is not None:
+            self.spec_rows, self.spec_tokens, self.spec_nodes = (self.spec_rows + batch, self.spec_tokens + tokens,
+                                                                 self.spec_nodes + nodes)
+
+
+def profile_forward_s(model) -> Callable[[int], float] | None:
+    """``m -> seconds`` of one forward over ``m`` new tokens through ``model``'s engine, read from this machine's
+    stored profile (:func:`medusa.profile.stored_profile`; nothing is measured), or ``None`` when none is stored or
+    it lacks the engine: :class:`StepChoice`'s prior."""
+    from medusa.profile import stored_profile
+
+    profile, _ = stored_profile(model.base)
+    name = model.engine.profile_name
+    if profile is None or name not in profile.usable():
+        return None
+    return lambda m: profile.forward_s(name, m)
 
 
 class Scheduler:
@@ -130,11 +171,12 @@ class Scheduler:
         speculation: one of :data:`SPECULATION`.
     """
 
-    def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto"):
+    def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto",
+                 forward_s: Callable[[int], float] | None = None):
         if max_running < 1 or max_waiting < 0:
             raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
         self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
-        self.choice = StepChoice(speculation)
+        self.choice = StepChoice(speculation, forward_s=forward_s)
         drafter = NoDrafter() if speculation == "off" else model.drafter
         # Every node scored in one product where the engine declares it cheaper (as generate does), else the path.
         self.batch = RunningBatch(model.base, drafter, model.engine)
@@ -254,7 +296,8 @@ class Scheduler:
             logger.exception("batched step failed")
             self._fail_running(f"decoding failed: {e}")
             return
-        self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start)
+        nodes = sum(self.jobs[key].stats.tree_nodes[-1] for key, _ in out if self.jobs[key].stats.tree_nodes)
+        self.choice.record(size, plain, sum(len(s.tokens) for _, s in out), time.perf_counter() - start, nodes)
         self.plain_steps += plain
         self.sampling_row_steps += sum(self.jobs[key].decoding.do_sample for key, _ in out)
         for key, step in out:
