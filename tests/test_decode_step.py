@@ -128,3 +128,44 @@ def test_static_engines_batch_on_their_own_preallocated_cache(name):
         while alone.rows:
             expected += alone.step()[0][1].tokens
         assert tokens[i] == expected, i
+
+
+@pytest.mark.parametrize("name", ["eager", "onednn"])
+def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(name):
+    """Chunked prefill (RunningBatch.begin / prefill): a row prefilled a few tokens at a time, with another row
+    stepping between its chunks, gets the same cache (to rounding) and the same greedy tokens as the row joined in
+    one forward; nothing is returned before the last chunk, and a finished join refuses more."""
+    model = tiny_model("llama")
+    drafter = tree_drafter(random_heads(model), TREE)
+    engine = make_engine(name, model)
+    prompt = torch.randint(3, 300, (13,), generator=torch.Generator().manual_seed(2))
+    other = torch.randint(3, 300, (7,), generator=torch.Generator().manual_seed(3))
+
+    def decode(chunk: int | None) -> dict:
+        batch = RunningBatch(model, drafter, engine)
+        tokens = {"other": batch.join("other", other, 16, set()).tokens}
+        if chunk is None:
+            tokens["row"] = batch.join("row", prompt, 12, set()).tokens
+        else:
+            joining = batch.begin("row", prompt, 12, set())
+            while (step := batch.prefill(joining, chunk)) is None:
+                assert batch.keys == ["other"] and joining.left > 0
+                for key, s in batch.step():
+                    tokens[key] += s.tokens
+            tokens["row"] = step.tokens
+            assert joining.left == 0 and batch.keys == ["other", "row"]
+            with pytest.raises(ValueError, match="prefill takes at least one token of a prompt not yet joined"):
+                batch.prefill(joining, 4)
+        while batch.rows:
+            for key, s in batch.step():
+                tokens[key] += s.tokens
+        return tokens
+
+    whole = decode(None)
+    alone = RunningBatch(model, drafter, engine)
+    joining = alone.begin("row", prompt, 1, set())
+    assert alone.prefill(joining, len(prompt)).tokens == whole["row"][:1]  # one chunk: join's own forward
+    for chunk in (1, 4, 5):
+        chunked = decode(chunk)
+        assert chunked["row"] == whole["row"], chunk
+        assert chunked["other"] == whole["other"]

@@ -329,6 +329,7 @@ def test_sampling_and_greedy_requests_share_every_verify_forward_and_all_advance
         jobs.append(job)
         scheduler.submit(job)
     scheduler._admit()
+    scheduler._prefill()
     sizes, sampling = [], []
     try:
         while scheduler.jobs:
@@ -350,6 +351,42 @@ def test_sampling_and_greedy_requests_share_every_verify_forward_and_all_advance
         alone = [t for s in decode_steps(model.base, model.drafter, job.ids, 20, scheduler.stop_ids, None,
                                          job.decoding, model.engine) for t in s.tokens]
         assert [t for e in events[i] if e[0] == "tokens" for t in e[1]] == alone, i
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_running_rows_step():
+    """Chunked prefill: a 40-token prompt joins over 5 rounds of 8 tokens, the running request advancing every one
+    of them, and both decode as their requests alone would; a cancelled joining request frees its slot."""
+    from medusa.decode.logits_process import resolve_decoding
+
+    model = tiny_medusa()
+    scheduler = Scheduler(model, max_running=4, max_waiting=4, speculation="on", prefill_chunk=8)
+    g = torch.Generator().manual_seed(5)
+    events = {"short": [], "long": [], "gone": []}
+    jobs = {name: Job(torch.randint(3, 300, (n,), generator=g), budget, resolve_decoding(None), events[name].append)
+            for name, n, budget in (("short", 6, 40), ("long", 40, 12), ("gone", 30, 12))}
+    scheduler.submit(jobs["short"])
+    scheduler._round()  # 6 tokens: prefilled in one chunk and stepped at once
+    assert len(scheduler.jobs) == 1
+    scheduler.submit(jobs["long"])
+    scheduler.submit(jobs["gone"])
+    joined_after = None
+    for r in range(1, 100):
+        before, joining = len(events["short"]), bool(scheduler.joining)
+        scheduler._round()
+        if joining:
+            assert len(events["short"]) > before  # the running request steps while the long prompt is prefilled
+        if joined_after is None and id(jobs["long"]) in scheduler.jobs:
+            joined_after = r
+            jobs["gone"].cancelled = True
+        if not scheduler.jobs and not scheduler.joining:
+            break
+    assert joined_after == 5 and not scheduler.joining
+    assert events["gone"] == [("error", "the request was cancelled", 499)]
+    for name in ("short", "long"):
+        job = jobs[name]
+        alone = [t for s in decode_steps(model.base, model.drafter, job.ids, job.max_new_tokens, scheduler.stop_ids,
+                                         None, job.decoding, model.engine) for t in s.tokens]
+        assert [t for e in events[name] if e[0] == "tokens" for t in e[1]] == alone, name
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_scheduler_goes_on():

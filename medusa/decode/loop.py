@@ -311,6 +311,32 @@ class _Row:
     """The row's logits processors (a ``LogitsProcessorList``, empty for none)."""
 
 
+@dataclass
+class Joining:
+    """A row being prefilled (:meth:`RunningBatch.begin`), not yet in the batch: its prompt goes into its own cache
+    chunk by chunk (:meth:`RunningBatch.prefill`)."""
+
+    key: object
+    prompt: torch.Tensor
+    """``(T,)`` long."""
+    max_new_tokens: int
+    stop: set[int]
+    stats: GenerationStats
+    rule: AcceptanceRule
+    processors: object
+    cache: object
+    """The row's own cache (the engine's), holding the first :attr:`done` prompt positions."""
+    done: int = 0
+    """Prompt tokens prefilled so far."""
+    states: list = field(default_factory=list)
+    """What the drafter reads of each chunk (:func:`base_forward`'s states), until it starts."""
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt) - self.done
+
+
 class RunningBatch:
     """The decode step over ``B`` rows, and continuous batching: rows join and leave between steps.
 
@@ -359,39 +385,79 @@ class RunningBatch:
     def join(self, key, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int] | None = None,
              stats: GenerationStats | None = None, decoding: Decoding | None = None) -> Step:
         """Prefill ``prompt`` ``(T,)`` as a new row ``key`` decoded with ``decoding`` (``None``: plain greedy, no
-        logits processor) and return its first token's :class:`Step`; a row that stops on it (a stop token, a
-        budget of 1) does not join.
+        logits processor) in one forward and return its first token's :class:`Step`; a row that stops on it (a stop
+        token, a budget of 1) does not join. :meth:`begin` and :meth:`prefill` do the same in chunks.
 
         Raises:
             ValueError: the prompt is empty or does not fit the context, an unknown acceptance rule, or a second
                 row on an engine without batched decoding.
+        """
+        joining = self.begin(key, prompt, max_new_tokens, stop_token_ids, stats, decoding)
+        return self.prefill(joining, len(prompt))
+
+    def begin(self, key, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: set[int] | None = None,
+              stats: GenerationStats | None = None, decoding: Decoding | None = None) -> Joining:
+        """Start row ``key`` (as :meth:`join`) without computing anything: its checks, rule and fresh cache. The
+        prompt then goes through :meth:`prefill`, in as many chunks as the caller likes, between the batch's steps
+        (chunked prefill: a long prompt does not hold the running rows up for its whole forward).
+
+        Raises:
+            ValueError: as :meth:`join`.
         """
         check_context(self.model, len(prompt), max_new_tokens, self.drafter.max_depth)
         if self.rows and not self.engine.supports_batch:
             raise ValueError(f"engine {self.engine.name!r} does not run batched decoding")
         stats = stats if stats is not None else GenerationStats()
         stop = stop_token_ids or set()
-        device = prompt.device
         if decoding is None:  # resolved once per batch: resolving reads a whole generation config
             self._greedy = decoding = self._greedy or resolve_decoding()
-        processors = decoding.processors(len(prompt), max_new_tokens, stop, device)
-        rule = acceptance_rule(decoding, self.vocab_size, device)
+        processors = decoding.processors(len(prompt), max_new_tokens, stop, prompt.device)
+        rule = acceptance_rule(decoding, self.vocab_size, prompt.device)
         cache = self.engine.new_cache(len(prompt) + max_new_tokens + self.drafter.max_nodes)
+        return Joining(key, prompt, max_new_tokens, stop, stats, rule, processors, cache)
+
+    @torch.inference_mode()
+    def prefill(self, joining: Joining, tokens: int) -> Step | None:
+        """Run the next ``tokens`` (at least 1) prompt tokens of ``joining`` through the base into its own cache
+        (one forward over them, attending to the chunks before: the engine's verify forward over a chain). After the
+        last chunk the first token is chosen and the row joins the batch (as :meth:`join`): its :class:`Step` is
+        returned; ``None`` while prompt tokens are left. A prompt prefilled in one chunk is :meth:`join`'s forward,
+        bit for bit; in several, the same attention over the same cache, whose rounding may differ in the last bits.
+
+        Raises:
+            ValueError: ``tokens`` < 1, or ``joining`` already joined.
+        """
+        if tokens < 1 or joining.done == len(joining.prompt):
+            raise ValueError(f"prefill takes at least one token of a prompt not yet joined, got {tokens} with "
+                             f"{len(joining.prompt) - joining.done} left")
+        start, device, prompt = time.perf_counter(), joining.prompt.device, joining.prompt
+        first, stop = joining.done, min(len(prompt), joining.done + tokens)
+        last = stop == len(prompt)
+        logits, _, states = base_forward(self.engine, self.drafter.base_layers, prompt[first:stop],
+                                         torch.arange(first, stop, device=device),
+                                         kv_cache.causal_mask(stop - first, device), joining.cache,
+                                         logits_for=slice(-1, None) if last else slice(0, 0))
+        joining.states.append(states)
+        joining.done = stop
+        joining.stats.prefill_s += time.perf_counter() - start
+        if not last:
+            return None
         start = time.perf_counter()
-        positions = torch.arange(len(prompt), device=device)
-        logits, _, states = base_forward(self.engine, self.drafter.base_layers, prompt, positions,
-                                         kv_cache.causal_mask(len(prompt), device), cache, logits_for=slice(-1, None))
-        root = rule.next_token(_processed(processors, prompt, logits[-1]))
+        root = joining.rule.next_token(_processed(joining.processors, prompt, logits[-1]))
         sequence = torch.cat([prompt, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
         state = self.drafter.new_state()
+        states = joining.states[0] if len(joining.states) == 1 else torch.cat(joining.states)  # (T, ...)
         self.drafter.start(state, states, sequence[1:])
-        stats.prefill_s = time.perf_counter() - start
-        step = _emit([int(root)], 0, stats, max_new_tokens, stop, is_prefill=True)
+        joining.states = []
+        stats = joining.stats
+        stats.prefill_s += time.perf_counter() - start
+        step = _emit([int(root)], 0, stats, joining.max_new_tokens, joining.stop, is_prefill=True)
         if stats.stopped_by:
             return step
+        cache = joining.cache
         self.cache = cache if self.cache is None else self.engine.stack_rows([self.cache, cache])
-        self.rows.append(_Row(key, state, sequence, root, len(prompt), max_new_tokens, stop, stats, rule,
-                              processors))
+        self.rows.append(_Row(joining.key, state, sequence, root, len(prompt), joining.max_new_tokens, joining.stop,
+                              stats, joining.rule, joining.processors))
         return step
 
     @torch.inference_mode()

@@ -47,6 +47,9 @@ class ServeConfig:
     """Requests decoding at once (rows of the batch, greedy and sampling alike)."""
     max_waiting: int = 64
     """Requests queued beyond those running; more get 429."""
+    prefill_chunk: int = 256
+    """Prompt tokens prefilled per round of the scheduler (chunked prefill): a longer prompt joins over several
+    rounds, each followed by one step of the running rows, so it does not hold them up for its whole forward."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (413 beyond), counted as it arrives, chunked or not: no more is read."""
     max_header_bytes: int = 16 << 10
@@ -85,7 +88,8 @@ class ServeConfig:
     def __post_init__(self):
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
-        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens", "max_connections"):
+        for name in ("max_running", "max_body_bytes", "max_header_bytes", "default_max_tokens", "max_connections",
+                     "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
@@ -136,7 +140,8 @@ class Server:
         resolve_decoding(model.base.generation_config, acceptance=config.acceptance)
         self.model, self.config = model, config
         self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation,
-                                   profile_forward_s(model) if config.speculation == "auto" else None)
+                                   profile_forward_s(model) if config.speculation == "auto" else None,
+                                   config.prefill_chunk)
         self.drain_deadline: float | None = None
         """Set on SIGTERM (:meth:`drain`): requests still running then end with an error."""
         text_config = model.base.config.get_text_config(decoder=True)

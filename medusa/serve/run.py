@@ -44,6 +44,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoding at once (rows of the batch)")
     p.add_argument("--max-waiting", type=int, default=default["max_waiting"],
                    help="requests queued beyond those running; more get 429")
+    p.add_argument("--prefill-chunk", type=int, default=default["prefill_chunk"],
+                   help="prompt tokens prefilled per scheduler round: a longer prompt joins over several rounds, "
+                        "the running requests stepping between them")
     p.add_argument("--max-body-bytes", type=int, default=default["max_body_bytes"],
                    help="largest request body, counted as it arrives (413 beyond)")
     p.add_argument("--max-header-bytes", type=int, default=default["max_header_bytes"],

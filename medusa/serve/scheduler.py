@@ -1,7 +1,8 @@
 """Continuous batching: one thread owns the model and runs every request's decode steps.
 
-Every request is a row of one :class:`medusa.decode.loop.RunningBatch`, greedy or sampling alike: a request joins at
-the next step (its prompt prefilled on its own), shares every verify forward with the rows running, each row accepted
+Every request is a row of one :class:`medusa.decode.loop.RunningBatch`, greedy or sampling alike: a request joins once
+its prompt is prefilled on its own, ``prefill_chunk`` tokens per round (chunked prefill: a long prompt joins over
+several rounds, the running rows stepping between them), shares every verify forward with the rows running, each row accepted
 with its own rule, settings and random generator (:mod:`medusa.decode.acceptance`), and leaves when it stops, is
 cancelled (the client went away, a stop string matched, its deadline passed) or fails. Every running request advances
 once per round of the loop, and a round runs one batched step: no request waits more than a bounded number of steps.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa.decode.logits_process import Decoding
-from medusa.decode.loop import GenerationStats, RunningBatch, Step
+from medusa.decode.loop import GenerationStats, Joining, RunningBatch, Step
 from medusa.drafters.composite import NoDrafter
 
 logger = logging.getLogger(__name__)
@@ -172,10 +173,14 @@ class Scheduler:
     """
 
     def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto",
-                 forward_s: Callable[[int], float] | None = None):
-        if max_running < 1 or max_waiting < 0:
-            raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
+                 forward_s: Callable[[int], float] | None = None, prefill_chunk: int = 256):
+        if max_running < 1 or max_waiting < 0 or prefill_chunk < 1:
+            raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting >= 0, got {max_running}, "
+                             f"{prefill_chunk}, {max_waiting}")
         self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.joining: deque[tuple[Job, Joining]] = deque()
+        """Admitted jobs whose prompts are being prefilled, oldest first (they hold running slots)."""
         self.choice = StepChoice(speculation, forward_s=forward_s)
         drafter = NoDrafter() if speculation == "off" else model.drafter
         # Every node scored in one product where the engine declares it cheaper (as generate does), else the path.
@@ -222,14 +227,15 @@ class Scheduler:
     def load(self) -> int:
         """Requests running and waiting (from any thread)."""
         with self._lock:
-            return len(self.jobs) + len(self.waiting)
+            return len(self.jobs) + len(self.joining) + len(self.waiting)
 
     def snapshot(self) -> dict:
         """Counters for ``/health``: requests running and waiting, verify forwards and the rows they held."""
         with self._lock:
             waiting = len(self.waiting)
         batch = self.batch
-        return {"running": len(self.jobs), "waiting": waiting, "batched_forwards": batch.forwards,
+        return {"running": len(self.jobs), "prefilling": len(self.joining), "waiting": waiting,
+                "batched_forwards": batch.forwards,
                 "max_rows_per_forward": batch.max_rows, "row_forwards": batch.row_forwards,
                 "plain_steps": self.plain_steps, "sampling_row_steps": self.sampling_row_steps}
 
@@ -239,7 +245,7 @@ class Scheduler:
             with self._lock:
                 if self._stopping:
                     break
-                if not self.waiting and not self.jobs:
+                if not self.waiting and not self.jobs and not self.joining:
                     self._lock.wait(0.05)
                     continue
             try:
@@ -250,33 +256,72 @@ class Scheduler:
         self._fail_all("the server is shutting down")
 
     def _round(self) -> None:
-        """Admit, drop the cancelled, then one batched step for every running job."""
+        """Admit, prefill up to ``prefill_chunk`` prompt tokens, drop the cancelled, then one batched step for
+        every running job."""
         self._admit()
+        self._prefill()
         self._drop_cancelled()
         if self.jobs:
             self._batched_step()
 
     def _admit(self) -> None:
-        """Start waiting jobs while slots are free (each prefilled now: it joins the batch's next step)."""
-        while len(self.jobs) < self.max_running:
+        """Start waiting jobs while slots are free (their prompts are prefilled by :meth:`_prefill`, the oldest
+        first, and each joins the batch's step after its last chunk)."""
+        while len(self.jobs) + len(self.joining) < self.max_running:
             with self._lock:
                 if not self.waiting:
                     return
                 job = self.waiting.popleft()
             if job.cancelled:
                 continue
-            key = id(job)
             try:
-                self._deliver(job, self.batch.join(key, job.ids, job.max_new_tokens, self.stop_ids, job.stats,
-                                                   job.decoding))
-                if not job.stats.stopped_by:
-                    self.jobs[key] = job
+                joining = self.batch.begin(id(job), job.ids, job.max_new_tokens, self.stop_ids, job.stats,
+                                           job.decoding)
             except Exception as e:  # one bad request must not stop the others
                 logger.exception("prefill failed")
                 job.deliver(("error", f"decoding failed: {e}", 500))
+                continue
+            with self._lock:
+                self.joining.append((job, joining))
+
+    def _prefill(self) -> None:
+        """Prefill ``prefill_chunk`` prompt tokens of the joining jobs, the oldest first (a prompt within the
+        budget joins in one forward, as alone); a job whose last chunk ran joins the batch."""
+        budget = self.prefill_chunk
+        while budget > 0 and self.joining:
+            job, joining = self.joining[0]
+            if job.cancelled:
+                self._pop_joining()
+                job.deliver(("error", "the request was cancelled", 499))
+                continue
+            tokens = min(budget, joining.left)
+            budget -= tokens
+            try:
+                step = self.batch.prefill(joining, tokens)
+            except Exception as e:  # one bad request must not stop the others
+                logger.exception("prefill failed")
+                self._pop_joining()
+                job.deliver(("error", f"decoding failed: {e}", 500))
+                continue
+            if step is None:
+                continue  # more chunks at the next rounds
+            self._pop_joining()
+            self._deliver(job, step)
+            if not job.stats.stopped_by:
+                self.jobs[joining.key] = job
+
+    def _pop_joining(self) -> None:
+        with self._lock:
+            self.joining.popleft()
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled jobs; each gets an error event, so that whoever still waits on it stops waiting."""
+        with self._lock:
+            dropped_joins = [job for job, _ in self.joining if job.cancelled]
+            if dropped_joins:
+                self.joining = deque(pair for pair in self.joining if not pair[0].cancelled)
+        for job in dropped_joins:
+            job.deliver(("error", "the request was cancelled", 499))
         gone = [key for key, job in self.jobs.items() if job.cancelled]
         if gone:
             self.batch.leave(gone)
@@ -323,8 +368,9 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
-            left = [*self.waiting, *self.jobs.values()]
+            left = [*self.waiting, *(job for job, _ in self.joining), *self.jobs.values()]
             self.waiting.clear()
+            self.joining.clear()
         for job in left:
             job.deliver(("error", message, 503))
         self.jobs.clear()
