@@ -3,6 +3,8 @@
 # the default 16) against `medusa distill --server` asking `medusa serve` (continuous batching, heads) at several
 # concurrencies. Same prompts (the first N of the training split), same budget; each run writes a fresh folder.
 #   N=24 MAX_NEW=128 bash scripts/distill_throughput.sh > docs/results/distill-throughput.txt
+# PROCS=2 (default) also times the batch-16 path split over 2 processes of one thread each (accelerate launch);
+# ONLY_IN_PROCESS=1 stops before the server runs.
 set -euo pipefail
 BASE=${BASE:-models/smollm2-135m-instruct}
 HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
@@ -32,6 +34,19 @@ for BS in 1 16; do
   read -r answers tokens < <(count "$OUT/hf-bs$BS/distilled_train.jsonl")
   echo "in-process HF generate, batch $BS: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included)"
 done
+
+if [ "${PROCS:-2}" -gt 1 ]; then  # the default batch split over processes of one thread each (accelerate launch)
+  start=$(date +%s.%N)
+  OMP_NUM_THREADS=1 accelerate launch --config_file configs/accelerate/cpu_2proc.yaml --num_processes "${PROCS:-2}" \
+    -m medusa.cli distill "${COMMON[@]}" --out-dir "$OUT/hf-bs16-p${PROCS:-2}" --batch-size 16 > "$OUT/p.log" 2>&1 \
+    || { tail -20 "$OUT/p.log"; exit 1; }
+  secs=$(python -c "import time; print(time.time() - $start)")
+  read -r answers tokens < <(count "$OUT/hf-bs16-p${PROCS:-2}/distilled_train.jsonl")
+  same=$(cmp -s "$OUT/hf-bs16/distilled_train.jsonl" "$OUT/hf-bs16-p${PROCS:-2}/distilled_train.jsonl" \
+         && echo "byte-identical to one process's file" || echo "differs from one process's file")
+  echo "in-process HF generate, batch 16, ${PROCS:-2} processes x 1 thread: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model loads included); $same"
+fi
+[ -n "${ONLY_IN_PROCESS:-}" ] && exit 0
 
 serve() {  # $1: extra flags
   medusa serve --base "$BASE" --heads "$HEADS" --threads "$THREADS" --port "$PORT" --max-running 16 \
