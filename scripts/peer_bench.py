@@ -124,7 +124,9 @@ def build(name: str, args, stop: set[int], hf_model):
     kind, precision = name.split("-")
     options = {}
     if precision == "int4":
-        options = {"quantize": "int4", "gguf": args.gguf, "quantized_lm_head": args.int4_lm_head}
+        # The decoder's own base copy (HF's is loaded apart): its fp32 weights of the quantized layers are freed.
+        options = {"quantize": "int4", "gguf": args.gguf, "quantized_lm_head": args.int4_lm_head,
+                   "release_dense": not args.keep_dense}
     else:
         options = {"engine": "auto"}
     if kind == "plain":
@@ -150,19 +152,24 @@ def machine() -> dict:
 
 def peak_memory(args) -> None:
     """Peak resident size of a process that loads each decoder and answers the first prompt (the machine profile
-    read, not measured: run the timed bench first). Printed as a table; with ``--out``, written as JSON."""
+    read, not measured: run the timed bench first), and its resident size after that answer (what it holds while it
+    serves: the int4 decoders have freed the fp32 copies of their quantized layers by then, the peak still counts
+    the fp32 base they were loaded as). Printed as a table; with ``--out``, written as JSON."""
     import subprocess
 
     rows = {}
     for name in args.decoders:
         cmd = [sys.executable, __file__, "--peak-rss-only", "--decoders", name, "--base", args.base, "--heads",
                args.heads, "--gguf", args.gguf, "--prompts", args.prompts, "--max-new-tokens",
-               str(args.max_new_tokens), "--threads", str(args.threads), "--int4-lm-head", args.int4_lm_head]
+               str(args.max_new_tokens), "--threads", str(args.threads), "--int4-lm-head", args.int4_lm_head,
+               *(["--keep-dense"] if args.keep_dense else [])]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows[name] = float(next(line.split()[1] for line in out.splitlines() if line.startswith("PEAK_RSS_MB")))
-        print(f"| {name} | {rows[name]:.0f} MB |", flush=True)
+        read = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+                if line.startswith(("PEAK_RSS_MB ", "RSS_MB "))}
+        rows[name] = {"peak_rss_mb": read["PEAK_RSS_MB"], "rss_mb": read["RSS_MB"]}
+        print(f"| {name} | {rows[name]['peak_rss_mb']:.0f} MB | {rows[name]['rss_mb']:.0f} MB |", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"peak_rss_mb": rows, "command": " ".join(sys.argv)}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"memory": rows, "command": " ".join(sys.argv)}, indent=1) + "\n")
 
 
 def main() -> None:
@@ -181,6 +188,9 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="instead: each decoder in a process of its own, loaded and run on the first prompt; "
                              "prints each process's peak resident size")
+    parser.add_argument("--keep-dense", action="store_true",
+                        help="int4 decoders keep the base's fp32 weights of their quantized layers (default: freed, "
+                             "as generate and serve do)")
     parser.add_argument("--peak-rss-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.gguf = args.gguf or default_gguf()
@@ -204,6 +214,7 @@ def main() -> None:
             hf_model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
         build(args.decoders[0], args, stop, hf_model)(prompts[0], args.max_new_tokens)
         print(f"PEAK_RSS_MB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
+        print(f"RSS_MB {rss_mb():.0f}")  # resident once loaded and run: what the process holds from then on
         return
     info = machine()
     print(f"# {info['cpu']}, {info['cores']} cores, AVX-512 {info['avx512']}, threads {args.threads}, load "

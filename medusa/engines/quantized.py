@@ -416,10 +416,12 @@ class QuantizedEngine(StaticEngine):
             if weight is None or weight.numel() == 0:
                 continue
             freed += weight.numel() * weight.element_size()
+            _drop_pages(weight)
             module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
             module.register_forward_pre_hook(_released_forward)
         self.quantized.codes = {}  # the lean decoder holds its packed copies; these served only refresh()
         self.released_bytes += freed
+        _return_freed_memory()
         return freed
 
     def _build_lean(self) -> None:
@@ -502,6 +504,44 @@ class QuantizedEngine(StaticEngine):
             "codes_from": sorted(sources), "gguf": self.gguf,
             "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes(),
             "released_dense_bytes": self.released_bytes}
+
+
+def _drop_pages(tensor: torch.Tensor) -> None:
+    """Tell the kernel that the memory pages lying wholly inside ``tensor``'s bytes are no longer needed
+    (``madvise(MADV_DONTNEED)``; the pages at either edge, which a neighbour may share, are kept). A base loaded
+    from safetensors holds its weights as views of the file mapped into memory: dropping the tensor alone leaves
+    those pages resident as long as any other weight keeps the mapping. Called just before the tensor's last use
+    is dropped; no-op where ``madvise`` is not available."""
+    import ctypes
+    import mmap
+
+    if tensor.device.type != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): the freed weights were allocated
+    among many smaller blocks, so without it the process keeps them resident. Elsewhere (no glibc) the freed memory
+    is reused by the process instead, and resident size stays as it was."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _released_forward(module, args):
