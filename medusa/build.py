@@ -31,9 +31,12 @@ PER_STEP_MODES = ("auto", "on", "off")
 VERIFY_LOGITS = {"auto": None, "all": True, "path": False}
 """``verify_logits`` to the engine's ``scores_all_nodes`` (``None``: the engine's own choice)."""
 QUANTIZE = ("none", "int4", "int8")
-QUANTIZED_LM_HEADS = ("fp32", "bf16", "int4")
+QUANTIZED_LM_HEADS = ("fp32", "bf16", "int4", "gguf")
 """``--quantized-lm-head``: the quantized engines' lm_head (:data:`medusa.engines.quantized.LM_HEADS`)."""
 """``--quantize``: ``none``, or the weight-only quantized engine of that name (:mod:`medusa.engines.quantized`)."""
+INT4_KERNELS = ("torch", "native", "native-q8")
+"""``--int4-kernel``: who runs one sequence's forwards on the int4 engine
+(:data:`medusa.engines.quantized.KERNELS`)."""
 QUANTIZED_DRAFT_ENGINES = ("eager", "static")
 BUILT_IN_DRAFTERS = ("heads", "per-step", "draft_model", "lookup", "none")
 """The drafter names :func:`build_model` assembles itself; any other registered name builds itself."""
@@ -122,6 +125,9 @@ class DecodeConfig:
     quantized_lm_head: str = "fp32"
     """With ``quantize``: the lm_head's precision, ``fp32`` (the base's), ``bf16`` (a bf16 copy whose argmax is
     checked to be fp32's, :mod:`medusa.engines.checked_head`) or ``int4`` (codes like the linears; lossy)."""
+    int4_kernel: str = "torch"
+    """With ``quantize="int4"``: ``torch`` (torch's int4 kernel, bf16 activations) or ``native`` (one C call a
+    forward, fp32 activations, one sequence at a time: :mod:`medusa.engines.native`)."""
     release_dense: bool = False
     """With ``quantize``: free the base's dense copies of the layers the engine runs quantized, once the model is
     built (:meth:`medusa.engines.quantized.QuantizedEngine.release_dense`), so the process holds the quantized
@@ -223,6 +229,11 @@ class DecodeConfig:
         if self.quantized_lm_head not in QUANTIZED_LM_HEADS:
             raise ValueError(f"--quantized-lm-head must be one of {', '.join(QUANTIZED_LM_HEADS)}, got "
                              f"{self.quantized_lm_head!r}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"--int4-kernel must be one of {', '.join(INT4_KERNELS)}, got {self.int4_kernel!r}")
+        if self.int4_kernel != "torch" and self.quantize != "int4":
+            raise ValueError(f"--int4-kernel {self.int4_kernel} runs the int4 engine: pass --quantize int4 too (got "
+                             f"--quantize {self.quantize})")
         if self.release_dense and self.quantize == "none":
             raise ValueError("--release-dense frees the dense weights a quantized engine replaces: pass --quantize "
                              "int4 or int8 too")
@@ -336,7 +347,14 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                         "int4 codes (nothing rounded twice)")
     p.add_argument("--quantized-lm-head", choices=QUANTIZED_LM_HEADS, default="fp32",
                    help="with --quantize: the lm_head's precision: fp32 (the base's, default), bf16 (half the bytes; "
-                        "its argmax is checked to be fp32's, so greedy tokens are kept), int4 (lossy)")
+                        "its argmax is checked to be fp32's, so greedy tokens are kept), int4 (lossy), gguf (the "
+                        "GGUF's own Q8_0 lm_head, the fp32 weights exactly, fp32 activations; --int4-kernel native "
+                        "or native-q8)")
+    p.add_argument("--int4-kernel", choices=INT4_KERNELS, default="torch",
+                   help="with --quantize int4: torch (torch's int4 kernel, bf16 activations, default); native (the "
+                        "whole forward in one C call, fp32 activations, compiled on first use with the system's C "
+                        "compiler; one sequence at a time); native-q8 (the same with activations rounded to int8 "
+                        "blocks on AVX-512 VNNI, as llama.cpp: lossy, faster): docs/quantized.md")
     p.add_argument("--verify-logits", choices=tuple(VERIFY_LOGITS), default=_DEFAULTS["verify_logits"],
                    help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "
                         "the accepted path (the same tokens; cheaper where the vocabulary is large and the kernel "
@@ -511,6 +529,8 @@ def _use_engine(model, config: DecodeConfig, say, step_size: int | None = None) 
     options = {} if config.gguf is None else {"gguf": config.gguf}
     if config.quantized_lm_head != "fp32":
         options["lm_head"] = config.quantized_lm_head
+    if config.int4_kernel != "torch":
+        options["kernel"] = config.int4_kernel
     model.use_engine(config.engine_name, step_size=step_size, max_cache_len=config.max_cache_len,
                      scores_all_nodes=config.scores_all_nodes, measure=True, **options)
     if model.engine.choice is not None:

@@ -9,7 +9,11 @@ warm-up of each on one short prompt. Decoders (``--decoders`` picks any of them)
 - ``hf``: Hugging Face ``generate`` on the prepared fp32 folder; ``hf-lookup10``: with ``prompt_lookup_num_tokens``;
 - ``plain-fp32`` / ``medusa-fp32``: our plain and Medusa decoding, fp32, ``--engine auto``;
 - ``plain-int4`` / ``medusa-int4``: the same through the ``int4`` engine, codes from the GGUF's own blocks, the
-  checked bf16 lm_head.
+  checked bf16 lm_head;
+- ``plain-int4native`` / ``medusa-int4native``: the same engine with ``--int4-kernel native`` (the whole forward
+  in one C call, fp32 activations: :mod:`medusa.engines.native`) and the GGUF's own Q8_0 lm_head in C
+  (``--native-lm-head``);
+- ``plain-int4q8`` / ``medusa-int4q8``: ``--int4-kernel native-q8``, activations rounded to int8 blocks (VNNI).
 
 tok/s is new tokens over wall time per call (prefill included), summed over prompts. Agreement: for each pair of
 decoders, the prompts on which their tokens are identical. Medusa is exact relative to the model its engine runs:
@@ -42,9 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ALL = ("llama.cpp", "llama.cpp-lookup2", "llama.cpp-lookup10", "hf", "hf-lookup10", "plain-fp32", "medusa-fp32",
-       "plain-int4", "medusa-int4")
+       "plain-int4", "medusa-int4", "plain-int4native", "medusa-int4native", "plain-int4q8", "medusa-int4q8")
+KERNELS = {"int4": "torch", "int4native": "native", "int4q8": "native-q8"}
 DEFAULT = ("llama.cpp", "llama.cpp-lookup10", "hf", "hf-lookup10", "plain-fp32", "medusa-fp32", "plain-int4",
-           "medusa-int4")
+           "medusa-int4", "plain-int4native", "medusa-int4native", "plain-int4q8", "medusa-int4q8")
 
 
 def default_gguf() -> str:
@@ -123,10 +128,11 @@ def build(name: str, args, stop: set[int], hf_model):
         return HF(hf_model, stop, 10 if "lookup" in name else 0)
     kind, precision = name.split("-")
     options = {}
-    if precision == "int4":
+    if precision.startswith("int4"):
         # The decoder's own base copy (HF's is loaded apart): its fp32 weights of the quantized layers are freed.
-        options = {"quantize": "int4", "gguf": args.gguf, "quantized_lm_head": args.int4_lm_head,
-                   "release_dense": not args.keep_dense}
+        kernel = KERNELS[precision]
+        options = {"quantize": "int4", "gguf": args.gguf, "release_dense": not args.keep_dense, "int4_kernel": kernel,
+                   "quantized_lm_head": args.int4_lm_head if kernel == "torch" else args.native_lm_head}
     else:
         options = {"engine": "auto"}
     if kind == "plain":
@@ -162,6 +168,7 @@ def peak_memory(args) -> None:
         cmd = [sys.executable, __file__, "--peak-rss-only", "--decoders", name, "--base", args.base, "--heads",
                args.heads, "--gguf", args.gguf, "--prompts", args.prompts, "--max-new-tokens",
                str(args.max_new_tokens), "--threads", str(args.threads), "--int4-lm-head", args.int4_lm_head,
+               "--native-lm-head", args.native_lm_head,
                *(["--keep-dense"] if args.keep_dense else [])]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         read = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
@@ -183,6 +190,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--int4-lm-head", default="bf16", choices=["fp32", "bf16", "int4"])
+    parser.add_argument("--native-lm-head", default="gguf", choices=["fp32", "bf16", "int4", "gguf"],
+                        help="the lm_head of the native decoders (default: the GGUF's own Q8_0 blocks in C)")
     parser.add_argument("--decoders", nargs="+", default=list(DEFAULT), choices=ALL)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--memory", action="store_true",

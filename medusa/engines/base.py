@@ -95,6 +95,10 @@ class Engine(abc.ABC):
     step_buckets: tuple[int, ...] | None = None
     """The step sizes this engine pads a step up to, or ``None``: any step size costs the same to set up (no
     engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
+    products_visible: ClassVar[bool] = True
+    """The forward's matrix products run as torch ops that ``torch.profiler`` sees, so the profile can split a
+    forward into them and the rest (:func:`medusa.tools.measure.time_outside_products`); an engine whose forward is
+    one opaque call (the native int4 decoder) sets it False."""
     supports_batch: ClassVar[bool] = True
     """Several rows can share a forward (:class:`medusa.decode.loop.RunningBatch`) through this engine's batch
     operations (the ones here work on a ``DynamicCache``: an engine with a cache of its own overrides them, or

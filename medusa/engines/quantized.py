@@ -54,10 +54,14 @@ axis only after whole blocks (checked by ``tests/test_quantized.py``)."""
 ACTIVATION_DTYPE = torch.bfloat16
 """The kernels' fast path on a CPU (fp32 activations take a slow path, fp16 slower still: docs/quantized.md)."""
 KINDS = ("int4", "int8")
-LM_HEADS = (False, True, "fp32", "int4", "bf16")
+KERNELS = ("torch", "native", "native-q8")
+"""Who runs one sequence's forwards: torch's kernels, or the C decoder of :mod:`medusa.engines.native`."""
+LM_HEADS = (False, True, "fp32", "int4", "bf16", "gguf")
 """The engine's ``lm_head``: ``False``/``"fp32"`` the base's dense one; ``True``/``"int4"`` int4 codes like the
 linear layers (lossy: docs/quantized.md); ``"bf16"``: a bf16 copy whose argmax is checked to be the fp32 one's
-(:mod:`medusa.engines.checked_head`). Int4 codes behind the same check were tried and dropped: their error bound
+(:mod:`medusa.engines.checked_head`); ``"gguf"``: the GGUF's own Q8_0 blocks of the lm_head (the prepared fp32
+weights exactly, ``w = d q``) in a C product with fp32 activations, the native kernels only. Int4 codes behind the
+same check were tried and dropped: their error bound
 leaves thousands of tokens to rescore (85-110 ms a token on the reference model, docs/quantized.md)."""
 ROW_INVARIANT_ATTENTION = "medusa_row_invariant"
 """The attention implementation the shadow's attention modules run (:func:`row_invariant_attention`)."""
@@ -315,10 +319,8 @@ class QuantizedLinears:
             fused = Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
             field = "codes"
         else:
-            base = dict(self.base_decoder.named_modules())
-            codes = [self.codes[name] if self.source[name] == "codes" else
-                     Int4Codes(*quantize_int4(linear_weight(base[name]))) for name in names]
-            fused = Int4Linear(*(torch.cat([getattr(c, f) for c in codes]) for f in ("codes", "scale", "zero")))
+            codes = self.fused_codes(names)
+            fused = Int4Linear(codes.codes, codes.scale, codes.zero)
             field = "packed" if all(p.out_features % INT4_ROW_BLOCK == 0 for p in parts[:-1]) else None
         if field is not None:
             start = 0
@@ -326,6 +328,14 @@ class QuantizedLinears:
                 setattr(p, field, getattr(fused, field)[start:start + p.out_features])  # a contiguous view
                 start += p.out_features
         return fused
+
+    def fused_codes(self, names: list[str]) -> Int4Codes:
+        """The int4 codes of the layers ``names`` (qualified under the decoder), their outputs side by side: the
+        codes given at construction where there are some (a GGUF's), else quantized from the base's weights."""
+        base = dict(self.base_decoder.named_modules())
+        codes = [self.codes[name] if self.source.get(name) == "codes" else
+                 Int4Codes(*quantize_int4(linear_weight(base[name]))) for name in names]
+        return Int4Codes(*(torch.cat([getattr(c, f) for c in codes]) for f in ("codes", "scale", "zero")))
 
     def nbytes(self) -> int:
         """Bytes held by the quantized copies (codes, scales, zeros; a code shared by views counted once)."""
@@ -351,10 +361,15 @@ class QuantizedEngine(StaticEngine):
             (``False``: the stock decoder's shadow always; the same bits, for A/B runs).
         gguf: the 4-bit GGUF this base was prepared from (``medusa prepare-model``): the codes are its own blocks
             (:func:`medusa.io.gguf_pack.gguf_codes`), and a layer whose tensor is not 4-bit stays dense.
+        kernel: one of :data:`KERNELS`: ``"torch"``, torch's int4/int8 kernels with bfloat16 activations;
+            ``"native"`` (int4 only), one sequence's forwards through :class:`medusa.engines.native.NativeDecoder`
+            (one C call a forward, fp32 activations; compiled on first use). Batched decoding runs torch's kernels
+            either way, so ``"native"`` decodes one sequence at a time.
 
     Raises:
         ValueError: the kernel cannot run for this model's device or in this torch (the message names what works);
-            a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``).
+            a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``);
+            ``kernel="native"`` where it cannot run (no C compiler, a model the lean forward does not support).
     """
 
     packs_drafter_products = True
@@ -367,10 +382,18 @@ class QuantizedEngine(StaticEngine):
         return False
 
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None,
-                 lm_head: bool | str = False, gguf: str | Path | None = None, lean: bool = True):
+                 lm_head: bool | str = False, gguf: str | Path | None = None, lean: bool = True,
+                 kernel: str = "torch"):
         reason = quantize_unavailable(self.kind, model.get_output_embeddings().weight.device)
         if reason is not None:
             raise ValueError(reason)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel != "torch" and self.kind != "int4":
+            raise ValueError(f"the native kernel runs int4 codes; the {self.kind} engine runs kernel 'torch'")
+        self.kernel = kernel
+        if kernel != "torch":  # one sequence at a time, in one C call the profiler cannot see into
+            self.supports_batch = self.products_visible = False
         codes, keep_dense, self.gguf = {}, {}, None if gguf is None else str(gguf)
         if gguf is not None:
             if self.kind != "int4":
@@ -385,6 +408,15 @@ class QuantizedEngine(StaticEngine):
         if lm_head == "bf16" and getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise ValueError(f"lm_head={lm_head!r} (a checked lm_head) takes an lm_head without a bias")
         self.lm_head_mode = {False: "fp32", True: "int4"}.get(lm_head, lm_head)
+        self.gguf_head = None
+        if self.lm_head_mode == "gguf":
+            if kernel == "torch" or gguf is None:
+                raise ValueError("lm_head='gguf' reads the lm_head's Q8_0 blocks from the GGUF into the native "
+                                 "kernel: give gguf= and kernel 'native' or 'native-q8'")
+            from medusa.engines.native import NativeHead
+            from medusa.io.gguf_pack import gguf_q8_0_head
+
+            self.gguf_head = NativeHead(*gguf_q8_0_head(gguf, model))
         self.quantized = QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), self.kind,
                                           self.lm_head_mode == "int4", codes, keep_dense)
         self.use_lean = lean
@@ -428,18 +460,28 @@ class QuantizedEngine(StaticEngine):
         """One row's forwards run :class:`medusa.engines.lean.LeanDecoder` where it supports the model (else the
         shadow of the stock decoder; :attr:`lean_reason` says why)."""
         self.lean_reason = "lean=False" if not self.use_lean else lean_unsupported(self.model, self.quantized.dense)
+        if self.kernel != "torch":
+            from medusa.engines.native import NativeDecoder, native_unavailable
+
+            reason = self.lean_reason or native_unavailable()
+            if reason is not None:
+                raise ValueError(f"the native int4 decoder cannot run this model here: {reason}; use kernel 'torch'")
+            self.lean = NativeDecoder(self.quantized.decoder, self.quantized.fused_codes,
+                                      int8_activations=self.kernel == "native-q8")
+            return
         self.lean = None if self.lean_reason is not None else LeanDecoder(self.quantized.decoder, self.quantized.fuse)
 
     @property
     def profile_name(self) -> str:
         """``int4`` / ``int8``, with ``:lm_head=MODE`` when the lm_head is not the base's fp32 one: the lm_head's
         precision changes a step's cost curve (and whether every node is scored), the codes' source does not."""
-        return self.name if self.lm_head_mode == "fp32" else f"{self.name}:lm_head={self.lm_head_mode}"
+        name = self.name if self.kernel == "torch" else f"{self.name}:kernel={self.kernel}"
+        return name if self.lm_head_mode == "fp32" else f"{name}:lm_head={self.lm_head_mode}"
 
     def _scores_all_nodes(self) -> bool:
         """With a quantized lm_head its few-row product is cheap enough to score every node."""
         quantized = self.lm_head_mode == "int4" and self.quantized.lm_head is not None  # not left dense
-        return super()._scores_all_nodes() or quantized or self.lm_head_mode == "bf16"
+        return super()._scores_all_nodes() or quantized or self.lm_head_mode in ("bf16", "gguf")
 
     def refresh(self) -> None:
         """Quantize again from the base's weights as they are now (see the module docstring).
@@ -474,6 +516,9 @@ class QuantizedEngine(StaticEngine):
         return self.lm_logits_rows(selected), hidden, *features
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gguf_head is not None:
+            rows = self.gguf_head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (M, V)
+            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], -1))
         if self.checked_head is not None:
             rows = self.checked_head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (M, V)
             return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], -1))
@@ -482,7 +527,7 @@ class QuantizedEngine(StaticEngine):
         return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
 
     def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized.lm_head is None and self.checked_head is None:
+        if self.quantized.lm_head is None and self.checked_head is None and self.gguf_head is None:
             return super().lm_logits_rows(hidden)
         return self.lm_logits(hidden)
 
@@ -490,6 +535,9 @@ class QuantizedEngine(StaticEngine):
         return self.quantized.decoder
 
     def forward_rows(self, *args, **kwargs):
+        if self.kernel != "torch":
+            raise ValueError("the native int4 decoder runs one sequence at a time: batched decoding (medusa serve, "
+                             "bench --batch-size) needs kernel 'torch'")
         with row_invariant_steps():  # batched decoding steps (the prompts' own forwards run as usual)
             return super().forward_rows(*args, **kwargs)
 
@@ -497,8 +545,10 @@ class QuantizedEngine(StaticEngine):
         sources = set(self.quantized.source.values())
         return super().settings() | {
             "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
-            "forward": "lean" if self.lean is not None else f"stock shadow ({self.lean_reason})",
-            "activation_dtype": str(ACTIVATION_DTYPE).removeprefix("torch."),
+            "forward": ("lean" if self.kernel == "torch" else self.kernel) if self.lean is not None else
+            f"stock shadow ({self.lean_reason})", "kernel": self.kernel,
+            "activation_dtype": {"native": "float32", "native-q8": "int8 blocks of 32"}.get(
+                self.kernel, str(ACTIVATION_DTYPE).removeprefix("torch.")),
             "lm_head_quantized": self.quantized.lm_head is not None, "lm_head": self.lm_head_mode,
             "dense_layers": dict(self.quantized.dense),
             "codes_from": sorted(sources), "gguf": self.gguf,

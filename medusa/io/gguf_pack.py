@@ -180,3 +180,42 @@ def gguf_codes(gguf: str | Path, model) -> GGUFCodes:
 def check_codes(codes: Int4Codes, weight: torch.Tensor) -> float:
     """``max |dequantize(codes) - weight|`` in fp32, the kernel's formula (:func:`dequantize_int4`)."""
     return (dequantize_int4(codes.codes, codes.scale, codes.zero) - weight.detach().float()).abs().max().item()
+
+
+def gguf_q8_0_head(gguf: str | Path, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lm_head of ``model`` from the GGUF's own Q8_0 blocks (``w = d q``, 32 weights a block): the output tensor,
+    or the token embedding when the GGUF ties them. ``d q`` in fp32 equals the prepared folder's lm_head exactly.
+
+    Returns:
+        ``(codes (V, K) int8, d (V, K / 32) fp32)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the GGUF's lm_head tensor is not Q8_0 (named with its type), or its blocks do not reproduce
+            the model's lm_head (not the GGUF this base was prepared from).
+    """
+    from gguf import GGUFReader
+
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    tied = getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False)
+    tensor = tensors.get("output.weight") or (tensors.get("token_embd.weight") if tied else None)
+    if tensor is None:
+        raise ValueError(f"{gguf}: no lm_head tensor (output.weight, or token_embd.weight for a tied base)")
+    if tensor.tensor_type.name != "Q8_0":
+        raise ValueError(f"{gguf}: the lm_head tensor {tensor.name} is {tensor.tensor_type.name}, not Q8_0: use "
+                         "another --quantized-lm-head")
+    weight = model.get_output_embeddings().weight.detach()
+    v, k = weight.shape
+    blocks = np.asarray(tensor.data).reshape(v, k // GROUP_SIZE, 34)  # (V, G, 2 + 32)
+    d, qs = _split(blocks, 2)
+    codes = torch.from_numpy(np.ascontiguousarray(qs).view(np.int8).reshape(v, k).copy())
+    scale = torch.from_numpy(_fp16(d).copy())  # (V, G)
+    rebuilt = codes.float() * scale.repeat_interleave(GROUP_SIZE, 1)
+    error = float((rebuilt - weight.float()).abs().max())
+    if error > 1e-6 * max(float(weight.abs().max()), 1.0):
+        raise ValueError(f"GGUF tensor {tensor.name} (Q8_0) does not reproduce the lm_head (max error {error:.3g}): "
+                         "not the GGUF this model was prepared from")
+    return codes, scale

@@ -210,8 +210,9 @@ def time_outside_products(engine, model, repeats: int = 5, prefix_len: int = PRE
     kernels (:data:`PRODUCT_OPS`, their own CPU time under ``torch.profiler``, per forward) and the rest of the
     forward's wall time, taken without the profiler (norms, attention, rotary, casts, copies, Python): the overhead a
     leaner forward cuts. Medians of ``repeats`` forwards after ``prefix_len`` cached tokens, lm_head applied as
-    decoding applies it. ``None`` on a GPU (kernels run asynchronously there; docs/gpu.md times them apart)."""
-    if model.device.type != "cpu":
+    decoding applies it. ``None`` on a GPU (kernels run asynchronously there; docs/gpu.md times them apart) and for
+    an engine whose products the profiler cannot see (:attr:`medusa.engines.Engine.products_visible`)."""
+    if model.device.type != "cpu" or not engine.products_visible:
         return None
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,0 +1,527 @@
+/* The native int4 decoder: one forward of M new tokens of one sequence through a Llama-family decoder whose linear
+ * layers hold int4 group-wise codes, everything in fp32 (medusa/engines/native.py drives it; docs/quantized.md).
+ *
+ * Weights: W[n, k] = q[n, k] * d[n, g] + m[n, g] (g = k / 32, q in 0..15; GGUF Q4_1's formula). codes: (N, K / 2)
+ * bytes, byte j < 16 of group g holding q[32 g + j] (low nibble) and q[32 g + 16 + j] (high nibble); d, m: (N, K / 32).
+ *
+ * Row invariance (why Medusa through this decoder equals plain decoding through it): every value of row i (its
+ * products, norms, rotary, attention over the keys it may see, in slot order) is computed by the same instructions
+ * in the same order whatever the other rows are, how many there are, and which thread runs it. No reduction is
+ * split across threads, and this file is compiled with -ffp-contract=off so the compiler fuses nothing by itself.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#define ROWS 4     /* rows of a product computed together (the weights are unpacked once for them) */
+#define CHANNELS 4 /* output channels computed together (independent accumulators) */
+
+const char *medusa_q4_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+/* y[r, n + c] (= or +=) for rows [r0, r0 + rows) and channels [n, n + CHANNELS). */
+static void q4_block(const float *x, int64_t K, const uint8_t *codes, const float *d, const float *m, float *y,
+                     int64_t N, int64_t n, int64_t r0, int rows, int add) {
+    const int64_t groups = K / 32;
+    float out[ROWS][CHANNELS];
+#if defined(__AVX512F__)
+    __m512 acc[ROWS][CHANNELS];
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) acc[i][c] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 w[CHANNELS][2];
+        for (int c = 0; c < CHANNELS; c++) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (c * groups + g) * 16)));
+            __m512 dg = _mm512_set1_ps(d[c * groups + g]), mg = _mm512_set1_ps(m[c * groups + g]);
+            w[c][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), dg, mg);
+            w[c][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dg, mg);
+        }
+        const float *xg = x + r0 * K + g * 32;
+        for (int i = 0; i < rows; i++) {
+            __m512 x0 = _mm512_loadu_ps(xg + i * K), x1 = _mm512_loadu_ps(xg + i * K + 16);
+            for (int c = 0; c < CHANNELS; c++) {
+                acc[i][c] = _mm512_fmadd_ps(w[c][0], x0, acc[i][c]);
+                acc[i][c] = _mm512_fmadd_ps(w[c][1], x1, acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) out[i][c] = _mm512_reduce_add_ps(acc[i][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[ROWS][CHANNELS];
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) acc[i][c] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int c = 0; c < CHANNELS; c++) {
+            const uint8_t *b = codes + (c * groups + g) * 16;
+            __m256 dg = _mm256_set1_ps(d[c * groups + g]), mg = _mm256_set1_ps(m[c * groups + g]);
+            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+            __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), dg, mg);
+            __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), dg, mg);
+            __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), dg, mg);
+            __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), dg, mg);
+            const float *xg = x + r0 * K + g * 32;
+            for (int i = 0; i < rows; i++) {
+                const float *xi = xg + i * K;
+                __m256 a = acc[i][c];
+                a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), a);
+                a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), a);
+                a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), a);
+                a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), a);
+                acc[i][c] = a;
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][c]), _mm256_extractf128_ps(acc[i][c], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[i][c] = _mm_cvtss_f32(h);
+        }
+#else
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) {
+            float a = 0.0f;
+            const float *xi = x + (r0 + i) * K;
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *b = codes + (c * groups + g) * 16;
+                float dg = d[c * groups + g], mg = m[c * groups + g];
+                for (int j = 0; j < 16; j++) {
+                    a += ((float)(b[j] & 15) * dg + mg) * xi[g * 32 + j];
+                    a += ((float)(b[j] >> 4) * dg + mg) * xi[g * 32 + 16 + j];
+                }
+            }
+            out[i][c] = a;
+        }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < CHANNELS; c++) {
+            float *o = y + (r0 + i) * N + n + c;
+            *o = add ? *o + out[i][c] : out[i][c];
+        }
+}
+
+/* y (M, N) = [y +] x (M, K) W^T, inside a parallel region (the channel blocks shared among its threads). */
+static void q4_product(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
+                       int64_t N, float *y, int add) {
+    const int64_t groups = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n += CHANNELS)
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int rows = (int)(M - r0 < ROWS ? M - r0 : ROWS);
+            q4_block(x, K, codes + n * groups * 16, d + n * groups, m + n * groups, y, N, n, r0, rows, add);
+        }
+}
+
+/* The product alone, for tests and the profile: y (M, N) = x (M, K) W^T with `threads` threads. */
+void medusa_q4_product(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
+                       int64_t N, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    q4_product(x, M, K, codes, d, m, N, y, 0);
+}
+
+/* ---- int8 activations (kernel "native-q8"): VNNI products, 16 output channels a block ----------------------------
+ * Weights: blocks of 16 channels; per group g, 256 bytes: byte 64 v + 4 l + t holds q[channel l][4 v + t] in its low
+ * nibble and q[channel l][4 (v + 4) + t] in its high nibble (v = 0..3); d, m: (N / 16, K / 32, 16) fp16.
+ * Activations: per row and group of 32, s = max|x| / 127 and xq = round(x / s) in -127..127 (llama.cpp's Q8 blocks).
+ * y[r, n] = sum over g of d s (q . xq) + m s (sum xq), in the same order for every row. */
+#define Q8_BLOCK 16
+#define Q8_ROWS 8
+
+__attribute__((unused)) static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 0) {
+        float f = ldexpf((float)mantissa, -24);
+        return sign ? -f : f;
+    }
+    bits = exponent == 31 ? sign | 0x7f800000u | (mantissa << 13) : sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+int medusa_q8_supported(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* xq (M, K) int8, s and ssum (M, K / 32): inside a parallel region */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *s, float *ssum) {
+    const int64_t groups = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M * groups; t++) {
+        const float *xg = x + t * 32;
+        float top = 0.0f;
+        for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(xg[j]));
+        float scale = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)nearbyintf(xg[j] * inv);
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            xq[t * 32 + j] = (int8_t)q;
+            sum += q;
+        }
+        s[t] = scale;
+        ssum[t] = scale * (float)sum;
+    }
+}
+
+static void q8_block(const int8_t *xq, const float *s, const float *ssum, int64_t K, const uint8_t *codes,
+                     const uint16_t *d, const uint16_t *m, float *y, int64_t N, int64_t n, int64_t r0, int rows,
+                     int add) {
+    const int64_t groups = K / 32;
+    float out[Q8_ROWS][Q8_BLOCK];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512 acc[Q8_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b = codes + g * 256;
+        __m512i w[8];
+        for (int v = 0; v < 4; v++) {
+            __m512i z = _mm512_loadu_si512((const void *)(b + 64 * v));
+            w[v] = _mm512_and_si512(z, low);
+            w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        }
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * 16)));
+        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * 16)));
+        for (int i = 0; i < rows; i++) {
+            const int8_t *xg = xq + (r0 + i) * K + g * 32;
+            __m512i iacc = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t quad;
+                memcpy(&quad, xg + 4 * j, 4);
+                iacc = _mm512_dpbusd_epi32(iacc, w[j], _mm512_set1_epi32(quad));
+            }
+            int64_t t = (r0 + i) * groups + g;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ssum[t]), acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(out[i], acc[i]);
+#else
+    for (int i = 0; i < rows; i++)
+        for (int l = 0; l < Q8_BLOCK; l++) {
+            float a = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *b = codes + g * 256;
+                const int8_t *xg = xq + (r0 + i) * K + g * 32;
+                int isum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) {
+                        uint8_t byte = b[64 * (j % 4) + 4 * l + t];
+                        int q = j < 4 ? (byte & 15) : (byte >> 4);
+                        isum += q * xg[4 * j + t];
+                    }
+                int64_t t = (r0 + i) * groups + g;
+                float dg = half_to_float(d[g * 16 + l]), mg = half_to_float(m[g * 16 + l]);
+                a = fmaf((float)isum, dg * s[t], a);
+                a = fmaf(mg, ssum[t], a);
+            }
+            out[i][l] = a;
+        }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int l = 0; l < Q8_BLOCK; l++) {
+            float *o = y + (r0 + i) * N + n + l;
+            *o = add ? *o + out[i][l] : out[i][l];
+        }
+}
+
+/* y (M, N) = [y +] q8(x) W^T inside a parallel region; xq, s, ssum: scratch of M K bytes and M K / 32 floats */
+static void q8_product(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *d,
+                       const uint16_t *m, int64_t N, float *y, int add, int8_t *xq, float *s, float *ssum) {
+    const int64_t groups = K / 32;
+    quantize_rows(x, M, K, xq, s, ssum);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n += Q8_BLOCK)
+        for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
+            int rows = (int)(M - r0 < Q8_ROWS ? M - r0 : Q8_ROWS);
+            int64_t blk = n / Q8_BLOCK;
+            q8_block(xq, s, ssum, K, codes + blk * groups * 256, d + blk * groups * 16, m + blk * groups * 16, y,
+                     N, n, r0, rows, add);
+        }
+}
+
+void medusa_q8_product(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *d,
+                       const uint16_t *m, int64_t N, float *y, int threads) {
+    int8_t *xq = malloc((size_t)M * K);
+    float *s = malloc(sizeof(float) * M * (K / 32)), *ssum = malloc(sizeof(float) * M * (K / 32));
+    if (xq && s && ssum) {
+#pragma omp parallel num_threads(threads)
+        q8_product(x, M, K, codes, d, m, N, y, 0, xq, s, ssum);
+    }
+    free(xq); free(s); free(ssum);
+}
+
+/* One channel of the head for ROWS rows (a compile-time count, so the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void head_channel(const float *x, int64_t K, const int8_t *q,
+                                                               const float *dc, float *y, int64_t V, const int rows) {
+    const int64_t groups = K / 32;
+#if defined(__AVX512F__)
+    __m512 acc[4];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+        __m512 dg = _mm512_set1_ps(dc[g]);
+        for (int i = 0; i < rows; i++) {
+            const float *xi = x + i * K + g * 32;
+            __m512 part = _mm512_mul_ps(q0, _mm512_loadu_ps(xi));
+            part = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xi + 16), part);
+            acc[i] = _mm512_fmadd_ps(part, dg, acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) y[i * V] = _mm512_reduce_add_ps(acc[i]);
+#else
+    for (int i = 0; i < rows; i++) {
+        const float *xi = x + i * K;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            float part = 0.0f;
+            for (int j = 0; j < 32; j++) part += (float)q[g * 32 + j] * xi[g * 32 + j];
+            acc += part * dc[g];
+        }
+        y[i * V] = acc;
+    }
+#endif
+}
+
+/* ---- the lm_head from a GGUF's Q8_0 blocks, fp32 activations: y (M, V) = x (M, K) W^T, W = d q ------------------
+ * codes (V, K) int8, d (V, K / 32) fp32; each channel's weights unpacked once for up to four rows, each (row,
+ * channel) summed in the same order whatever the rows are. */
+void medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t V,
+                      float *y, int threads) {
+    const int64_t groups = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < V; n++) {
+        const int8_t *q = codes + n * K;
+        const float *dc = d + n * groups;
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {
+            const float *xr = x + r0 * K;
+            float *yr = y + r0 * V + n;
+            switch (M - r0 < 4 ? M - r0 : 4) {
+            case 1: head_channel(xr, K, q, dc, yr, V, 1); break;
+            case 2: head_channel(xr, K, q, dc, yr, V, 2); break;
+            case 3: head_channel(xr, K, q, dc, yr, V, 3); break;
+            default: head_channel(xr, K, q, dc, yr, V, 4); break;
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* e^x for x <= 0 (scores minus their maximum), 16 lanes: 2^n e^r with r = x - n ln 2, |r| <= ln2 / 2, and a
+ * degree-6 polynomial for e^r (relative error about 2e-7); lanes below -87 give 0. */
+static __m512 exp_nonpositive(__m512 x) {
+    const __m512 lowest = _mm512_set1_ps(-87.0f);
+    __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lowest);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+static float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), s);
+        return _mm512_reduce_add_ps(s);
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* out (H) = weight * (x * 1 / sqrt(mean(x^2) + eps)), transformers' Llama RMSNorm in fp32. */
+static void rms_norm(const float *x, const float *weight, int64_t H, float eps, float *out) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < H; j++) sum += x[j] * x[j];
+    float inv = 1.0f / sqrtf(sum / (float)H + eps);
+    for (int64_t j = 0; j < H; j++) out[j] = weight[j] * (x[j] * inv);
+}
+
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, layers, capacity;
+    float eps, scaling;
+    int64_t int8_activations; /* 0: the fp32 products (q4 layout); 1: the VNNI products (q8 layout, fp16 d and m) */
+    /* per layer: [qkv, o, gate_up, down] codes, d, m (layers * 4 each); norms: 2 per layer, then the final one */
+    const uint8_t *const *codes;
+    const float *const *d;
+    const float *const *m;
+    const float *const *norms;
+} medusa_q4_model;
+
+#define PRODUCT(in, K, j, N, out, add)                                                                        \
+    do {                                                                                                       \
+        if (w->int8_activations)                                                                               \
+            q8_product(in, M, K, c[j], (const uint16_t *)dd[j], (const uint16_t *)mm[j], N, out, add, xq, xs,   \
+                       xsum);                                                                                  \
+        else                                                                                                   \
+            q4_product(in, M, K, c[j], dd[j], mm[j], N, out, add);                                             \
+    } while (0)
+
+/* One forward of M new tokens written at cache slots [length, length + M).
+ *
+ * x (M, hidden): the tokens' embeddings in, the hidden states after the final norm out.
+ * cos, sin (M, head_dim): the rotary tables at the tokens' positions.
+ * visible: CSR over the step's rows; row i attends to slots 0 .. length-1, then to the step's rows
+ *   index[offsets[i] .. offsets[i+1]) (ascending, itself last), in that order.
+ * keys, values: per layer (kv_heads, capacity, head_dim), written at the step's slots.
+ * kept: per layer, NULL or (M, hidden) receiving the residual stream after that layer.
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing written to x then).
+ */
+int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float *cos, const float *sin,
+                      const int32_t *offsets, const int32_t *index, int64_t length, float *const *keys,
+                      float *const *values, float *const *kept, int threads) {
+    const int64_t H = w->hidden, D = w->head_dim, Hq = w->q_heads, Hkv = w->kv_heads, I = w->intermediate;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, cap = w->capacity, group = Hq / Hkv;
+    const int64_t most_seen = length + M;
+    float *h = malloc(sizeof(float) * M * H), *qkv = malloc(sizeof(float) * M * QKV);
+    float *att = malloc(sizeof(float) * M * Hq * D), *gu = malloc(sizeof(float) * M * 2 * I);
+    float *act = malloc(sizeof(float) * M * I);
+    float *scores = malloc(sizeof(float) * (size_t)threads * most_seen);
+    const int64_t widest = I > H ? (I > Hq * D ? I : Hq * D) : (H > Hq * D ? H : Hq * D);
+    int8_t *xq = malloc((size_t)M * widest);
+    float *xs = malloc(sizeof(float) * M * (widest / 32)), *xsum = malloc(sizeof(float) * M * (widest / 32));
+    int ok = h && qkv && att && gu && act && scores && xq && xs && xsum;
+    if (ok) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *mine = scores + (size_t)omp_get_thread_num() * most_seen;
+            for (int64_t l = 0; l < w->layers; l++) {
+                const uint8_t *const *c = w->codes + 4 * l;
+                const float *const *dd = w->d + 4 * l, *const *mm = w->m + 4 * l;
+                float *kc = keys[l], *vc = values[l];
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < M; i++) rms_norm(x + i * H, w->norms[2 * l], H, w->eps, h + i * H);
+                PRODUCT(h, H, 0, QKV, qkv, 0);
+                /* rotary on queries and keys (transformers' rotate_half), then the keys and values into the cache */
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < M; i++) {
+                    const float *ci = cos + i * D, *si = sin + i * D;
+                    for (int64_t head = 0; head < Hq + Hkv; head++) {
+                        float *v = qkv + i * QKV + head * D;
+                        for (int64_t j = 0; j < D / 2; j++) {
+                            float a = v[j], b = v[j + D / 2];
+                            v[j] = a * ci[j] + (-b) * si[j];
+                            v[j + D / 2] = b * ci[j + D / 2] + a * si[j + D / 2];
+                        }
+                    }
+                    for (int64_t head = 0; head < Hkv; head++) {
+                        memcpy(kc + (head * cap + length + i) * D, qkv + i * QKV + (Hq + head) * D, sizeof(float) * D);
+                        memcpy(vc + (head * cap + length + i) * D, qkv + i * QKV + (Hq + Hkv + head) * D,
+                               sizeof(float) * D);
+                    }
+                }
+                /* attention: each (row, query head) alone over its visible slots, in slot order */
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M * Hq; t++) {
+                    int64_t i = t / Hq, head = t % Hq, kv = head / group;
+                    const float *q = qkv + i * QKV + head * D;
+                    const float *kb = kc + kv * cap * D, *vb = vc + kv * cap * D;
+                    int64_t own = offsets[i + 1] - offsets[i], seen = length + own;
+                    float top = -INFINITY;
+                    for (int64_t s = 0; s < seen; s++) {
+                        int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                        float score = dot(q, kb + slot * D, D) * w->scaling;
+                        mine[s] = score;
+                        if (score > top) top = score;
+                    }
+                    float total = 0.0f;
+                    float *o = att + i * Hq * D + head * D;
+#if defined(__AVX512F__)
+                    if (D % 16 == 0 && D <= 256) {
+                        __m512 sum = _mm512_setzero_ps(), top16 = _mm512_set1_ps(top);
+                        for (int64_t s = 0; s < seen; s += 16) {
+                            __mmask16 lanes = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
+                            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, mine + s), top16));
+                            e = _mm512_maskz_mov_ps(lanes, e);
+                            _mm512_mask_storeu_ps(mine + s, lanes, e);
+                            sum = _mm512_add_ps(sum, e);
+                        }
+                        total = _mm512_reduce_add_ps(sum);
+                        __m512 acc[16];
+                        for (int64_t j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
+                        for (int64_t s = 0; s < seen; s++) {
+                            int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                            const float *v = vb + slot * D;
+                            __m512 p = _mm512_set1_ps(mine[s]);
+                            for (int64_t j = 0; j < D / 16; j++)
+                                acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+                        }
+                        __m512 inv = _mm512_set1_ps(total);
+                        for (int64_t j = 0; j < D / 16; j++) _mm512_storeu_ps(o + 16 * j, _mm512_div_ps(acc[j], inv));
+                        continue;
+                    }
+#endif
+                    for (int64_t s = 0; s < seen; s++) {
+                        mine[s] = expf(mine[s] - top);
+                        total += mine[s];
+                    }
+                    for (int64_t j = 0; j < D; j++) o[j] = 0.0f;
+                    for (int64_t s = 0; s < seen; s++) {
+                        int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                        const float *v = vb + slot * D;
+                        float p = mine[s];
+                        for (int64_t j = 0; j < D; j++) o[j] += p * v[j];
+                    }
+                    for (int64_t j = 0; j < D; j++) o[j] = o[j] / total;
+                }
+                PRODUCT(att, Hq * D, 1, H, x, 1); /* x += attention @ o_proj */
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < M; i++) rms_norm(x + i * H, w->norms[2 * l + 1], H, w->eps, h + i * H);
+                PRODUCT(h, H, 2, 2 * I, gu, 0);
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < M; i++)
+                    for (int64_t j = 0; j < I; j++) {
+                        float g = gu[i * 2 * I + j];
+                        act[i * I + j] = g / (1.0f + expf(-g)) * gu[i * 2 * I + I + j];
+                    }
+                PRODUCT(act, I, 3, H, x, 1); /* x += mlp */
+                if (kept[l] != NULL) {
+#pragma omp for schedule(static)
+                    for (int64_t i = 0; i < M; i++) memcpy(kept[l] + i * H, x + i * H, sizeof(float) * H);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M; i++) {
+                rms_norm(x + i * H, w->norms[2 * w->layers], H, w->eps, h + i * H);
+                memcpy(x + i * H, h + i * H, sizeof(float) * H);
+            }
+        }
+    }
+    free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(xq); free(xs); free(xsum);
+    return ok ? 0 : -1;
+}

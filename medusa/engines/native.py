@@ -1,0 +1,344 @@
+"""The native int4 decoder: one sequence's forward through a Llama-family decoder in one C call, fp32 throughout.
+
+Why: with torch's int4 kernel, a one-token forward of SmolLM2-135M on 2 threads spends 6.1 ms in its matrix products
+and 7.7 ms outside them (norms, casts, rotary, cache writes, attention calls: about 25 small torch ops a layer,
+docs/quantized.md). llama.cpp does the whole token in 11 ms. This decoder runs every layer of a forward in C
+(``csrc/q4_decoder.c``): the int4 products unpack each weight group to fp32 once for up to four rows, and the
+norms, rotary, cache writes and attention run beside them in the same OpenMP region, so a token costs one call
+from Python.
+
+Numbers: activations stay fp32 and a weight is ``q * d + m`` in fp32 (GGUF Q4_1's own formula, from the same codes
+the torch path packs), so the decoder computes the prepared fp32 model up to summation order and the rounding of
+the zero point, where torch's kernel rounds activations, scales and zeros to bfloat16.
+
+Exactness: every value of a row is computed by the same instructions in the same order whatever the step's other
+rows are (see the C file's header), and each row attends to exactly the keys it may see in slot order. So greedy
+Medusa through this decoder equals plain greedy through it (``tests/test_native.py``).
+
+The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``), ``-O3 -march=native``, into
+the medusa cache folder, keyed by the source, the compiler and the flags; :func:`native_unavailable` says why it
+cannot be (no compiler, a failed build) and names what works instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "q4_decoder.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+"""``-ffp-contract=off``: the compiler fuses no multiply-add by itself, so a value is computed alike in a loop's
+vector body and its remainder (the row invariance the C file's header relies on)."""
+GROUP = 32
+CHANNEL_BLOCK = 4
+"""Output channels the C product computes together: a layer's output size must be a multiple of it."""
+
+_LIBRARY: dict[str, object] = {}
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
+                                                     "layers", "capacity")] + [
+        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("int8_activations", ctypes.c_int64),
+        ("codes", ctypes.POINTER(ctypes.c_void_p)), ("d", ctypes.POINTER(ctypes.c_void_p)),
+        ("m", ctypes.POINTER(ctypes.c_void_p)), ("norms", ctypes.POINTER(ctypes.c_void_p))]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, compiler and flags lives (it may not exist yet)."""
+    from medusa.profile import cache_dir
+
+    compiler = _compiler() or "none"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, version, *FLAGS)).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"q4_decoder-{key}.so"
+
+
+def native_unavailable() -> str | None:
+    """Why the native decoder cannot run here (no C compiler, the build failed), or ``None`` once its library is
+    built and loaded."""
+    try:
+        _library()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _library():
+    """The loaded library, compiled first if needed (atomically: a half-written file is never loaded).
+
+    Raises:
+        RuntimeError: no C compiler, or the build failed (the compiler's first error lines in the message).
+    """
+    if "lib" in _LIBRARY:
+        return _LIBRARY["lib"]
+    path = library_path()
+    if not path.exists():
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("the native int4 decoder is compiled on first use and no C compiler was found ($CC, "
+                               "cc, gcc): install one (Debian: apt install gcc), or use kernel 'torch'")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                first = "\n".join(done.stderr.strip().splitlines()[:5])
+                raise RuntimeError(f"building the native int4 decoder with {compiler} failed:\n{first}\nuse kernel "
+                                   "'torch'")
+            os.replace(out, path)
+    lib = ctypes.CDLL(str(path))
+    lib.medusa_q4_isa.restype = ctypes.c_char_p
+    lib.medusa_q4_product.restype = None
+    lib.medusa_q4_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_q8_supported.restype = ctypes.c_int
+    lib.medusa_q8_product.restype = None
+    lib.medusa_q8_product.argtypes = lib.medusa_q4_product.argtypes
+    lib.medusa_q8_0_head.restype = None
+    lib.medusa_q8_0_head.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_q4_forward.restype = ctypes.c_int
+    lib.medusa_q4_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    _LIBRARY["lib"] = lib
+    return lib
+
+
+def isa() -> str:
+    """The vector instructions the library was built for: ``avx512``, ``avx2`` or ``scalar``."""
+    return _library().medusa_q4_isa().decode()
+
+
+class NativeCodes:
+    """One weight ``(N, K)`` as the C product takes it: nibble-packed codes ``(N, K/2)`` uint8 and fp32 ``d``,
+    ``m`` ``(N, K/32)``, with ``W = q * d + m``.
+
+    Args:
+        codes: ``(N, K)`` uint8 in 0..15; ``scale``, ``zero``: ``(N, K/32)`` with ``W = (q - 8) * scale + zero``
+            (:class:`medusa.engines.int4.Int4Codes`).
+
+    Raises:
+        ValueError: ``N`` is not a multiple of :data:`CHANNEL_BLOCK` or ``K`` of :data:`GROUP`.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        n, k = codes.shape
+        if n % CHANNEL_BLOCK or k % GROUP:
+            raise ValueError(f"the native int4 product takes an output size that is a multiple of {CHANNEL_BLOCK} "
+                             f"and an input size that is a multiple of {GROUP}, got {n} x {k}")
+        groups = codes.reshape(n, k // GROUP, GROUP)
+        self.codes = (groups[..., :16] | (groups[..., 16:] << 4)).to(torch.uint8).contiguous().reshape(n, k // 2)
+        self.d = scale.float().contiguous()
+        self.m = (zero.float() - 8 * scale.float()).contiguous()
+        self.out_features, self.in_features = n, k
+
+    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x`` ``(M, K)`` fp32 -> ``(M, N)`` fp32 (for tests and the profile)."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        _library().medusa_q4_product(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
+                                     self.d.data_ptr(), self.m.data_ptr(), self.out_features, y.data_ptr(),
+                                     threads or torch.get_num_threads())
+        return y
+
+    def weight(self) -> torch.Tensor:
+        """The fp32 ``(N, K)`` weights the product computes with."""
+        low, high = (self.codes & 15).float(), (self.codes >> 4).float()
+        n, k = self.out_features, self.in_features
+        q = torch.cat([low.reshape(n, k // GROUP, 16), high.reshape(n, k // GROUP, 16)], -1).reshape(n, k)
+        return q * self.d.repeat_interleave(GROUP, 1) + self.m.repeat_interleave(GROUP, 1)
+
+
+class NativeCodesQ8:
+    """One weight ``(N, K)`` as the int8-activation (VNNI) product takes it: blocks of 16 output channels, their
+    codes interleaved four input features at a time (the C file's layout), ``d`` and ``m`` in fp16 ``(N/16, K/32,
+    16)``; ``W = q * d + m`` with ``d``, ``m`` rounded to fp16 (exact for a GGUF's Q4_0/Q4_1 blocks, whose scales
+    are fp16). Activations are rounded to int8 per row and group of 32 (llama.cpp's Q8 blocks), so the product is
+    ``q8(x) W^T``, lossy in ``x``.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 16 or ``K`` of :data:`GROUP`.
+    """
+
+    block = 16
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        n, k = codes.shape
+        if n % self.block or k % GROUP:
+            raise ValueError(f"the native int8-activation product takes an output size that is a multiple of "
+                             f"{self.block} and an input size that is a multiple of {GROUP}, got {n} x {k}")
+        g = k // GROUP
+        q = codes.to(torch.uint8).reshape(n // 16, 16, g, 8, 4)  # (block, channel, group, quad, t)
+        q = q.permute(0, 2, 3, 1, 4)  # (block, group, quad, channel, t)
+        self.codes = (q[:, :, :4] | (q[:, :, 4:] << 4)).contiguous().reshape(n, k // 2)  # 256 bytes a block's group
+        self.d = scale.float().reshape(n // 16, 16, g).transpose(1, 2).to(torch.float16).contiguous()
+        self.m = (zero.float() - 8 * scale.float()).reshape(n // 16, 16, g).transpose(1, 2).to(
+            torch.float16).contiguous()
+        self.out_features, self.in_features = n, k
+
+    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x`` ``(M, K)`` fp32 -> ``(M, N)`` fp32, the activations rounded to int8 blocks first."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        _library().medusa_q8_product(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
+                                     self.d.data_ptr(), self.m.data_ptr(), self.out_features, y.data_ptr(),
+                                     threads or torch.get_num_threads())
+        return y
+
+    def weight(self) -> torch.Tensor:
+        """The fp32 ``(N, K)`` weights the product computes with."""
+        n, k = self.out_features, self.in_features
+        packed = self.codes.reshape(n // 16, k // GROUP, 4, 16, 4)
+        q = torch.cat([packed & 15, packed >> 4], 2)  # (block, group, quad 0..7, channel, t)
+        q = q.permute(0, 3, 1, 2, 4).reshape(n, k).float()
+        d = self.d.transpose(1, 2).reshape(n, k // GROUP).float().repeat_interleave(GROUP, 1)
+        m = self.m.transpose(1, 2).reshape(n, k // GROUP).float().repeat_interleave(GROUP, 1)
+        return q * d + m
+
+
+class NativeHead:
+    """An lm_head held as a GGUF's Q8_0 blocks, ``W = d q`` (``q`` int8, one fp32 ``d`` per 32 weights), computed in
+    C with fp32 activations: the prepared fp32 lm_head's weights exactly, a quarter of their bytes.
+
+    Args:
+        codes: ``(V, K)`` int8; ``d``: ``(V, K / 32)``.
+    """
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor):
+        self.codes, self.d = codes.contiguous(), d.float().contiguous()
+        self.vocab, self.hidden = codes.shape
+        self.lib = _library()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(M, K)`` hidden states -> ``(M, V)`` fp32 logits; each row's bits do not depend on the others."""
+        x = hidden.float().contiguous()
+        y = torch.empty(x.shape[0], self.vocab)
+        self.lib.medusa_q8_0_head(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(),
+                                  self.vocab, y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+def _pointers(tensors: list[torch.Tensor]):
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+class NativeDecoder:
+    """The decoder of a Llama-family model run by one C call per forward (see the module docstring). Same
+    interface as :class:`medusa.engines.lean.LeanDecoder`.
+
+    Args:
+        decoder: the engine's shadow of the decoder stack (its embeddings, norms and rotary embedding are read).
+        fused_codes: names (qualified under the decoder) -> one :class:`medusa.engines.int4.Int4Codes` with their
+            outputs side by side.
+        int8_activations: the products round their inputs to int8 blocks and run on VNNI (:class:`NativeCodesQ8`;
+            lossy in the activations, as llama.cpp); else fp32 activations (:class:`NativeCodes`).
+
+    Raises:
+        RuntimeError: the library cannot be built (:func:`native_unavailable`).
+        ValueError: a layer's shape the product cannot take.
+    """
+
+    def __init__(self, decoder, fused_codes, int8_activations: bool = False):
+        self.lib = _library()
+        self.int8_activations = int8_activations
+        layout = NativeCodesQ8 if int8_activations else NativeCodes
+        self.stack = decoder
+        first = decoder.layers[0]
+        attn = first.self_attn
+        self.head_dim = attn.head_dim
+        self.hidden = decoder.embed_tokens.weight.shape[1]
+        self.q_heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.intermediate = first.mlp.gate_proj.out_features
+        self.scaling = float(attn.scaling)
+        self.eps = float(first.input_layernorm.variance_epsilon)
+        self.weights: list[NativeCodes | NativeCodesQ8] = []
+        for i in range(len(decoder.layers)):
+            prefix = f"layers.{i}"
+            for names in ([f"{prefix}.self_attn.{p}_proj" for p in "qkv"], [f"{prefix}.self_attn.o_proj"],
+                          [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], [f"{prefix}.mlp.down_proj"]):
+                c = fused_codes(names)
+                self.weights.append(layout(c.codes, c.scale, c.zero))
+        self.norms = [n.weight.detach().float().contiguous() for layer in decoder.layers
+                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.norms.append(decoder.norm.weight.detach().float().contiguous())
+        self._arrays = [_pointers([w.codes for w in self.weights]), _pointers([w.d for w in self.weights]),
+                        _pointers([w.m for w in self.weights]), _pointers(self.norms)]
+        self._models: dict[int, _Model] = {}
+
+    def nbytes(self) -> int:
+        """Bytes of the packed codes and their fp32 ``d`` and ``m``."""
+        return sum(t.numel() * t.element_size() for w in self.weights for t in (w.codes, w.d, w.m))
+
+    def _model(self, capacity: int) -> _Model:
+        if capacity not in self._models:
+            codes, d, m, norms = self._arrays
+            self._models[capacity] = _Model(
+                self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate, len(self.stack.layers),
+                capacity, self.eps, self.scaling, int(self.int8_activations),
+                ctypes.cast(codes, ctypes.POINTER(ctypes.c_void_p)),
+                ctypes.cast(d, ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(m, ctypes.POINTER(ctypes.c_void_p)),
+                ctypes.cast(norms, ctypes.POINTER(ctypes.c_void_p)))
+        return self._models[capacity]
+
+    def _buffers(self, cache):
+        """The cache's ``(1, Hkv, capacity, D)`` fp32 key and value buffers of every layer, made at the first write."""
+        shape = (1, self.kv_heads, cache.capacity, self.head_dim)
+        for layer in cache.layers:
+            if layer.keys is None:
+                layer.keys, layer.values = torch.zeros(shape), torch.zeros(shape)
+                layer.is_initialized = True
+        return ([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache, mask,
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``N`` new tokens of one row after ``cache.length`` cached ones, written into ``cache``
+        (:meth:`medusa.engines.lean.LeanDecoder.forward`'s arguments and results; ``mask`` is not read: every row
+        attends to exactly the slots ``tree_mask`` lets it see).
+
+        Raises:
+            medusa.engines.static_cache.CacheFullError: the step does not fit the cache.
+            MemoryError: the C side could not allocate its scratch memory.
+        """
+        n, length = len(input_ids), cache.length
+        cache.begin_step(n)
+        x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), a copy the C call overwrites
+        if x.data_ptr() == self.stack.embed_tokens.weight.data_ptr():
+            x = x.clone()
+        cos, sin = self.stack.rotary_emb(x[None], position_ids=positions[None])  # (1, N, D) each
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        seen = tree_mask.to(torch.bool)
+        offsets = torch.zeros(n + 1, dtype=torch.int32)
+        torch.cumsum(seen.sum(1), 0, out=offsets[1:])
+        index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # (sum,) the step rows each row sees, in order
+        keys, values = self._buffers(cache)
+        kept = {i: torch.empty(n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
+        kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
+            *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
+        status = self.lib.medusa_q4_forward(
+            ctypes.byref(self._model(cache.capacity)), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(),
+            offsets.data_ptr(), index.data_ptr(), length, _pointers(keys), _pointers(values), kept_ptrs,
+            torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {n} tokens")
+        cache.length += n
+        last = len(self.stack.layers) - 1
+        features = None if not layers else torch.cat([x if i == last else kept[i] for i in layers], -1)
+        return x, features

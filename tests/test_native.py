@@ -1,0 +1,187 @@
+"""The native int4 decoder (medusa/engines/native.py, csrc/q4_decoder.c): its product, its forward against the same
+fp32 model run by transformers, row invariance, Medusa = plain through it, and what it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_decoding import random_heads
+from tiny import tiny_model
+
+from medusa import engines
+from medusa.decode.tree import Tree
+from medusa.engines import native, quantized
+from medusa.engines.int4 import quantize_int4
+from medusa.model import MedusaModel
+
+pytestmark = pytest.mark.skipif(native.native_unavailable() is not None or
+                                quantized.quantize_unavailable("int4", "cpu") is not None,
+                                reason="no C compiler, or torch's int4 kernel (the engine's other path) is missing")
+
+IDS = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(1))
+
+
+def greedy(medusa, tree=None, n=24):
+    return medusa.generate(IDS, n, tree=tree, stop_token_ids=set(), do_sample=False)[0]
+
+
+def test_the_product_is_q_times_d_plus_m_and_each_row_has_the_bits_of_its_row_alone():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=gen)
+    codes = native.NativeCodes(*quantize_int4(weight))
+    dense = codes.weight()
+    assert (dense - weight).abs().max() <= (weight.abs().max() / 15)  # within the int4 rounding of the weights
+    assert torch.allclose(dense, quantized.dequantize_int4(*quantize_int4(weight)), atol=1e-6)
+    x = torch.randn(11, 96, generator=gen)
+    together = codes.product(x)
+    assert torch.allclose(together, x @ dense.T, atol=1e-4)
+    for i in range(11):  # 11 rows: two blocks of four and a remainder of three; one and two threads
+        assert torch.equal(codes.product(x[i:i + 1]), together[i:i + 1])
+        assert torch.equal(codes.product(x[i:i + 1], threads=1), together[i:i + 1])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        native.NativeCodes(*quantize_int4(torch.randn(6, 64)))
+
+
+def _dequantized_copy(model, engine):
+    """The model whose linear layers hold the weights the native decoder computes with (fp32)."""
+    copy_ = copy.deepcopy(model)
+    layers = engine.lean.weights
+    for i, layer in enumerate(copy_.model.layers):
+        qkv, o, gate_up, down = (layers[4 * i + j].weight() for j in range(4))
+        attn, mlp = layer.self_attn, layer.mlp
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        with torch.no_grad():
+            for module, w in zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv.split(sizes), strict=True):
+                module.weight.copy_(w)
+            attn.o_proj.weight.copy_(o)
+            mlp.gate_proj.weight.copy_(gate_up[:mlp.gate_proj.out_features])
+            mlp.up_proj.weight.copy_(gate_up[mlp.gate_proj.out_features:])
+            mlp.down_proj.weight.copy_(down)
+    return copy_
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads):
+    """The prompt and a branching tree step: hidden states, logits and the layers a feature drafter reads match
+    transformers' fp32 forward of the same weights (up to summation order), each tree row on its own branch; with
+    grouped query heads and without."""
+    model = tiny_model("llama", num_key_value_heads=kv_heads)
+    engine = engines.make_engine("int4", model, kernel="native")
+    assert engine.settings()["forward"] == "native" and engine.settings()["activation_dtype"] == "float32"
+    reference = _dequantized_copy(model, engine)
+    cache = engine.new_cache(64)
+    logits, hidden, features = engine.forward_features(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(),
+                                                       cache, (0, model.config.num_hidden_layers - 1))
+    with torch.no_grad():
+        out = reference(IDS[None], output_hidden_states=True)
+    assert torch.allclose(hidden, out.hidden_states[-1][0], atol=1e-4)
+    assert torch.allclose(features[:, :model.config.hidden_size], out.hidden_states[1][0], atol=1e-4)
+    assert torch.allclose(logits, out.logits[0], atol=1e-3)
+    # a tree after the prompt: 0 -> (1, 2), 2 -> 3; row 3's branch is tokens 0, 2, 3
+    tree_ids = torch.tensor([5, 6, 7, 8])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    logits, _ = engine.forward(tree_ids, torch.tensor([20, 21, 21, 22]), mask, cache)
+    for row, branch in ((1, [5, 6]), (3, [5, 7, 8])):
+        with torch.no_grad():
+            expected = reference(torch.cat([IDS, torch.tensor(branch)])[None]).logits[0, -1]
+        assert torch.allclose(logits[row], expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-q8"])
+def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel):
+    model = tiny_model("llama")
+    engine = engines.make_engine("int4", model, kernel=kernel)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    tree, alone = engine.new_cache(64), engine.new_cache(64)
+    engine.forward(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(), tree)
+    engine.forward(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(), alone)
+    # hidden states: the decoder's own bits (an fp32 lm_head over several rows may sum otherwise than over one)
+    _, hidden = engine.forward(torch.tensor([5, 6, 7, 8]), torch.tensor([20, 21, 21, 22]), mask, tree)
+    steps = [engine.forward(torch.tensor([t]), torch.tensor([p]), torch.ones(1, 1, dtype=torch.bool), alone)[1]
+             for t, p in ((5, 20), (7, 21), (8, 22))]
+    assert torch.equal(hidden[0], steps[0][0]) and torch.equal(hidden[2], steps[1][0])
+    assert torch.equal(hidden[3], steps[2][0])
+    assert not torch.equal(hidden[1], steps[1][0])  # row 1 (token 6) is another branch: the control
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-q8"])
+def test_medusa_through_the_native_decoder_equals_plain_greedy_through_it(kernel):
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), engine="int4", kernel=kernel, lm_head="bf16")
+    assert greedy(medusa) == greedy(medusa, Tree.chain(0))
+    assert medusa.engine.profile_name == f"int4:kernel={kernel}:lm_head=bf16"
+    assert not medusa.engine.supports_batch
+
+
+def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="model_type 'gpt2'.*use kernel 'torch'"):
+        engines.make_engine("int4", tiny_model("gpt2"), kernel="native")
+    with pytest.raises(ValueError, match="a sliding attention window; use kernel 'torch'"):
+        engines.make_engine("int4", tiny_model("mistral"), kernel="native-q8")
+    with pytest.raises(ValueError, match="the int8 engine runs kernel 'torch'"):
+        engines.make_engine("int8", tiny_model("llama"), kernel="native")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        engines.make_engine("int4", tiny_model("llama"), kernel="fast")
+    engine = engines.make_engine("int4", tiny_model("llama"), kernel="native")
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        engine.forward_rows(None, None, None, None, None)
+    # no compiler: a clear error, nothing half-built in the cache folder
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_LIBRARY", {})
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    assert "no C compiler" in native.native_unavailable()
+    with pytest.raises(ValueError, match="no C compiler"):
+        engines.make_engine("int4", tiny_model("llama"), kernel="native")
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_flags_through_the_builder_and_the_cli(base_dir, capsys):
+    """``--int4-kernel`` through build_model decodes what the engine does; bad combinations are refused by name (CLI
+    exit 2), serve included (it batches)."""
+    from medusa.build import DecodeConfig, build_model
+    from medusa.cli import main
+
+    plain = build_model(DecodeConfig(base=str(base_dir), drafter="none", quantize="int4", int4_kernel="native-q8"))
+    assert plain.engine.settings()["forward"] == "native-q8"
+    lookup = build_model(DecodeConfig(base=str(base_dir), drafter="lookup", lookup=4, quantize="int4",
+                                      int4_kernel="native-q8"))
+    ids = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9])
+    assert lookup.generate(ids, max_new_tokens=24)[0] == plain.generate(ids, max_new_tokens=24)[0]
+    with pytest.raises(ValueError, match="--int4-kernel native runs the int4 engine"):
+        DecodeConfig(base=str(base_dir), int4_kernel="native")
+    for argv, message in ((["serve", "--heads", str(base_dir), "--quantize", "int4", "--int4-kernel", "native"],
+                           "the server batches its requests"),
+                          (["generate", "--drafter", "none", "--prompt", "hi", "--quantize", "int4",
+                            "--quantized-lm-head", "gguf"], "give gguf= and kernel 'native' or 'native-q8'")):
+        assert main([argv[0], "--base", str(base_dir), *argv[1:]]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_lm_head_from_the_ggufs_q8_0_blocks_is_the_prepared_lm_head(tmp_path):
+    """A base prepared from a GGUF whose (tied) lm_head is Q8_0: the engine reads those blocks into the C product,
+    its logits are the fp32 lm_head's up to summation order, Medusa equals plain through it; a GGUF whose lm_head is
+    another type, or that is not this base's, is refused by name."""
+    from gguf import GGMLQuantizationType, quants
+    from test_quantized import _q4_1_model_and_gguf
+
+    from medusa.io.gguf_pack import gguf_q8_0_head
+
+    model, path = _q4_1_model_and_gguf(tmp_path)
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():  # what prepare-model loads: the Q8_0 blocks dequantized
+        blocks = quants.quantize(embed.detach().numpy(), GGMLQuantizationType.Q8_0)
+        embed.copy_(torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0)))
+    medusa = MedusaModel(model, random_heads(model), engine="int4", gguf=path, kernel="native", lm_head="gguf")
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(medusa.engine.lm_logits_rows(hidden), hidden @ model.lm_head.weight.T, atol=1e-4)
+    assert greedy(medusa) == greedy(medusa, Tree.chain(0))
+    with torch.no_grad():
+        embed.mul_(1.5)
+    with pytest.raises(ValueError, match="does not reproduce the lm_head"):
+        engines.make_engine("int4", model, gguf=path, kernel="native", lm_head="gguf")
+    (tmp_path / "q4").mkdir()
+    model, path = _q4_1_model_and_gguf(tmp_path / "q4", lm_head_type="Q4_1")
+    with pytest.raises(ValueError, match="token_embd.weight is Q4_1, not Q8_0"):
+        gguf_q8_0_head(path, model)
