@@ -75,11 +75,14 @@ def decode(args) -> None:
     from medusa.build import DecodeConfig, build_model
     from medusa.tools.bench import encode_prompt, read_prompts
 
-    options = {"quantize": "int4", "gguf": gguf_path(), "quantized_lm_head": "bf16", "threads": args.threads}
+    options = {"quantize": "int4", "gguf": gguf_path(), "quantized_lm_head": args.lm_head, "threads": args.threads,
+               "int4_kernel": args.kernel}
     models = {"plain": build_model(DecodeConfig(base=args.base, drafter="none", **options))}
     for cap in (2, 3, 4, None):
         name = "medusa, per-step tree" + ("" if cap is None else f" <= {cap} nodes")
         models[name] = build_model(DecodeConfig(base=args.base, heads=args.heads, max_tree_nodes=cap, **options))
+    if args.lookup:
+        models["prompt lookup (10)"] = build_model(DecodeConfig(base=args.base, drafter="lookup", **options))
     prompts = [encode_prompt(models["plain"].tokenizer, r)
                for r in read_prompts(REPO / "benchmarks/prompts/mt-bench-style.jsonl")[: args.limit]]
     totals = {name: {"tokens": 0, "s": 0.0, "steps": 0, "same": 0, "draft_s": 0.0} for name in models}
@@ -116,6 +119,11 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--kernel", default="torch", choices=["torch", "native", "native-q8"],
+                        help="the int4 engine's kernel (--int4-kernel)")
+    parser.add_argument("--lm-head", default="bf16", choices=["fp32", "bf16", "gguf"],
+                        help="the int4 engine's lm_head (--quantized-lm-head; gguf with a native kernel)")
+    parser.add_argument("--lookup", action="store_true", help="also prompt-lookup decoding through the engine")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=["forwards", "decode"], default=None)
     args = parser.parse_args()

@@ -113,6 +113,8 @@ def _library():
     lib.medusa_q8_0_head.restype = None
     lib.medusa_q8_0_head.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_q8_0_head_q8.restype = None
+    lib.medusa_q8_0_head_q8.argtypes = lib.medusa_q8_0_head.argtypes
     lib.medusa_q4_forward.restype = ctypes.c_int
     lib.medusa_q4_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -215,23 +217,40 @@ class NativeCodesQ8:
 
 class NativeHead:
     """An lm_head held as a GGUF's Q8_0 blocks, ``W = d q`` (``q`` int8, one fp32 ``d`` per 32 weights), computed in
-    C with fp32 activations: the prepared fp32 lm_head's weights exactly, a quarter of their bytes.
+    C: the prepared fp32 lm_head's weights exactly, a quarter of their bytes. With fp32 activations, or with the
+    hidden states rounded to int8 blocks on VNNI (``int8_activations``, the ``native-q8`` kernel's way: lossy in the
+    activations, as llama.cpp's lm_head).
 
     Args:
         codes: ``(V, K)`` int8; ``d``: ``(V, K / 32)``.
+
+    Raises:
+        ValueError: ``int8_activations`` with a vocabulary that is not a multiple of 16.
     """
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor):
-        self.codes, self.d = codes.contiguous(), d.float().contiguous()
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, int8_activations: bool = False):
         self.vocab, self.hidden = codes.shape
         self.lib = _library()
+        self.int8_activations = int8_activations
+        self.d = d.float().contiguous()
+        self.codes = codes.contiguous()
+        self._call = self.lib.medusa_q8_0_head
+        if int8_activations:
+            if self.vocab % 16:
+                raise ValueError(f"the int8-activation lm_head takes a vocabulary that is a multiple of 16, got "
+                                 f"{self.vocab}")
+            g = self.hidden // GROUP
+            q = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(self.vocab // 16, 16, g, 8, 4)
+            self.codes = q.permute(0, 2, 3, 1, 4).contiguous()  # (block, group, quad, channel, t): 512 B a group
+            self.d = self.d.reshape(self.vocab // 16, 16, g).transpose(1, 2).contiguous()  # (block, group, 16)
+            self._call = self.lib.medusa_q8_0_head_q8
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(M, K)`` hidden states -> ``(M, V)`` fp32 logits; each row's bits do not depend on the others."""
         x = hidden.float().contiguous()
         y = torch.empty(x.shape[0], self.vocab)
-        self.lib.medusa_q8_0_head(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(),
-                                  self.vocab, y.data_ptr(), torch.get_num_threads())
+        self._call(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(), self.vocab,
+                   y.data_ptr(), torch.get_num_threads())
         return y
 
 

@@ -416,7 +416,7 @@ class QuantizedEngine(StaticEngine):
             from medusa.engines.native import NativeHead
             from medusa.io.gguf_pack import gguf_q8_0_head
 
-            self.gguf_head = NativeHead(*gguf_q8_0_head(gguf, model))
+            self.gguf_head = NativeHead(*gguf_q8_0_head(gguf, model), int8_activations=kernel == "native-q8")
         self.quantized = QuantizedLinears(kv_cache.decoder_of(model), model.get_output_embeddings(), self.kind,
                                           self.lm_head_mode == "int4", codes, keep_dense)
         self.use_lean = lean

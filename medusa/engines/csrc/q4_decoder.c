@@ -329,6 +329,74 @@ void medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes,
     }
 }
 
+/* ---- the Q8_0 lm_head with int8 activations (kernel "native-q8"), VNNI: W = d q, q int8 stored as q + 128 (u8) ----
+ * codes: blocks of 16 channels; per group g, 512 bytes: byte 64 j + 4 l + t holds q[channel l][4 j + t] + 128 (j =
+ * 0..7); d: (V / 16, K / 32, 16) fp32. y[r, n] = sum over g of d (s (sum (q + 128) xq) - 128 s (sum xq)). */
+void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t V,
+                         float *y, int threads) {
+    const int64_t groups = K / 32;
+    int8_t *xq = malloc((size_t)M * K);
+    float *s = malloc(sizeof(float) * M * groups), *ssum = malloc(sizeof(float) * M * groups);
+    if (xq && s && ssum) {
+#pragma omp parallel num_threads(threads)
+        {
+            quantize_rows(x, M, K, xq, s, ssum);
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < V; n += 16) {
+                const uint8_t *cb = codes + (n / 16) * groups * 512;
+                const float *db = d + (n / 16) * groups * 16;
+                for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
+                    int rows = (int)(M - r0 < Q8_ROWS ? M - r0 : Q8_ROWS);
+                    float out[Q8_ROWS][16];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                    __m512 acc[Q8_ROWS];
+                    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+                    for (int64_t g = 0; g < groups; g++) {
+                        __m512i w[8];
+                        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
+                        __m512 dv = _mm512_loadu_ps(db + g * 16);
+                        for (int i = 0; i < rows; i++) {
+                            const int8_t *xg = xq + (r0 + i) * K + g * 32;
+                            __m512i iacc = _mm512_setzero_si512();
+                            for (int j = 0; j < 8; j++) {
+                                int32_t quad;
+                                memcpy(&quad, xg + 4 * j, 4);
+                                iacc = _mm512_dpbusd_epi32(iacc, w[j], _mm512_set1_epi32(quad));
+                            }
+                            int64_t t = (r0 + i) * groups + g;
+                            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])),
+                                                     acc[i]);
+                            acc[i] = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.0f * ssum[t]), acc[i]);
+                        }
+                    }
+                    for (int i = 0; i < rows; i++) _mm512_storeu_ps(out[i], acc[i]);
+#else
+                    for (int i = 0; i < rows; i++)
+                        for (int l = 0; l < 16; l++) {
+                            float a = 0.0f;
+                            for (int64_t g = 0; g < groups; g++) {
+                                const int8_t *xg = xq + (r0 + i) * K + g * 32;
+                                int isum = 0;
+                                for (int j = 0; j < 8; j++)
+                                    for (int t = 0; t < 4; t++)
+                                        isum += (int)cb[g * 512 + 64 * j + 4 * l + t] * xg[4 * j + t];
+                                int64_t t = (r0 + i) * groups + g;
+                                float dg = db[g * 16 + l];
+                                a = fmaf((float)isum, dg * s[t], a);
+                                a = fmaf(dg, -128.0f * ssum[t], a);
+                            }
+                            out[i][l] = a;
+                        }
+#endif
+                    for (int i = 0; i < rows; i++)
+                        for (int l = 0; l < 16; l++) y[(r0 + i) * V + n + l] = out[i][l];
+                }
+            }
+        }
+    }
+    free(xq); free(s); free(ssum);
+}
+
 #if defined(__AVX512F__)
 /* e^x for x <= 0 (scores minus their maximum), 16 lanes: 2^n e^r with r = x - n ln 2, |r| <= ln2 / 2, and a
  * degree-6 polynomial for e^r (relative error about 2e-7); lanes below -87 give 0. */
