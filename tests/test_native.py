@@ -185,3 +185,13 @@ def test_the_lm_head_from_the_ggufs_q8_0_blocks_is_the_prepared_lm_head(tmp_path
     model, path = _q4_1_model_and_gguf(tmp_path / "q4", lm_head_type="Q4_1")
     with pytest.raises(ValueError, match="token_embd.weight is Q4_1, not Q8_0"):
         gguf_q8_0_head(path, model)
+
+
+def test_releasing_the_dense_weights_frees_the_torch_packs_too_and_keeps_the_tokens():
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), engine="int4", kernel="native-q8")
+    before = greedy(medusa)
+    packs = medusa.engine.quantized.nbytes()
+    assert medusa.engine.release_dense() > packs > 0
+    assert medusa.engine.quantized.nbytes() == 0
+    assert greedy(medusa) == before == greedy(medusa, Tree.chain(0))

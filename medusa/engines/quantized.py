@@ -432,6 +432,9 @@ class QuantizedEngine(StaticEngine):
         base keeps an empty weight and a forward pre-hook that raises. What stays dense and shared is untouched:
         embeddings, norms, the lm_head (the heads and the checked lm_head read it) and any layer left dense.
 
+        With a native kernel, the shadow decoder's torch packs go as well (the C decoder holds codes of its own and
+        the engine runs no batched forwards).
+
         After it, the engine decodes as before (its forwards never read those weights), but the base model itself
         cannot run unquantized (HF ``generate``, another engine) and :meth:`refresh` raises. Calling it twice frees
         nothing more.
@@ -452,6 +455,12 @@ class QuantizedEngine(StaticEngine):
             module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
             module.register_forward_pre_hook(_released_forward)
         self.quantized.codes = {}  # the lean decoder holds its packed copies; these served only refresh()
+        if self.kernel != "torch":  # the native decoder holds its own codes: the shadow's torch packs go too
+            for layer in self.quantized.decoder.modules():
+                if isinstance(layer, Int4Linear) and layer.packed.numel():
+                    freed += sum(t.numel() * t.element_size() for t in (layer.packed, layer.scale_zeros))
+                    layer.packed, layer.scale_zeros = layer.packed.new_empty(0), layer.scale_zeros.new_empty(0)
+                    layer.register_forward_pre_hook(_released_forward)
         self.released_bytes += freed
         _return_freed_memory()
         return freed
