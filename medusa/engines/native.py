@@ -1,4 +1,4 @@
-"""The native int4 decoder: one sequence's forward through a Llama-family decoder in one C call, fp32 throughout.
+"""The native int4 decoder: one sequence's forward through a Llama-family decoder in one C call.
 
 Why: with torch's int4 kernel, a one-token forward of SmolLM2-135M on 2 threads spends 6.1 ms in its matrix products
 and 7.7 ms outside them (norms, casts, rotary, cache writes, attention calls: about 25 small torch ops a layer,
@@ -9,15 +9,19 @@ from Python.
 
 Numbers: activations stay fp32 and a weight is ``q * d + m`` in fp32 (GGUF Q4_1's own formula, from the same codes
 the torch path packs), so the decoder computes the prepared fp32 model up to summation order and the rounding of
-the zero point, where torch's kernel rounds activations, scales and zeros to bfloat16.
+the zero point, where torch's kernel rounds activations, scales and zeros to bfloat16. With ``int8_activations``
+(the ``native-q8`` kernel) each product's input is rounded to int8 in blocks of 32, as llama.cpp does, and the
+products run on AVX-512 VNNI (:class:`NativeCodesQ8`): lossy in the activations, about 3x cheaper. The lm_head can
+come from the GGUF's own Q8_0 blocks (:class:`NativeHead`).
 
 Exactness: every value of a row is computed by the same instructions in the same order whatever the step's other
 rows are (see the C file's header), and each row attends to exactly the keys it may see in slot order. So greedy
 Medusa through this decoder equals plain greedy through it (``tests/test_native.py``).
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``), ``-O3 -march=native``, into
-the medusa cache folder, keyed by the source, the compiler and the flags; :func:`native_unavailable` says why it
-cannot be (no compiler, a failed build) and names what works instead.
+the medusa cache folder, keyed by the source, the compiler, the flags and this CPU's model and instruction sets (a
+cache folder shared by other machines gets one build each); :func:`native_unavailable` says why it cannot be (no
+compiler, a failed build) and names what works instead.
 """
 
 from __future__ import annotations
@@ -55,6 +59,19 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _cpu() -> str:
+    """This CPU's model name and feature flags (what ``-march=native`` compiles for), as ``/proc/cpuinfo`` gives
+    them; the platform's description elsewhere."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
 def library_path() -> Path:
     """Where the compiled library for this source, compiler and flags lives (it may not exist yet)."""
     from medusa.profile import cache_dir
@@ -64,7 +81,7 @@ def library_path() -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, version, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, version, *FLAGS, _cpu())).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"q4_decoder-{key}.so"
 
 

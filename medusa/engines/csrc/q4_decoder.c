@@ -1,5 +1,6 @@
 /* The native int4 decoder: one forward of M new tokens of one sequence through a Llama-family decoder whose linear
- * layers hold int4 group-wise codes, everything in fp32 (medusa/engines/native.py drives it; docs/quantized.md).
+ * layers hold int4 group-wise codes, in fp32, or with each product's input rounded to int8 blocks (the VNNI products
+ * below); and the lm_head from a GGUF's Q8_0 blocks (medusa/engines/native.py drives it; docs/quantized.md).
  *
  * Weights: W[n, k] = q[n, k] * d[n, g] + m[n, g] (g = k / 32, q in 0..15; GGUF Q4_1's formula). codes: (N, K / 2)
  * bytes, byte j < 16 of group g holding q[32 g + j] (low nibble) and q[32 g + 16 + j] (high nibble); d, m: (N, K / 32).
