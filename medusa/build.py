@@ -90,9 +90,6 @@ class DecodeConfig:
     """``on``, ``off``, or ``auto``: the per-step tree when the heads folder holds ``calibration.json`` and no
     :attr:`tree` is given."""
     max_tree_nodes: int | None = None
-    learn_step_overhead: bool = False
-    """The per-step tree also charges a speculative step the wall time such steps took beyond its cost model,
-    learnt while decoding (:attr:`medusa.drafters.per_step.PerStepDrafter.learn_overhead`)."""
     """Per-step tree: the most nodes a step's tree may have, root included (``None``: the drafter's default)."""
     lookup: int | None = None
     """Prompt lookup: a chain of this many tokens copied from the context (``None``: the tree file's; 0: none)."""
@@ -196,8 +193,6 @@ class DecodeConfig:
                              "each step: pass one of them")
         if self.tree is not None and self.max_tree_nodes is not None:
             raise ValueError("--max-tree-nodes sizes the per-step tree, but --tree forces a fixed tree: drop one")
-        if self.tree is not None and self.learn_step_overhead:
-            raise ValueError("--learn-step-overhead tunes the per-step tree, but --tree forces a fixed tree: drop one")
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
             raise ValueError(f"--max-tree-nodes must be >= 1, got {self.max_tree_nodes}")
 
@@ -272,11 +267,9 @@ class DecodeConfig:
             raise ValueError(f"--per-step-tree on needs {path}, which is missing: `medusa calibrate --base BASE "
                              f"--heads {self.heads} --data VALIDATION.jsonl` measures it")
         per_step = mode == "on" or (mode == "auto" and calibrated and self.tree is None)
-        for flag, given in (("--max-tree-nodes sizes", self.max_tree_nodes is not None),
-                            ("--learn-step-overhead tunes", self.learn_step_overhead)):
-            if given and not per_step:
-                raise ValueError(f"{flag} the per-step tree, which is off here (--per-step-tree {mode}"
-                                 f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
+        if self.max_tree_nodes is not None and not per_step:
+            raise ValueError(f"--max-tree-nodes sizes the per-step tree, which is off here (--per-step-tree {mode}"
+                             f"{'' if calibrated else ', and the heads folder has no calibration.json'})")
         return self._checked_calibration(path) if per_step else None
 
     def _checked_calibration(self, path: Path):
@@ -329,9 +322,6 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                         "cost; auto: when the heads folder holds calibration.json and no --tree is given")
     p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
                    help="per-step tree: the most nodes a step's tree may have, root included (default: 48)")
-    p.add_argument("--learn-step-overhead", action="store_true",
-                   help="per-step tree: also charge a speculative step what such steps took beyond the cost model, "
-                        "learnt while decoding (choosing, accepting, compacting; docs/quantized.md)")
     p.add_argument("--lookup", type=int, default=None, metavar="N", help="prompt lookup: a chain of N tokens copied "
                    "from the context, verified with the heads' tree (overrides the tree file's; 0: none)")
     p.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest context n-gram prompt lookup "
@@ -462,8 +452,6 @@ def _build_heads(config: DecodeConfig, dtype, device, reason, measure_dtype: boo
         options = {"lookup_length": config.lookup} if config.lookup is not None else {}
         if config.max_tree_nodes is not None:
             options["max_nodes"] = config.max_tree_nodes
-        if config.learn_step_overhead:
-            options["learn_overhead"] = True
         model.use_per_step_tree(calibration, measure=True, **options)  # checked against the folder's weights above
         say(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
             f"{Path(config.heads) / 'calibration.json'} and this machine's profile")

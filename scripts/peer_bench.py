@@ -138,8 +138,7 @@ def build(name: str, args, stop: set[int], hf_model):
     if kind == "plain":
         config = DecodeConfig(base=args.base, drafter="none", threads=args.threads, **options)
     else:
-        config = DecodeConfig(base=args.base, heads=args.heads, threads=args.threads,
-                              learn_step_overhead=args.learn_step_overhead, **options)
+        config = DecodeConfig(base=args.base, heads=args.heads, threads=args.threads, **options)
     return Ours(build_model(config, report=lambda line: print(f"  [{name}] {line}", flush=True)))
 
 
@@ -201,9 +200,6 @@ def main() -> None:
     parser.add_argument("--keep-dense", action="store_true",
                         help="int4 decoders keep the base's fp32 weights of their quantized layers (default: freed, "
                              "as generate and serve do)")
-    parser.add_argument("--learn-step-overhead", action="store_true",
-                        help="the Medusa decoders' per-step tree also charges what speculative steps took beyond its "
-                             "cost model, learnt while decoding (DecodeConfig.learn_step_overhead)")
     parser.add_argument("--peak-rss-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.gguf = args.gguf or default_gguf()
@@ -276,8 +272,7 @@ def main() -> None:
              for a, b in itertools.combinations(decoders, 2)}
     result = {"machine": info, "load_after": os.getloadavg(), "prompts": args.prompts, "n_prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "gguf": Path(args.gguf).name,
-              "heads": args.heads, "int4_lm_head": args.int4_lm_head,
-              "learn_step_overhead": args.learn_step_overhead, "decoders": rows, "identical_prompts": agree,
+              "heads": args.heads, "int4_lm_head": args.int4_lm_head, "decoders": rows, "identical_prompts": agree,
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}
 
     reference = "llama.cpp" if "llama.cpp" in rows else next(iter(rows))

@@ -81,8 +81,6 @@ def decode(args) -> None:
     for cap in (2, 3, 4, None):
         name = "medusa, per-step tree" + ("" if cap is None else f" <= {cap} nodes")
         models[name] = build_model(DecodeConfig(base=args.base, heads=args.heads, max_tree_nodes=cap, **options))
-    models["medusa, per-step tree, overhead learnt"] = build_model(DecodeConfig(
-        base=args.base, heads=args.heads, learn_step_overhead=True, **options))
     if args.lookup:
         models["prompt lookup (10)"] = build_model(DecodeConfig(base=args.base, drafter="lookup", **options))
     prompts = [encode_prompt(models["plain"].tokenizer, r)

@@ -261,9 +261,6 @@ def _write_calibration(heads_dir: Path, text: str | None = None) -> Path:
     (["--per-step-tree", "on"], False, "--per-step-tree on needs"),
     (["--per-step-tree", "off", "--max-tree-nodes", "8"], True, "--max-tree-nodes sizes the per-step tree, which is "
                                                                 "off here"),
-    (["--tree", "T", "--learn-step-overhead"], True, "--learn-step-overhead tunes the per-step tree, but --tree"),
-    (["--per-step-tree", "off", "--learn-step-overhead"], True, "--learn-step-overhead tunes the per-step tree, "
-                                                                "which is off here"),
     ([], "damaged", "is damaged"),
 ])
 def test_per_step_flags_that_contradict_are_refused_before_the_base_loads(heads_dir, extra, calibrated, message,

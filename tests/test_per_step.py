@@ -133,39 +133,6 @@ def test_a_cheaper_machine_grows_larger_trees():
     assert sizes["cheap"] > sizes["dear"] + 4, sizes
 
 
-def test_learnt_step_overhead_shrinks_trees_where_speculative_steps_cost_more_than_modelled(monkeypatch):
-    """``learn_overhead``: a speculative step that took longer than its modelled cost charges the next trees that
-    excess (beyond what plain steps exceeded by), so trees of little value stop; the tokens stay the base's. A clock
-    is faked so the measured excess is known: every speculative step takes 60 ms more than modelled."""
-    import medusa.drafters.per_step as per_step
-
-    model = tiny_model("llama")
-    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
-    reference = hf_greedy(model, ids, 24)
-    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
-    sizes = {}
-    for learn in (False, True):
-        drafter = PerStepDrafter(heads, flat_calibration(heads, 0.3), StepCost(COST, [HEAD_CALL] * 3),
-                                 lookup_length=0, learn_overhead=learn)
-        clock = {"t": 100.0}
-        propose_rows = drafter.propose_rows
-
-        def timed_proposal(states, *args, **kwargs):  # the last step took its modelled seconds (+60 ms if it drafted)
-            last = states[0]
-            if last.last_start:
-                clock["t"] = last.last_start + last.last_seconds - last.last_charged + 0.060 * (last.last_nodes > 1)
-            return propose_rows(states, *args, **kwargs)
-
-        monkeypatch.setattr(drafter, "propose_rows", timed_proposal)
-        monkeypatch.setattr(per_step.time, "perf_counter", lambda: clock["t"])
-        out, stats = decode(model, drafter, ids, 24)
-        monkeypatch.undo()
-        assert out == reference
-        sizes[learn] = stats.tree_nodes
-    assert max(sizes[False]) > 1  # without learning: speculative trees every step
-    assert sizes[True][-5:] == [1] * 5, sizes[True]  # learnt: 60 ms is more than a tree of 0.3-likely nodes earns
-
-
 def test_bucketed_engines_get_trees_that_fill_their_bucket():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(3))

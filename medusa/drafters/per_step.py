@@ -190,14 +190,6 @@ class PerStepState(HeadsState):
     seconds: float = 0.0
     """0 until the first step: the plain step's cost is taken then."""
     last_seconds: float = 0.0
-    last_start: float = 0.0
-    """When the last tree was proposed (``time.perf_counter``; 0: none yet)."""
-    last_nodes: int = 0
-    last_charged: float = 0.0
-    """The learnt overhead the last step's seconds included."""
-    excess: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    """With ``learn_overhead``: moving averages of a step's wall time beyond what the cost model gave it, for plain
-    steps (one node) and speculative ones, seconds."""
 
 
 RATE_DECAY = 0.85
@@ -232,7 +224,7 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step", learn_overhead: bool = False):
+                 objective: str = "step"):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -241,10 +233,6 @@ class PerStepDrafter:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.objective = objective
-        self.learn_overhead = learn_overhead
-        """Also charge a speculative step what such steps measured beyond the cost model, against plain steps (the
-        time between one proposal and the next minus the model's seconds for that step, :data:`RATE_DECAY` moving
-        averages): choosing, accepting and compacting, which the forward curve and the head calls leave out."""
         if max_nodes < 1 or top_k < 1 or max_parents < 1:
             raise ValueError(f"max_nodes, top_k and max_parents must be >= 1, got {max_nodes}, {top_k}, {max_parents}")
         if not 0 <= lookup_length <= calibration.lookup_length:
@@ -331,7 +319,6 @@ class PerStepDrafter:
         tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
         cost = self.cost
         seconds = cost.verify(1, batch)
-        spec_extra = self._learn_overhead(states, start) if self.learn_overhead else 0.0  # charged at the 1st node
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
         for state in states:
@@ -350,7 +337,7 @@ class PerStepDrafter:
         while len(tree.parents) < self.max_nodes:
             n = len(tree.parents)
             rate = expected / seconds if step_rate else running
-            extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True) + (spec_extra if n == 1 else 0.0)
+            extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
             candidates: list[_Candidate] = []
             level = None
             if depth < self.heads.config.num_heads:
@@ -383,7 +370,7 @@ class PerStepDrafter:
             kept_here: set[tuple[int, int]] = set()
             for c in candidates:
                 n = len(tree.parents)
-                extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True) + (spec_extra if n == 1 else 0.0)
+                extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
                 rate = expected / seconds if step_rate else running
                 prefix = c.rank <= 0 or (c.slot, c.rank - 1) in kept_here
                 if n < self.max_nodes and prefix and c.value * batch > rate * extra:
@@ -401,26 +388,11 @@ class PerStepDrafter:
                                                   all(isinstance(s, TopK) for s in samplers),
                                                   None if step_rate else running)
             seconds = draft_s + cost.verify(len(tree.parents), batch)
-        if spec_extra and len(tree.parents) > 1:
-            seconds += spec_extra
         for state in states:
             state.last_seconds = seconds
-            state.last_nodes, state.last_start = len(tree.parents), start
-            state.last_charged = spec_extra if len(tree.parents) > 1 else 0.0
         drafts = self._assemble(tree, levels, vocab, device)
         drafts[0].choose_s = time.perf_counter() - start - in_heads
         return drafts
-
-    @staticmethod
-    def _learn_overhead(states: list[PerStepState], now: float) -> float:
-        """Fold the last step's measured wall time into each row's moving averages; returns the extra seconds a
-        speculative step costs beyond a plain one (never negative: the model's own figures are not lowered)."""
-        for state in states:
-            if state.last_start:
-                over = (now - state.last_start) - (state.last_seconds - state.last_charged)
-                kind = int(state.last_nodes > 1)
-                state.excess[kind] = RATE_DECAY * state.excess[kind] + (1 - RATE_DECAY) * over
-        return max(0.0, sum(s.excess[1] - s.excess[0] for s in states) / len(states))
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
                      samplers: list[DraftSampler], acceptance: torch.Tensor, inner_edges: torch.Tensor,
