@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"q/k/v fused": (960, 576), "o": (576, 576), "gate/up fused": (3072, 576), "down": (576, 1536)}
 
 
-def timed(fn, repeats: int = 200) -> float:
+def timed(fn, *args, repeats: int = 200) -> float:
+    """Median microseconds of ``fn(*args)``."""
     for _ in range(10):
-        fn()
+        fn(*args)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)
 
@@ -43,22 +44,22 @@ def main() -> None:
     from medusa.engines.int4 import quantize_int4
     from medusa.engines.quantized import Int4Linear
 
-    print(f"# native library: {native.isa()}, VNNI products: {bool(native._library().medusa_q8_supported())}, "
+    print(f"# native library: {native.isa()}, "
           f"{args.threads} threads")
     gen = torch.Generator().manual_seed(0)
     rows = (1, 2, 4, 8, 16)
     totals = {kind: dict.fromkeys(rows, 0.0) for kind in ("torch", "native", "native-q8")}
     with torch.inference_mode():
-        for name, (n, k) in SHAPES.items():
+        for n, k in SHAPES.values():
             codes = quantize_int4(torch.randn(n, k, generator=gen))
             layers = {"torch": Int4Linear(*codes), "native": native.NativeCodes(*codes),
                       "native-q8": native.NativeCodesQ8(*codes)}
             for m in rows:
                 x = torch.randn(m, k, generator=gen)
                 xb = x.to(torch.bfloat16)
-                totals["torch"][m] += timed(lambda: layers["torch"].product(xb))
-                totals["native"][m] += timed(lambda: layers["native"].product(x))
-                totals["native-q8"][m] += timed(lambda: layers["native-q8"].product(x))
+                totals["torch"][m] += timed(layers["torch"].product, xb)
+                totals["native"][m] += timed(layers["native"].product, x)
+                totals["native-q8"][m] += timed(layers["native-q8"].product, x)
         print("\none layer's four products (us), times 30 layers in ms in brackets")
         print("| kernel | " + " | ".join(f"M={m}" for m in rows) + " |\n|---|" + "---|" * len(rows))
         for kind, by_rows in totals.items():
@@ -77,7 +78,7 @@ def main() -> None:
             for m in (1, 4, 8):
                 x = torch.randn(m, k, generator=gen)
                 x = x.to(torch.bfloat16) if name.startswith("bf16") else x
-                cells.append(f"{timed(lambda: product(x), 50) / 1000:.2f}")
+                cells.append(f"{timed(product, x, repeats=50) / 1000:.2f}")
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 

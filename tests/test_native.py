@@ -74,7 +74,10 @@ def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads):
     grouped query heads and without."""
     model = tiny_model("llama", num_key_value_heads=kv_heads)
     engine = engines.make_engine("int4", model, kernel="native")
-    assert engine.settings()["forward"] == "native" and engine.settings()["activation_dtype"] == "float32"
+    settings = engine.settings()
+    assert settings["forward"] == "native" and settings["activation_dtype"] == "float32"
+    assert settings["native_isa"] == native.isa()
+    assert settings["native_isa"].split("+")[0] in ("avx512", "avx2", "scalar")
     reference = _dequantized_copy(model, engine)
     cache = engine.new_cache(64)
     logits, hidden, features = engine.forward_features(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -35,6 +36,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_decoder.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -49,7 +52,7 @@ _LIBRARY: dict[str, object] = {}
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
-                                                     "layers", "capacity")] + [
+                                                     "layers")] + [
         ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("int8_activations", ctypes.c_int64),
         ("codes", ctypes.POINTER(ctypes.c_void_p)), ("d", ctypes.POINTER(ctypes.c_void_p)),
         ("m", ctypes.POINTER(ctypes.c_void_p)), ("norms", ctypes.POINTER(ctypes.c_void_p))]
@@ -135,17 +138,43 @@ def _library():
     lib.medusa_q4_forward.restype = ctypes.c_int
     lib.medusa_q4_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     _LIBRARY["lib"] = lib
     return lib
 
 
 def isa() -> str:
-    """The vector instructions the library was built for: ``avx512``, ``avx2`` or ``scalar``."""
-    return _library().medusa_q4_isa().decode()
+    """The vector instructions the library was built for: ``avx512``, ``avx2`` or ``scalar``, and ``+vnni`` where its
+    int8-activation products run on AVX-512 VNNI (else on portable loops, correct but many times slower)."""
+    lib = _library()
+    return lib.medusa_q4_isa().decode() + ("+vnni" if lib.medusa_q8_supported() else "")
 
 
-class NativeCodes:
+class _NativeWeight:
+    """What both layouts share: the shape check and the product call (:attr:`kernel`, a function of the library
+    taking ``x, M, K, codes, d, m, N, y, threads``)."""
+
+    block: int
+    kernel: str
+    what: str
+
+    def _check(self, n: int, k: int) -> None:
+        if n % self.block or k % GROUP:
+            raise ValueError(f"the native {self.what} product takes an output size that is a multiple of "
+                             f"{self.block} and an input size that is a multiple of {GROUP}, got {n} x {k}")
+        self.out_features, self.in_features = n, k
+
+    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x`` ``(M, K)`` fp32 -> ``(M, N)`` fp32 (for tests and the studies; decoding calls the whole forward)."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        getattr(_library(), self.kernel)(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
+                                         self.d.data_ptr(), self.m.data_ptr(), self.out_features, y.data_ptr(),
+                                         threads or torch.get_num_threads())
+        return y
+
+
+class NativeCodes(_NativeWeight):
     """One weight ``(N, K)`` as the C product takes it: nibble-packed codes ``(N, K/2)`` uint8 and fp32 ``d``,
     ``m`` ``(N, K/32)``, with ``W = q * d + m``.
 
@@ -157,25 +186,15 @@ class NativeCodes:
         ValueError: ``N`` is not a multiple of :data:`CHANNEL_BLOCK` or ``K`` of :data:`GROUP`.
     """
 
+    block, kernel, what = CHANNEL_BLOCK, "medusa_q4_product", "int4"
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         n, k = codes.shape
-        if n % CHANNEL_BLOCK or k % GROUP:
-            raise ValueError(f"the native int4 product takes an output size that is a multiple of {CHANNEL_BLOCK} "
-                             f"and an input size that is a multiple of {GROUP}, got {n} x {k}")
+        self._check(n, k)
         groups = codes.reshape(n, k // GROUP, GROUP)
         self.codes = (groups[..., :16] | (groups[..., 16:] << 4)).to(torch.uint8).contiguous().reshape(n, k // 2)
         self.d = scale.float().contiguous()
         self.m = (zero.float() - 8 * scale.float()).contiguous()
-        self.out_features, self.in_features = n, k
-
-    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """``x`` ``(M, K)`` fp32 -> ``(M, N)`` fp32 (for tests and the profile)."""
-        x = x.float().contiguous()
-        y = torch.empty(x.shape[0], self.out_features)
-        _library().medusa_q4_product(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
-                                     self.d.data_ptr(), self.m.data_ptr(), self.out_features, y.data_ptr(),
-                                     threads or torch.get_num_threads())
-        return y
 
     def weight(self) -> torch.Tensor:
         """The fp32 ``(N, K)`` weights the product computes with."""
@@ -185,7 +204,7 @@ class NativeCodes:
         return q * self.d.repeat_interleave(GROUP, 1) + self.m.repeat_interleave(GROUP, 1)
 
 
-class NativeCodesQ8:
+class NativeCodesQ8(_NativeWeight):
     """One weight ``(N, K)`` as the int8-activation (VNNI) product takes it: blocks of 16 output channels, their
     codes interleaved four input features at a time (the C file's layout), ``d`` and ``m`` in fp16 ``(N/16, K/32,
     16)``; ``W = q * d + m`` with ``d``, ``m`` rounded to fp16 (exact for a GGUF's Q4_0/Q4_1 blocks, whose scales
@@ -196,13 +215,11 @@ class NativeCodesQ8:
         ValueError: ``N`` is not a multiple of 16 or ``K`` of :data:`GROUP`.
     """
 
-    block = 16
+    block, kernel, what = 16, "medusa_q8_product", "int8-activation"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         n, k = codes.shape
-        if n % self.block or k % GROUP:
-            raise ValueError(f"the native int8-activation product takes an output size that is a multiple of "
-                             f"{self.block} and an input size that is a multiple of {GROUP}, got {n} x {k}")
+        self._check(n, k)
         g = k // GROUP
         q = codes.to(torch.uint8).reshape(n // 16, 16, g, 8, 4)  # (block, channel, group, quad, t)
         q = q.permute(0, 2, 3, 1, 4)  # (block, group, quad, channel, t)
@@ -210,16 +227,6 @@ class NativeCodesQ8:
         self.d = scale.float().reshape(n // 16, 16, g).transpose(1, 2).to(torch.float16).contiguous()
         self.m = (zero.float() - 8 * scale.float()).reshape(n // 16, 16, g).transpose(1, 2).to(
             torch.float16).contiguous()
-        self.out_features, self.in_features = n, k
-
-    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """``x`` ``(M, K)`` fp32 -> ``(M, N)`` fp32, the activations rounded to int8 blocks first."""
-        x = x.float().contiguous()
-        y = torch.empty(x.shape[0], self.out_features)
-        _library().medusa_q8_product(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
-                                     self.d.data_ptr(), self.m.data_ptr(), self.out_features, y.data_ptr(),
-                                     threads or torch.get_num_threads())
-        return y
 
     def weight(self) -> torch.Tensor:
         """The fp32 ``(N, K)`` weights the product computes with."""
@@ -293,6 +300,10 @@ class NativeDecoder:
 
     def __init__(self, decoder, fused_codes, int8_activations: bool = False):
         self.lib = _library()
+        if int8_activations and not self.lib.medusa_q8_supported():
+            logger.warning("native-q8: this CPU's build (%s) has no AVX-512 VNNI, so the int8-activation products "
+                           "run on portable loops, many times slower; kernel 'native' (fp32 activations) is the "
+                           "faster choice here", isa())
         self.int8_activations = int8_activations
         layout = NativeCodesQ8 if int8_activations else NativeCodes
         self.stack = decoder
@@ -316,23 +327,14 @@ class NativeDecoder:
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.norms.append(decoder.norm.weight.detach().float().contiguous())
         self._arrays = [_pointers([w.codes for w in self.weights]), _pointers([w.d for w in self.weights]),
-                        _pointers([w.m for w in self.weights]), _pointers(self.norms)]
-        self._models: dict[int, _Model] = {}
+                        _pointers([w.m for w in self.weights]), _pointers(self.norms)]  # kept alive with the struct
+        self.model = _Model(self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate,
+                            len(decoder.layers), self.eps, self.scaling, int(int8_activations),
+                            *(ctypes.cast(a, ctypes.POINTER(ctypes.c_void_p)) for a in self._arrays))
 
     def nbytes(self) -> int:
         """Bytes of the packed codes and their fp32 ``d`` and ``m``."""
         return sum(t.numel() * t.element_size() for w in self.weights for t in (w.codes, w.d, w.m))
-
-    def _model(self, capacity: int) -> _Model:
-        if capacity not in self._models:
-            codes, d, m, norms = self._arrays
-            self._models[capacity] = _Model(
-                self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate, len(self.stack.layers),
-                capacity, self.eps, self.scaling, int(self.int8_activations),
-                ctypes.cast(codes, ctypes.POINTER(ctypes.c_void_p)),
-                ctypes.cast(d, ctypes.POINTER(ctypes.c_void_p)), ctypes.cast(m, ctypes.POINTER(ctypes.c_void_p)),
-                ctypes.cast(norms, ctypes.POINTER(ctypes.c_void_p)))
-        return self._models[capacity]
 
     def _buffers(self, cache):
         """The cache's ``(1, Hkv, capacity, D)`` fp32 key and value buffers of every layer, made at the first write."""
@@ -355,9 +357,7 @@ class NativeDecoder:
         """
         n, length = len(input_ids), cache.length
         cache.begin_step(n)
-        x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), a copy the C call overwrites
-        if x.data_ptr() == self.stack.embed_tokens.weight.data_ptr():
-            x = x.clone()
+        x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), new: the C call overwrites it
         cos, sin = self.stack.rotary_emb(x[None], position_ids=positions[None])  # (1, N, D) each
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         seen = tree_mask.to(torch.bool)
@@ -369,8 +369,8 @@ class NativeDecoder:
         kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
             *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
         status = self.lib.medusa_q4_forward(
-            ctypes.byref(self._model(cache.capacity)), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(),
-            offsets.data_ptr(), index.data_ptr(), length, _pointers(keys), _pointers(values), kept_ptrs,
+            ctypes.byref(self.model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), offsets.data_ptr(),
+            index.data_ptr(), length, cache.capacity, _pointers(keys), _pointers(values), kept_ptrs,
             torch.get_num_threads())
         if status != 0:
             raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {n} tokens")

@@ -556,6 +556,7 @@ class QuantizedEngine(StaticEngine):
             "quantize": self.kind, "group_size": GROUP_SIZE if self.kind == "int4" else None,
             "forward": ("lean" if self.kernel == "torch" else self.kernel) if self.lean is not None else
             f"stock shadow ({self.lean_reason})", "kernel": self.kernel,
+            "native_isa": _native_isa() if self.kernel != "torch" else None,
             "activation_dtype": {"native": "float32", "native-q8": "int8 blocks of 32"}.get(
                 self.kernel, str(ACTIVATION_DTYPE).removeprefix("torch.")),
             "lm_head_quantized": self.quantized.lm_head is not None, "lm_head": self.lm_head_mode,
@@ -563,6 +564,12 @@ class QuantizedEngine(StaticEngine):
             "codes_from": sorted(sources), "gguf": self.gguf,
             "gguf_unpackable": dict(self.quantized.keep_dense), "quantized_bytes": self.quantized.nbytes(),
             "released_dense_bytes": self.released_bytes}
+
+
+def _native_isa() -> str:
+    from medusa.engines.native import isa
+
+    return isa()
 
 
 def _drop_pages(tensor: torch.Tensor) -> None:

@@ -186,6 +186,19 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* One group of 32 int8 activations against 16 channels' codes (eight vectors, four features each): 16 int32 sums. */
+static inline __m512i group_dot(const __m512i w[8], const int8_t *xg) {
+    __m512i iacc = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j++) {
+        int32_t quad;
+        memcpy(&quad, xg + 4 * j, 4);
+        iacc = _mm512_dpbusd_epi32(iacc, w[j], _mm512_set1_epi32(quad));
+    }
+    return iacc;
+}
+#endif
+
 static void q8_block(const int8_t *xq, const float *s, const float *ssum, int64_t K, const uint8_t *codes,
                      const uint16_t *d, const uint16_t *m, float *y, int64_t N, int64_t n, int64_t r0, int rows,
                      int add) {
@@ -206,13 +219,7 @@ static void q8_block(const int8_t *xq, const float *s, const float *ssum, int64_
         __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * 16)));
         __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * 16)));
         for (int i = 0; i < rows; i++) {
-            const int8_t *xg = xq + (r0 + i) * K + g * 32;
-            __m512i iacc = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                int32_t quad;
-                memcpy(&quad, xg + 4 * j, 4);
-                iacc = _mm512_dpbusd_epi32(iacc, w[j], _mm512_set1_epi32(quad));
-            }
+            __m512i iacc = group_dot(w, xq + (r0 + i) * K + g * 32);
             int64_t t = (r0 + i) * groups + g;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])), acc[i]);
             acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ssum[t]), acc[i]);
@@ -357,13 +364,7 @@ void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *co
                         for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
                         __m512 dv = _mm512_loadu_ps(db + g * 16);
                         for (int i = 0; i < rows; i++) {
-                            const int8_t *xg = xq + (r0 + i) * K + g * 32;
-                            __m512i iacc = _mm512_setzero_si512();
-                            for (int j = 0; j < 8; j++) {
-                                int32_t quad;
-                                memcpy(&quad, xg + 4 * j, 4);
-                                iacc = _mm512_dpbusd_epi32(iacc, w[j], _mm512_set1_epi32(quad));
-                            }
+                            __m512i iacc = group_dot(w, xq + (r0 + i) * K + g * 32);
                             int64_t t = (r0 + i) * groups + g;
                             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])),
                                                      acc[i]);
@@ -442,7 +443,7 @@ static void rms_norm(const float *x, const float *weight, int64_t H, float eps, 
 }
 
 typedef struct {
-    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, layers, capacity;
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, layers;
     float eps, scaling;
     int64_t int8_activations; /* 0: the fp32 products (q4 layout); 1: the VNNI products (q8 layout, fp16 d and m) */
     /* per layer: [qkv, o, gate_up, down] codes, d, m (layers * 4 each); norms: 2 per layer, then the final one */
@@ -465,6 +466,7 @@ typedef struct {
  *
  * x (M, hidden): the tokens' embeddings in, the hidden states after the final norm out.
  * cos, sin (M, head_dim): the rotary tables at the tokens' positions.
+ * capacity: the cache's slots per layer.
  * visible: CSR over the step's rows; row i attends to slots 0 .. length-1, then to the step's rows
  *   index[offsets[i] .. offsets[i+1]) (ascending, itself last), in that order.
  * keys, values: per layer (kv_heads, capacity, head_dim), written at the step's slots.
@@ -472,10 +474,11 @@ typedef struct {
  * Returns 0, or -1 when scratch memory could not be allocated (nothing written to x then).
  */
 int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float *cos, const float *sin,
-                      const int32_t *offsets, const int32_t *index, int64_t length, float *const *keys,
+                      const int32_t *offsets, const int32_t *index, int64_t length, int64_t capacity,
+                      float *const *keys,
                       float *const *values, float *const *kept, int threads) {
     const int64_t H = w->hidden, D = w->head_dim, Hq = w->q_heads, Hkv = w->kv_heads, I = w->intermediate;
-    const int64_t QKV = (Hq + 2 * Hkv) * D, cap = w->capacity, group = Hq / Hkv;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, cap = capacity, group = Hq / Hkv;
     const int64_t most_seen = length + M;
     float *h = malloc(sizeof(float) * M * H), *qkv = malloc(sizeof(float) * M * QKV);
     float *att = malloc(sizeof(float) * M * Hq * D), *gu = malloc(sizeof(float) * M * 2 * I);
