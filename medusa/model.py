@@ -104,9 +104,12 @@ class MedusaModel(nn.Module):
         self._pack_drafter()
 
     def _pack_drafter(self) -> None:
-        """The heads draft through packed projections exactly when the engine packs its own products."""
-        if self.heads is not None and hasattr(self.heads, "pack_projection"):
-            self.heads.pack_projection = bool(getattr(self.engine, "packs_drafter_products", False))
+        """The heads draft through the products the engine offers them (:meth:`medusa.engines.Engine.drafter_product`:
+        packed projections beside an engine that packs its own products, Q8_0 products beside the native decoder)."""
+        if self.heads is not None and hasattr(self.heads, "drafter_products"):
+            self.heads.drafter_products = self.engine.drafter_product
+            self.heads.drafter_products_key = self.engine.drafter_products_key
+            self.heads.__dict__.pop("_products", None)  # made by the previous engine
 
     def use_per_step_tree(self, calibration, profile=None, measure: bool = False, **options) -> None:
         """Decode with a tree grown each step from the heads' calibrated confidence and this machine's measured
@@ -153,8 +156,9 @@ class MedusaModel(nn.Module):
         elif profile is None:
             profile, why = stored_profile(self.base)
         # The sizes a tree settles on: the engine's buckets, else the sizes the profile measured (a forward's cost
-        # jumps between sizes, by kernel choice, more than interpolation shows).
-        buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else "measured")
+        # jumps between sizes, by kernel choice, more than interpolation shows), unless its cost grows smoothly.
+        buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else
+                                               None if self.engine.smooth_step_cost else "measured")
         cost = StepCost.from_profile(profile, self.engine.profile_name, self.heads, buckets, level_s=level_s,
                                      why=why)
         self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)

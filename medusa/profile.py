@@ -381,10 +381,12 @@ def cuda_dtype(device) -> tuple[torch.dtype, str]:
 
 # -- drafters -------------------------------------------------------------------------------------------------------
 def heads_key(heads) -> str:
-    """The drafter key of Medusa/Hydra heads in a profile: their type and shape (what their cost depends on)."""
+    """The drafter key of Medusa/Hydra heads in a profile: their type and shape, and the engine's drafter products
+    where they are not matmul or a packed copy (what their cost depends on)."""
     c = heads.config
+    products = getattr(heads, "drafter_products_key", None)  # the engine's drafter products, where they matter
     return (f"{c.head_type}:{c.num_heads}x{c.num_layers}:hidden{c.hidden_size}:vocab{heads.head_vocab_size}"
-            f":{next(heads.parameters()).dtype}".replace("torch.", ""))
+            f":{next(heads.parameters()).dtype}".replace("torch.", "") + (f":products={products}" if products else ""))
 
 
 DRAFT_SIZES = tuple(range(1, 9))

@@ -41,7 +41,7 @@ def forwards(args) -> None:
     from medusa import engines
 
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
-    engine = engines.make_engine("int4", model, gguf=gguf_path(), lm_head="bf16")
+    engine = engines.make_engine("int4", model, gguf=gguf_path(), lm_head=args.lm_head, kernel=args.kernel)
     prefix = args.prefix
     ids = torch.randint(100, 20000, (prefix,), generator=torch.Generator().manual_seed(0))
 

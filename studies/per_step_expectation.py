@@ -1,6 +1,7 @@
 """What the per-step tree expects a step to emit against what it emits, through each int4 kernel: the expected tokens
 of every tree it settles on (its calibrated acceptance summed over the tree), and the measured tau, on the first
-MT-bench-style prompts, greedy, 128 new tokens.
+MT-bench-style prompts, greedy, 128 new tokens; with the sequence's seen acceptance off and on
+(``PerStepDrafter.learn_acceptance``).
 
     python studies/per_step_expectation.py --threads 2 --limit 6
 
@@ -47,11 +48,13 @@ def main() -> None:
         return out
 
     per_step.PerStepDrafter._settle = recording
-    print("| kernel | trees | nodes a tree | expected tokens a step | measured tau |\n|---|---|---|---|---|")
-    for kernel in args.kernels:
+    print("| kernel | seen acceptance | trees | nodes a tree | expected tokens a step | measured tau |\n"
+          "|---|---|---|---|---|---|")
+    for kernel, learn in [(k, learn) for k in args.kernels for learn in (False, True)]:
         model = build_model(DecodeConfig(base=args.base, heads=args.heads, threads=args.threads, quantize="int4",
                                          gguf=args.gguf, quantized_lm_head="gguf", int4_kernel=kernel),
                             report=lambda line: None)
+        model.drafter.learn_acceptance = learn
         prompts = [encode_prompt(model.tokenizer, r)
                    for r in read_prompts(REPO / "benchmarks/prompts/mt-bench-style.jsonl")[: args.limit]]
         settled.clear()
@@ -61,8 +64,9 @@ def main() -> None:
                 _, stats = model.generate(ids, 128)
                 tokens, steps = tokens + stats.decode_tokens, steps + stats.decode_steps
         n = len(settled)
-        print(f"| {kernel} | {n} | {sum(s for _, s in settled) / n:.1f} | {sum(e for e, _ in settled) / n:.2f} | "
-              f"{tokens / steps:.2f} |")
+        nodes, expected = sum(s for _, s in settled) / n, sum(e for e, _ in settled) / n
+        seen = "learned" if learn else "off"
+        print(f"| {kernel} | {seen} | {n} | {nodes:.1f} | {expected:.2f} | {tokens / steps:.2f} |")
 
 
 if __name__ == "__main__":

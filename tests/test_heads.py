@@ -178,18 +178,18 @@ def test_drafting_on_a_cpu_projects_through_a_packed_copy_equal_to_matmul_and_re
     """Under no_grad on a CPU the shared projection runs on a oneDNN-packed copy of the rows (when oneDNN runs here):
     the logits equal ``matmul``'s up to summation order, a changed weight is packed again, and with gradients on the
     product stays ``matmul`` (training is untouched)."""
-    from medusa.engines.onednn import onednn_unavailable_for
+    from medusa.engines.onednn import onednn_unavailable_for, packed_product
 
     heads = make_heads()
     feats = torch.randn(4, heads.config.hidden_size)
     reference = feats @ heads.shared_weight_t
     with torch.no_grad():
         heads.project(0, feats)
-        assert "_packed" not in heads.__dict__  # not asked for: matmul
-        heads.pack_projection = True
+        assert "_products" not in heads.__dict__  # no engine offers products: matmul
+        heads.drafter_products = lambda weight, role: packed_product(weight) if role == "projection" else None
         packed = heads.project(0, feats)
         if onednn_unavailable_for("cpu", torch.float32) is None:
-            assert heads.__dict__["_packed"][1] is not None
+            assert heads.__dict__["_products"]["projection"][1] is not None
         assert torch.allclose(packed, reference, atol=1e-5) and packed.shape == (4, heads.head_vocab_size)
         assert torch.allclose(heads.project(0, feats[None]), reference[None], atol=1e-5)  # (1, 4, H) too
         heads.shared_weight_t.mul_(2)  # changed in place: packed again
@@ -208,9 +208,11 @@ def test_the_heads_pack_their_projection_exactly_when_the_engine_packs_its_own_p
     base = tiny_model("llama")
     heads = make_heads(weight=base.get_output_embeddings().weight.detach())
     model = MedusaModel(base, heads, Tree.chain(2), None, "static")
-    assert model.heads.pack_projection is False
+    weight = model.heads.shared_weight_t.T
+    assert model.heads.drafter_products(weight, "projection") is None
     if onednn_unavailable_for("cpu", torch.float32) is None:
         model.use_engine("onednn")
-        assert model.engine.packs_drafter_products and model.heads.pack_projection is True
+        assert model.engine.packs_drafter_products and model.heads.drafter_products(weight, "projection") is not None
+        assert model.heads.drafter_products(weight, "input0") is None  # the projection only
         model.use_engine("static")
-        assert model.heads.pack_projection is False
+        assert model.heads.drafter_products(weight, "projection") is None

@@ -123,6 +123,43 @@ def test_medusa_through_the_native_decoder_equals_plain_greedy_through_it(kernel
     assert not medusa.engine.supports_batch
 
 
+def test_q8_0_blocks_round_trip_and_the_drafter_products_compute_with_them():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 96, generator=gen)
+    weight[0, :32] = 0  # a block of zeros: d 0, codes 0
+    codes, d = native.quantize_q8_0(weight)
+    step = d.repeat_interleave(32, 1)
+    dense = codes.float() * step
+    assert d[0, 0] == 0 and not codes[0, :32].any() and codes.abs().max() == 127
+    assert ((dense - weight).abs() <= step / 2 + 1e-6).all()  # within half a step of the weights
+    x = torch.randn(5, 96, generator=gen)
+    reference = x @ dense.T
+    assert torch.allclose(native.q8_0_product(weight, int8_activations=False)(x), reference, atol=1e-4)
+    rounded = native.q8_0_product(weight, int8_activations=True)(x)  # the activations rounded to int8 too
+    assert (rounded - reference).abs().max() < 0.02 * reference.abs().max() and not torch.equal(rounded, reference)
+    assert native.q8_0_product(torch.randn(40, 96), int8_activations=False) is None  # 40 rows: not blocks of 16
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.quantize_q8_0(torch.randn(16, 40))
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-q8"])
+def test_hydra_heads_draft_through_q8_0_products_beside_the_native_decoder(kernel):
+    """Beside the native decoder the heads' input layers and projection run on Q8_0 products (the drafter's key in
+    the profile says so, and the tree's size may be any: the decoder's cost is smooth); the tokens stay plain's.
+    Another engine takes them back to matmul."""
+    from medusa.profile import heads_key
+
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model, head_type="hydra"), engine="int4", kernel=kernel, lm_head="bf16")
+    assert greedy(medusa) == greedy(medusa, Tree.chain(0))
+    made = medusa.heads.__dict__["_products"]
+    assert made["input0"][1] is not None and medusa.engine.smooth_step_cost
+    assert heads_key(medusa.heads).endswith(":products=q8_0" + (":int8" if kernel == "native-q8" else ""))
+    medusa.use_engine("int4", lm_head="bf16")  # torch's kernels: the packed projection, no Q8_0, measured sizes
+    assert medusa.heads.drafter_products_key is None and "_products" not in medusa.heads.__dict__
+    assert not medusa.engine.smooth_step_cost and ":products" not in heads_key(medusa.heads)
+
+
 def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="model_type 'gpt2'.*use kernel 'torch'"):
         engines.make_engine("int4", tiny_model("gpt2"), kernel="native")

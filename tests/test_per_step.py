@@ -404,3 +404,69 @@ def test_from_pretrained_takes_the_per_step_tree_from_a_calibrated_folder(tmp_pa
     assert tokens == hf_greedy(loaded.base, ids, 16) and stats.tree_nodes
     with pytest.raises(ValueError, match="depth 5 but the model has only 2 heads"):
         MedusaModel.from_pretrained(base_dir, heads_dir, engine="eager", per_step=False)
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_a_sequences_seen_acceptance_shrinks_trees_whose_drafts_the_base_rejects(learn):
+    """Heads that are never right, under a calibration that trusts them: with the seen acceptance the trees shrink
+    within the sequence (the control, learning off, keeps growing them); the tokens stay the base's either way."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, ids, 40)
+    heads = NeverRight(random_heads(model, head_type="hydra"), reference)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0,
+                             learn_acceptance=learn)
+    out, stats = decode(model, drafter, ids, 40)
+    assert out == reference and stats.tau == 1.0
+    late = stats.tree_nodes[len(stats.tree_nodes) // 2:]
+    if learn:
+        assert sum(late) / len(late) < 0.5 * sum(stats.tree_nodes[:3]) / 3, stats.tree_nodes
+    else:
+        assert min(stats.tree_nodes) > 4, stats.tree_nodes
+
+
+def test_the_seen_scale_follows_what_the_base_accepted_shrunk_towards_the_calibration():
+    from medusa.drafters.per_step import CHAIN, SEEN_PRIOR, PerStepState
+
+    state = PerStepState(None)
+    assert state.seen_scale(0) == state.seen_scale(CHAIN) == 1.0  # nothing seen yet
+    # node 1 (depth 1, rank 0) and node 2 (its child) drafted at 0.8 each; node 3 a chain node at 0.5
+    state.last_nodes = [(1, 0, 0, 0.8), (2, 1, 2, 0.8), (3, 0, CHAIN, 0.5)]
+    PerStepDrafter._see(state, {0, 3})  # node 1 rejected (its child then unseen), the chain node accepted
+    assert state.predicted == {0: 0.8, CHAIN: 0.5} and state.accepted == {0: 0.0, CHAIN: 1.0}
+    assert state.seen_scale(0) == SEEN_PRIOR / (0.8 + SEEN_PRIOR) < 1 < state.seen_scale(CHAIN)
+    assert state.seen_scale(2) == 1.0 and state.last_nodes == []
+
+
+def test_the_node_overhead_is_learned_from_greedy_steps_and_left_out_of_sampled_ones():
+    """Wall time beyond the cost model, per node: learned from a greedy step's timing and then charged per node (a
+    large one makes greedy steps plain); sampled trees never see it, so that their draws do not depend on time."""
+    from medusa.drafters.base import SampleWithoutReplacement, TopK
+    from medusa.drafters.per_step import PerStepState
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    reference = hf_greedy(model, ids, 8)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
+    state = PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=4)
+    drafter._time_last_step(state, 10.07)  # 20 ms beyond the model over 4 nodes
+    assert drafter.node_overhead_s == pytest.approx(0.005)
+    drafter._time_last_step(state, 10.5)  # ten times the model: a pause, skipped
+    assert drafter.node_overhead_s == pytest.approx(0.005)
+
+    def propose(sampler, overhead):
+        drafter.node_overhead_s = overhead
+        row = drafter.new_state()
+        with torch.no_grad():
+            hidden = heads.ref_hidden[len(ids) - 1]
+            drafter.start(row, hidden[None], torch.tensor([reference[0]]))
+            tree = drafter.propose(row, torch.tensor(reference[0]), torch.tensor(ids.tolist() + reference[:1]),
+                                   sampler)
+        return len(tree.tokens), row
+
+    greedy = TopK(greedy=True)
+    assert propose(greedy, 0.0)[0] > 4 and propose(greedy, 1.0)[0] == 1  # a second a node: plain steps
+    sampler = SampleWithoutReplacement(lambda logits: logits, torch.Generator().manual_seed(0))
+    size, row = propose(sampler, 1.0)
+    assert size > 4 and row.step_started == 0.0  # not charged, not timed

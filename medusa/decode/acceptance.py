@@ -153,7 +153,7 @@ class GreedyAcceptance:
 
     name = "greedy"
     lossless = True
-    sampler = TopK()
+    sampler = TopK(greedy=True)
     rows_at_once = True
 
     @staticmethod

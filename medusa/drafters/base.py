@@ -110,7 +110,15 @@ class DraftSampler(Protocol):
 
 
 class TopK:
-    """Each parent's ``k`` most likely ids, best first (greedy decoding, typical acceptance)."""
+    """Each parent's ``k`` most likely ids, best first (greedy decoding, typical acceptance).
+
+    Args:
+        greedy: the draws serve greedy decoding, whose output no tree changes (a per-step tree may then weigh
+            nodes by measured wall time, :attr:`medusa.drafters.per_step.PerStepDrafter.node_overhead_s`).
+    """
+
+    def __init__(self, greedy: bool = False):
+        self.greedy = greedy
 
     def draw(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, None]:
         return logits.topk(k, dim=-1).indices, None  # (P, k)

@@ -241,39 +241,51 @@ class _HeadsBase(nn.Module):
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy.
 
-        Drafting on a CPU (no gradient) beside an engine that packs its own products (:attr:`pack_projection`)
-        projects through a oneDNN-packed copy of the shared rows where oneDNN runs
-        their dtype: 0.11 ms for 4 rows of SmolLM2's 4096-row head vocabulary against 0.67 ms through ``matmul``
-        (2 threads, AMD EPYC; docs/quantized.md). The logits equal ``matmul``'s up to float summation order; the
-        verify decides what is emitted either way."""
+        Drafting (no gradient) beside an engine that offers its own products for the drafter (:attr:`drafter_products`)
+        projects through that product of the shared rows: a oneDNN-packed copy beside the onednn and int4/int8
+        engines (0.11 ms for 4 rows of SmolLM2's 4096-row head vocabulary against 0.67 ms through ``matmul``, 2
+        threads, AMD EPYC; docs/quantized.md), the rows as Q8_0 blocks in C beside the native int4 decoder. The logits
+        equal ``matmul``'s up to float summation order (or the Q8_0 rounding); the verify decides what is emitted
+        either way."""
         if self.lm_heads is None:
-            product = self._packed_projection(feats)
+            product = self._drafter_product("projection", self.shared_weight_t.T, feats)
             if product is not None:
                 out = product(feats.reshape(-1, feats.shape[-1]))  # (M, Vh)
                 return out.view(*feats.shape[:-1], out.shape[-1])
             return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
 
-    pack_projection: bool = False
-    """Draft through the packed projection (set by :class:`medusa.model.MedusaModel` from its engine's
-    ``packs_drafter_products``: the onednn and quantized engines, which ``auto`` picks by measuring or the user asks
-    for); otherwise ``matmul``."""
+    drafter_products = None
+    """``(weight (N, K), role) -> product or None``: the products the engine offers the drafter
+    (:meth:`medusa.engines.Engine.drafter_product`), set by :class:`medusa.model.MedusaModel` from its engine;
+    ``None``: ``matmul`` and ``nn.Linear``. Used only while drafting: no gradient, on a CPU, in the weight's dtype."""
 
-    def _packed_projection(self, feats: torch.Tensor):
-        """The shared rows' oneDNN product (:func:`medusa.engines.onednn.packed_product`, made again after they
-        changed), or ``None`` where the product must stay ``matmul``: gradients on, not a CPU, another dtype, or no
-        oneDNN for it here."""
-        weight = self.shared_weight_t
-        if (not self.pack_projection or torch.is_grad_enabled() or feats.device.type != "cpu"
-                or feats.dtype != weight.dtype or weight.device.type != "cpu"):
+    drafter_products_key: str | None = None
+    """What the engine's drafter products are when they change the drafting cost beyond a packed copy
+    (:attr:`medusa.engines.Engine.drafter_products_key`): part of the profile's drafter key
+    (:func:`medusa.profile.heads_key`)."""
+
+    def _drafter_product(self, role: str, weight: torch.Tensor, rows: torch.Tensor):
+        """The engine's product of ``weight`` ``(N, K)`` for ``role`` (made once, and again after the weight
+        changed), or ``None`` where it must stay ``matmul``: gradients on, not a CPU, another dtype, nothing
+        offered."""
+        if (self.drafter_products is None or torch.is_grad_enabled() or rows.device.type != "cpu"
+                or rows.dtype != weight.dtype or weight.device.type != "cpu"):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype)
-        cached = self.__dict__.get("_packed")
-        if cached is None or cached[0] != key:
-            from medusa.engines.onednn import packed_product
+        made = self.__dict__.setdefault("_products", {})
+        if role not in made or made[role][0] != key:
+            made[role] = (key, self.drafter_products(weight, role))
+        return made[role][1]
 
-            cached = self.__dict__["_packed"] = (key, packed_product(weight.T))  # from the (Vh, H) rows
-        return cached[1]
+    def _linear(self, role: str, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)``, through the engine's drafter product of its weight where one is offered (see
+        :meth:`_drafter_product`)."""
+        product = self._drafter_product(role, layer.weight, x)
+        if product is None:
+            return layer(x)
+        out = product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # (..., N)
+        return out if layer.bias is None else out + layer.bias
 
     @property
     def shared_weight(self) -> torch.Tensor | None:
@@ -454,7 +466,7 @@ class HydraHeads(_HeadsBase):
                              f"{None if tokens is None else tokens.shape[-1]}")
         embeds = self.embed(tokens, hidden.dtype)  # (..., k+1, H)
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
-        return self.blocks[k](hidden + nn.functional.silu(self.inputs[k](x)))  # (..., H)
+        return self.blocks[k](hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x)))  # (..., H)
 
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``(..., T, K)``: ``[t, j]`` is the token at t + 1 + j, 0 past the end (no target exists there)."""

@@ -179,6 +179,9 @@ class _Level:
     """``(B, P, k)`` each candidate's base token id."""
     kept: list[tuple[int, int, int]] = field(default_factory=list)
     """``(node, slot, rank)`` of the candidates made nodes."""
+    child_accept: list[list[list[float]]] = field(default_factory=list)
+    """``(B, P, k)`` each candidate's calibrated acceptance probability given its parent (before a row's seen
+    scale)."""
 
 
 @dataclass
@@ -190,10 +193,58 @@ class PerStepState(HeadsState):
     seconds: float = 0.0
     """0 until the first step: the plain step's cost is taken then."""
     last_seconds: float = 0.0
+    predicted: dict[int, float] = field(default_factory=dict)
+    """Per kind of drafted node (a head's: ``2 (depth - 1)`` for its parent's first candidate, ``2 (depth - 1) + 1``
+    for the later ones; :data:`CHAIN` for the prompt-lookup chain), the decayed sum of the calibrated acceptance
+    probabilities of such nodes whose parent was accepted (:data:`SEEN_DECAY`)."""
+    accepted: dict[int, float] = field(default_factory=dict)
+    """Per kind, the decayed count of those nodes the base accepted."""
+    last_nodes: list[tuple[int, int, int, float]] = field(default_factory=list)
+    """The last tree's drafted nodes: ``(node, parent, kind, calibrated acceptance given the parent)``."""
+    step_started: float = 0.0
+    """``time.perf_counter()`` when the last timed step's tree was proposed (0: none yet)."""
+    step_model_s: float = 0.0
+    """What the cost model gave that step, without the per-node overhead (:attr:`PerStepDrafter.node_overhead_s`)."""
+    step_nodes: int = 0
+    """That step's nodes over all its rows."""
+
+    def seen_scale(self, kind: int) -> float:
+        """How far the base accepted this sequence's drafts of ``kind`` (see :attr:`predicted`) more
+        (> 1) or less (< 1) often than the calibration said, shrunk towards 1 by :data:`SEEN_PRIOR` (1 before any
+        step)."""
+        return (self.accepted.get(kind, 0.0) + SEEN_PRIOR) / (self.predicted.get(kind, 0.0) + SEEN_PRIOR)
 
 
+CHAIN = -1
+"""The prompt-lookup chain's first node's kind in :class:`PerStepState`'s seen acceptance (its later nodes:
+``CHAIN - 1``; the first is accepted far more often than the calibration's n-gram table says on text that copies
+little, the later ones less)."""
+OVERHEAD_DECAY = 0.95
+"""Weight of the past in the learned per-node overhead (:attr:`PerStepDrafter.node_overhead_s`)."""
+
+
+class _PlusNodes:
+    """A :class:`StepCost` whose verify costs ``per_node`` seconds more for each node of each row: the step's work
+    outside the forward and the head calls (choosing, accepting, compacting the cache, the heads' context), which
+    grows with the tree (:attr:`PerStepDrafter.node_overhead_s`)."""
+
+    def __init__(self, cost: StepCost, per_node: float):
+        self.cost, self.per_node, self.buckets = cost, per_node, cost.buckets
+
+    def verify(self, n: int, batch: int = 1, smooth: bool = False) -> float:
+        return self.cost.verify(n, batch, smooth) + self.per_node * n * batch
+
+    def level(self, depth: int, batch: int = 1) -> float:
+        return self.cost.level(depth, batch)
+
+    def bucket(self, n: int) -> int:
+        return self.cost.bucket(n)
 RATE_DECAY = 0.85
 """Weight of the past in the running rate (about the last seven steps count)."""
+SEEN_DECAY = 0.97
+"""Weight of the past in a sequence's seen acceptance (:meth:`PerStepState.seen_scale`; about the last 30 steps)."""
+SEEN_PRIOR = 1.0
+"""Pseudo-count, in expected accepted nodes, shrinking the seen acceptance's scale towards the calibration's."""
 OBJECTIVES = ("throughput", "step")
 """``throughput``: a node pays when its value beats the sequence's running tokens per second times its extra seconds
 (Dinkelbach's rule for the long-run rate of tokens per second); ``step``: when it raises this step's own expected
@@ -224,7 +275,7 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step"):
+                 objective: str = "step", learn_acceptance: bool = True):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -241,6 +292,12 @@ class PerStepDrafter:
         self.heads, self.calibration, self.cost = heads, calibration, cost
         self.lookup_length, self.top_k, self.max_parents = lookup_length, min(top_k, calibration.top_k), max_parents
         self.max_nodes = max_nodes
+        self.learn_acceptance = learn_acceptance
+        self.node_overhead_s = 0.0
+        """Seconds a step costs beyond the cost model's verify and head calls, per node of a row: learned from the
+        wall time of greedy steps (decoding whose output no tree changes), where it is also used; sampled decoding
+        leaves it out, so that its trees, and the random numbers they draw, do not depend on timing."""
+        self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
         self.typical_nodes = min(16, max_nodes)
@@ -281,8 +338,23 @@ class PerStepDrafter:
     def update(self, state: PerStepState, draft: DraftTree, path: torch.Tensor, hidden: torch.Tensor,
                next_tokens: torch.Tensor) -> None:
         state.hidden = self.heads.extend_context(state.context, hidden, next_tokens)  # (H,)
+        if self.learn_acceptance and state.last_nodes:
+            self._see(state, set(path.tolist()))
         state.tokens = RATE_DECAY * state.tokens + (1 - RATE_DECAY) * len(next_tokens)
         state.seconds = RATE_DECAY * state.seconds + (1 - RATE_DECAY) * state.last_seconds
+
+    @staticmethod
+    def _see(state: PerStepState, accepted: set[int]) -> None:
+        """Fold the last tree's outcome into the sequence's seen acceptance: each heads-drafted node whose parent
+        was accepted adds its calibrated probability to its kind's prediction, and 1 to its count if accepted."""
+        for kind in state.predicted:
+            state.predicted[kind] *= SEEN_DECAY
+            state.accepted[kind] *= SEEN_DECAY
+        for node, parent, kind, p in state.last_nodes:
+            if parent in accepted:
+                state.predicted[kind] = state.predicted.get(kind, 0.0) + p
+                state.accepted[kind] = state.accepted.get(kind, 0.0) + (node in accepted)
+        state.last_nodes = []
 
     # -- proposing ----------------------------------------------------------------------------------------------------
     def propose(self, state: HeadsState, root: torch.Tensor, sequence: torch.Tensor,
@@ -317,7 +389,10 @@ class PerStepDrafter:
         samplers = sampler if isinstance(sampler, list) else [sampler] * batch
         inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
         tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
-        cost = self.cost
+        timed = all(getattr(s, "greedy", False) for s in samplers)
+        if timed:
+            self._time_last_step(states[0], start)
+        cost = _PlusNodes(self.cost, self.node_overhead_s) if timed else self.cost
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
@@ -325,12 +400,22 @@ class PerStepDrafter:
             state.seconds = state.seconds or seconds
         running = sum(s.tokens for s in states) / (sum(s.seconds for s in states) / batch)
         step_rate = self.objective == "step"
-        chain = None
+        chain = chain_conditional = None
         if self.lookup_length:
             drafts = [lookup_match(seq, self.lookup_length, self.calibration.lookup_max_ngram) for seq in sequences]
             grams = torch.tensor([n for _, n in drafts], device=device)
+            conditional = lookup_table[grams, : self.lookup_length]  # (B, L) each position's, given the one before
+            chain_conditional = conditional.tolist()
+            if self.learn_acceptance:
+                scale = torch.tensor([[s.seen_scale(CHAIN), s.seen_scale(CHAIN - 1)] for s in states],
+                                     device=device)  # (B, 2): the first node, the later ones
+                scale = torch.cat([scale[:, :1], scale[:, 1:].expand(-1, conditional.shape[1] - 1)], 1)
+                conditional = (conditional * scale).clamp(max=1.0)
             chain = (torch.stack([t for t, _ in drafts]).tolist(),  # (B, L) tokens
-                     lookup_table[grams, : self.lookup_length].cumprod(dim=1).tolist())  # (B, L) path values
+                     conditional.cumprod(dim=1).tolist())  # (B, L) path values
+        if self.learn_acceptance:  # the best a depth may give, after the rows' seen scales
+            best_accept = [min(1.0, a * max(s.seen_scale(k) for s in states for k in (2 * d, 2 * d + 1)))
+                           for d, a in enumerate(best_accept)]
         levels: list[_Level] = []
         leftovers: list[tuple[_Candidate, int, _Level | None]] = []  # (candidate, its depth, its head call)
         depth = 0
@@ -386,10 +471,19 @@ class PerStepDrafter:
         if cost.buckets is not None:
             tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, draft_s, batch,
                                                   all(isinstance(s, TopK) for s in samplers),
-                                                  None if step_rate else running)
+                                                  None if step_rate else running, cost)
             seconds = draft_s + cost.verify(len(tree.parents), batch)
-        for state in states:
+        for b, state in enumerate(states):
             state.last_seconds = seconds
+            if timed:
+                state.step_started, state.step_nodes = start, len(tree.parents) * batch
+                state.step_model_s = draft_s + self.cost.verify(len(tree.parents), batch)
+            if self.learn_acceptance:
+                state.last_nodes = [(node, tree.parents[node], 2 * (tree.depths[node] - 1) + (rank > 0),
+                                     level.child_accept[b][slot][rank])
+                                    for level in levels for node, slot, rank in level.kept]
+                state.last_nodes += [(node, tree.parents[node], CHAIN - min(j, 1), chain_conditional[b][j])
+                                     for j, node in enumerate(tree.lookup)]
         drafts = self._assemble(tree, levels, vocab, device)
         drafts[0].choose_s = time.perf_counter() - start - in_heads
         return drafts
@@ -401,7 +495,7 @@ class PerStepDrafter:
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
         draw)."""
         paths = [_path(tree.parents, node) for node in chosen]
-        logits, cands, qs, values, base_ids = [], [], [], [], []
+        logits, cands, qs, values, base_ids, calibrated = [], [], [], [], [], []
         for b, state in enumerate(states):
             path_tokens = torch.tensor([[tree.tokens[b][i] for i in path] for path in paths], dtype=torch.long,
                                        device=vocab.device)  # (P, depth + 1)
@@ -411,12 +505,33 @@ class PerStepDrafter:
             accept = acceptance[depth][torch.bucketize(ranked, inner_edges, right=True)] * (ranked > 0)  # (P, k)
             parent = torch.tensor([tree.values[b][i] for i in chosen], device=accept.device)  # (P,)
             logits.append(row_logits), cands.append(c), qs.append(q)
-            values.append((parent[:, None] * accept).tolist())
+            seen = accept
+            if self.learn_acceptance:  # rank 0 and the later ranks, each by its own seen scale; a later rank
+                # never above an earlier one (a parent's kept candidates are its first ranks)
+                scale = torch.full_like(accept[:1], state.seen_scale(2 * depth + 1))  # (1, k)
+                scale[0, 0] = state.seen_scale(2 * depth)
+                seen = torch.cummin((accept * scale).clamp(max=1.0), dim=1).values
+            values.append((parent[:, None] * seen).tolist())
             base_ids.append(vocab[c].tolist())
-        return _Level(chosen, logits, cands, qs, values, base_ids)
+            calibrated.append(accept.tolist())
+        return _Level(chosen, logits, cands, qs, values, base_ids, child_accept=calibrated)
+
+    def _time_last_step(self, state: PerStepState, now: float) -> None:
+        """Fold the last timed step of ``state``'s rows (from its tree's proposal to ``now``, the next one's) into
+        :attr:`node_overhead_s`: its wall time beyond what the cost model gave it, per node. A gap of more than
+        three times the model's figure is a pause (the caller away), not a step, and is skipped."""
+        if not state.step_started or not state.step_nodes:
+            return
+        elapsed = now - state.step_started
+        if elapsed > 3 * state.step_model_s:
+            return
+        sums = self._overhead_sums
+        sums[0] = OVERHEAD_DECAY * sums[0] + (elapsed - state.step_model_s)
+        sums[1] = OVERHEAD_DECAY * sums[1] + state.step_nodes
+        self.node_overhead_s = max(0.0, sums[0] / sums[1])
 
     def _settle(self, tree: _Growing, levels: list[_Level], leftovers, chain, expected: float, draft_s: float,
-                batch: int, may_prune: bool, rate: float | None):
+                batch: int, may_prune: bool, rate: float | None, cost=None):
         """Settle the grown tree's size on a bucket: filled up to the bucket above with the best candidates left
         over (as leaves), or, with deterministic drafts (top-k: greedy, typical), pruned to the bucket below (its
         least likely nodes, leaves first), whichever gives more expected tokens per second at the buckets' measured
@@ -427,7 +542,7 @@ class PerStepDrafter:
         decision depends on the candidates' probabilities, never on their draws. When too few candidates are left to
         fill the bucket (``top_k`` x ``max_parents`` per depth bounds them) and pruning is not taken, the size stays
         between buckets: a ``fixed_shapes`` engine then compiles that size too."""
-        cost, n = self.cost, len(tree.parents)
+        cost, n = cost or self.cost, len(tree.parents)
         up = min(cost.bucket(n), self.max_nodes)
         fills = self._plan_fill(tree, leftovers, up - n)
         options = [(expected + sum(c.value for c, _, _ in fills) * batch, n + len(fills), "fill")]
@@ -566,7 +681,8 @@ class _Growing:
                               [[row[r] for r in rows] for row in level.child_values],
                               [[row[r] for r in rows] for row in level.base_ids],
                               [(index[node], slot_of[slot], rank) for node, slot, rank in level.kept
-                               if node in index]))
+                               if node in index],
+                              [[row[r] for r in rows] for row in level.child_accept]))
         return tree, out
 
 

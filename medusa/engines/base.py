@@ -95,6 +95,10 @@ class Engine(abc.ABC):
     step_buckets: tuple[int, ...] | None = None
     """The step sizes this engine pads a step up to, or ``None``: any step size costs the same to set up (no
     engine pads today; ``compiled`` compiles each exact size, see :attr:`fixed_shapes`)."""
+    smooth_step_cost: bool = False
+    """A forward's cost grows smoothly with its size (one code path for every size, as the native int4 decoder's),
+    so a per-step tree may take any size at the cost interpolated between the measured ones; else (torch picks
+    kernels by shape, and a cost can jump between sizes) a tree settles on the sizes the profile measured."""
     products_visible: ClassVar[bool] = True
     """The forward's matrix products run as torch ops that ``torch.profiler`` sees, so the profile can split a
     forward into them and the rest (:func:`medusa.tools.measure.time_outside_products`); an engine whose forward is
@@ -110,6 +114,16 @@ class Engine(abc.ABC):
     """The drafter's projections run on oneDNN-packed copies too (:meth:`medusa.drafters.heads._HeadsBase.project`):
     declared by the engines that pack the base's own products, so the choice follows the engine's (which ``auto``
     makes from this machine's measured profile), never a guess about the CPU."""
+    drafter_products_key: ClassVar[str | None] = None
+    """Names the drafter products (:meth:`drafter_product`) where they change the drafting cost beyond a packed copy
+    (part of the profile's drafter key, :func:`medusa.profile.heads_key`); ``None``: matmul or a packed copy."""
+
+    def drafter_product(self, weight: torch.Tensor, role: str):
+        """The product the heads draft through for ``weight`` ``(N, K)``: ``rows (M, K) -> (M, N)``, or ``None``
+        (``matmul`` / ``nn.Linear``, as here). ``role``: ``"projection"`` (the heads' shared lm_head rows) or
+        ``"input{k}"`` (Hydra head k's input layer). The engines that pack their own products offer a packed copy of
+        the projection (:func:`medusa.engines.onednn.packed_drafter_product`)."""
+        return None
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""
 

@@ -278,6 +278,36 @@ class NativeHead:
         return y
 
 
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, K)`` weights rounded to Q8_0 blocks of 32 (GGUF's ``Q8_0``: ``w = d q``, ``d = max|w| / 127`` per block,
+    ``q = round(w / d)`` in -127..127): ``(codes (N, K) int8, d (N, K / 32) fp32)``. A block of zeros gets ``d`` 0.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of 32.
+    """
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"Q8_0 blocks take an input size that is a multiple of {GROUP}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = blocks.abs().amax(-1) / 127  # (N, K / 32)
+    codes = torch.where(d[..., None] > 0, blocks / d.clamp_min(torch.finfo(torch.float32).tiny)[..., None],
+                        torch.zeros(())).round().clamp(-127, 127).to(torch.int8)
+    return codes.reshape(n, k), d
+
+
+def q8_0_product(weight: torch.Tensor, int8_activations: bool):
+    """``rows (M, K) -> (M, N)`` fp32 through the C Q8_0 product (:class:`NativeHead`) on ``weight`` ``(N, K)``
+    rounded to Q8_0 blocks (:func:`quantize_q8_0`), a quarter of the fp32 bytes: how the heads draft beside the
+    native int4 decoder (``int8_activations`` with ``native-q8``). Lossy in the weights (and in the activations with
+    ``int8_activations``), so for drafts only: the verify decides what is emitted. ``None`` where the shape does not
+    fit (``K`` not a multiple of 32, or ``N`` of 16) or the library cannot be built."""
+    n, k = weight.shape
+    if k % GROUP or n % 16 or native_unavailable() is not None:
+        return None
+    head = NativeHead(*quantize_q8_0(weight), int8_activations=int8_activations)
+    return head.logits
+
+
 def _pointers(tensors: list[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 

@@ -77,6 +77,12 @@ def packed_product(weight: torch.Tensor):
     return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
+def packed_drafter_product(weight: torch.Tensor, role: str):
+    """What the engines that pack their own products offer the drafter (:meth:`medusa.engines.Engine
+    .drafter_product`): the heads' projection on a packed copy (:func:`packed_product`), the rest as it is."""
+    return packed_product(weight) if role == "projection" else None
+
+
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` whose forward is ``nn.Linear``'s own (not a router or quantized subclass)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
@@ -211,6 +217,9 @@ class OneDNNEngine(StaticEngine):
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
                "as the weights; static elsewhere)")
     packs_drafter_products = True
+
+    def drafter_product(self, weight: torch.Tensor, role: str):
+        return packed_drafter_product(weight, role)
 
     @classmethod
     def candidate_for(cls, device, dtype: torch.dtype) -> bool:

@@ -487,6 +487,30 @@ class QuantizedEngine(StaticEngine):
         name = self.name if self.kernel == "torch" else f"{self.name}:kernel={self.kernel}"
         return name if self.lm_head_mode == "fp32" else f"{name}:lm_head={self.lm_head_mode}"
 
+    @property
+    def smooth_step_cost(self) -> bool:
+        """The native decoder runs every step size through the same loops: its cost is smooth in the size."""
+        return self.kernel != "torch"
+
+    @property
+    def drafter_products_key(self) -> str | None:
+        """``q8_0`` (``q8_0:int8`` with int8 activations) beside the native decoder, whose drafter products are
+        those (:meth:`drafter_product`); else ``None``."""
+        return None if self.kernel == "torch" else "q8_0" + (":int8" if self.kernel == "native-q8" else "")
+
+    def drafter_product(self, weight: torch.Tensor, role: str):
+        """Beside the native decoder, every drafter product (the shared projection and the Hydra input layers) on
+        the weight rounded to Q8_0 blocks, in C (:func:`medusa.engines.native.q8_0_product`; int8 activations with
+        ``native-q8``): a quarter of the fp32 bytes a level, which is what drafting one level on a CPU costs. Lossy
+        in the drafts only (the verify decides what is emitted). Beside torch's kernels, the packed projection."""
+        if self.kernel == "torch":
+            from medusa.engines.onednn import packed_drafter_product
+
+            return packed_drafter_product(weight, role)
+        from medusa.engines.native import q8_0_product
+
+        return q8_0_product(weight, int8_activations=self.kernel == "native-q8")
+
     def _scores_all_nodes(self) -> bool:
         """With a quantized lm_head its few-row product is cheap enough to score every node."""
         quantized = self.lm_head_mode == "int4" and self.quantized.lm_head is not None  # not left dense

@@ -2,8 +2,9 @@
 
 Every request is a row of one :class:`medusa.decode.loop.RunningBatch`, greedy or sampling alike: a request joins once
 its prompt is prefilled on its own, ``prefill_chunk`` tokens per round (chunked prefill: a long prompt joins over
-several rounds, the running rows stepping between them), shares every verify forward with the rows running, each row accepted
-with its own rule, settings and random generator (:mod:`medusa.decode.acceptance`), and leaves when it stops, is
+several rounds, the running rows stepping between them), shares every verify forward with the rows running, each
+row accepted with its own rule, settings and random generator (:mod:`medusa.decode.acceptance`), and leaves when it
+stops, is
 cancelled (the client went away, a stop string matched, its deadline passed) or fails. Every running request advances
 once per round of the loop, and a round runs one batched step: no request waits more than a bounded number of steps.
 

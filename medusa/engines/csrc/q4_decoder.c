@@ -517,10 +517,12 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                                sizeof(float) * D);
                     }
                 }
-                /* attention: each (row, query head) alone over its visible slots, in slot order */
+                /* attention: each (row, query head) alone over its visible slots, in slot order; the tasks ordered
+                 * by key-value head, so that the threads share out the cached keys and values rather than each
+                 * reading all of them */
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M * Hq; t++) {
-                    int64_t i = t / Hq, head = t % Hq, kv = head / group;
+                    int64_t kv = t / (M * group), i = t % (M * group) / group, head = kv * group + t % group;
                     const float *q = qkv + i * QKV + head * D;
                     const float *kb = kc + kv * cap * D, *vb = vc + kv * cap * D;
                     int64_t own = offsets[i + 1] - offsets[i], seen = length + own;
