@@ -199,9 +199,12 @@ static inline __m512i group_dot(const __m512i w[8], const int8_t *xg) {
 }
 #endif
 
-static void q8_block(const int8_t *xq, const float *s, const float *ssum, int64_t K, const uint8_t *codes,
-                     const uint16_t *d, const uint16_t *m, float *y, int64_t N, int64_t n, int64_t r0, int rows,
-                     int add) {
+/* Always inlined into a switch on the row count (q8_product), so that `rows` is a compile-time constant and the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q8_block(const int8_t *xq, const float *s, const float *ssum,
+                                                           int64_t K, const uint8_t *codes, const uint16_t *d,
+                                                           const uint16_t *m, float *y, int64_t N, int64_t n,
+                                                           int64_t r0, const int rows, int add) {
     const int64_t groups = K / 32;
     float out[Q8_ROWS][Q8_BLOCK];
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -265,8 +268,14 @@ static void q8_product(const float *x, int64_t M, int64_t K, const uint8_t *code
         for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
             int rows = (int)(M - r0 < Q8_ROWS ? M - r0 : Q8_ROWS);
             int64_t blk = n / Q8_BLOCK;
-            q8_block(xq, s, ssum, K, codes + blk * groups * 256, d + blk * groups * 16, m + blk * groups * 16, y,
-                     N, n, r0, rows, add);
+            const uint8_t *cb = codes + blk * groups * 256;
+            const uint16_t *db = d + blk * groups * 16, *mb = m + blk * groups * 16;
+            switch (rows) {
+#define BLOCK_ROWS(r) case r: q8_block(xq, s, ssum, K, cb, db, mb, y, N, n, r0, r, add); break;
+            BLOCK_ROWS(1) BLOCK_ROWS(2) BLOCK_ROWS(3) BLOCK_ROWS(4) BLOCK_ROWS(5) BLOCK_ROWS(6) BLOCK_ROWS(7)
+            default: BLOCK_ROWS(8)
+#undef BLOCK_ROWS
+            }
         }
 }
 
@@ -340,6 +349,50 @@ void medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes,
 /* ---- the Q8_0 lm_head with int8 activations (kernel "native-q8"), VNNI: W = d q, q int8 stored as q + 128 (u8) ----
  * codes: blocks of 16 channels; per group g, 512 bytes: byte 64 j + 4 l + t holds q[channel l][4 j + t] + 128 (j =
  * 0..7); d: (V / 16, K / 32, 16) fp32. y[r, n] = sum over g of d (s (sum (q + 128) xq) - 128 s (sum xq)). */
+/* Up to Q8_ROWS rows of one block of 16 vocabulary channels; `rows` a compile-time constant where inlined into the
+ * switch below, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q8_0_head_block(const int8_t *xq, const float *s, const float *ssum,
+                                                                  int64_t K, const uint8_t *cb, const float *db,
+                                                                  float *y, int64_t V, int64_t n, int64_t r0,
+                                                                  const int rows) {
+    const int64_t groups = K / 32;
+    float out[Q8_ROWS][16];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512 acc[Q8_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i w[8];
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
+        __m512 dv = _mm512_loadu_ps(db + g * 16);
+        for (int i = 0; i < rows; i++) {
+            __m512i iacc = group_dot(w, xq + (r0 + i) * K + g * 32);
+            int64_t t = (r0 + i) * groups + g;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.0f * ssum[t]), acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(out[i], acc[i]);
+#else
+    for (int i = 0; i < rows; i++)
+        for (int l = 0; l < 16; l++) {
+            float a = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *xg = xq + (r0 + i) * K + g * 32;
+                int isum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) isum += (int)cb[g * 512 + 64 * j + 4 * l + t] * xg[4 * j + t];
+                int64_t t = (r0 + i) * groups + g;
+                float dg = db[g * 16 + l];
+                a = fmaf((float)isum, dg * s[t], a);
+                a = fmaf(dg, -128.0f * ssum[t], a);
+            }
+            out[i][l] = a;
+        }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int l = 0; l < 16; l++) y[(r0 + i) * V + n + l] = out[i][l];
+}
+
 void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t V,
                          float *y, int threads) {
     const int64_t groups = K / 32;
@@ -354,44 +407,12 @@ void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *co
                 const uint8_t *cb = codes + (n / 16) * groups * 512;
                 const float *db = d + (n / 16) * groups * 16;
                 for (int64_t r0 = 0; r0 < M; r0 += Q8_ROWS) {
-                    int rows = (int)(M - r0 < Q8_ROWS ? M - r0 : Q8_ROWS);
-                    float out[Q8_ROWS][16];
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                    __m512 acc[Q8_ROWS];
-                    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
-                    for (int64_t g = 0; g < groups; g++) {
-                        __m512i w[8];
-                        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
-                        __m512 dv = _mm512_loadu_ps(db + g * 16);
-                        for (int i = 0; i < rows; i++) {
-                            __m512i iacc = group_dot(w, xq + (r0 + i) * K + g * 32);
-                            int64_t t = (r0 + i) * groups + g;
-                            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])),
-                                                     acc[i]);
-                            acc[i] = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.0f * ssum[t]), acc[i]);
-                        }
+                    switch (M - r0 < Q8_ROWS ? M - r0 : Q8_ROWS) {
+#define HEAD_ROWS(r) case r: q8_0_head_block(xq, s, ssum, K, cb, db, y, V, n, r0, r); break;
+                    HEAD_ROWS(1) HEAD_ROWS(2) HEAD_ROWS(3) HEAD_ROWS(4) HEAD_ROWS(5) HEAD_ROWS(6) HEAD_ROWS(7)
+                    default: HEAD_ROWS(8)
+#undef HEAD_ROWS
                     }
-                    for (int i = 0; i < rows; i++) _mm512_storeu_ps(out[i], acc[i]);
-#else
-                    for (int i = 0; i < rows; i++)
-                        for (int l = 0; l < 16; l++) {
-                            float a = 0.0f;
-                            for (int64_t g = 0; g < groups; g++) {
-                                const int8_t *xg = xq + (r0 + i) * K + g * 32;
-                                int isum = 0;
-                                for (int j = 0; j < 8; j++)
-                                    for (int t = 0; t < 4; t++)
-                                        isum += (int)cb[g * 512 + 64 * j + 4 * l + t] * xg[4 * j + t];
-                                int64_t t = (r0 + i) * groups + g;
-                                float dg = db[g * 16 + l];
-                                a = fmaf((float)isum, dg * s[t], a);
-                                a = fmaf(dg, -128.0f * ssum[t], a);
-                            }
-                            out[i][l] = a;
-                        }
-#endif
-                    for (int i = 0; i < rows; i++)
-                        for (int l = 0; l < 16; l++) y[(r0 + i) * V + n + l] = out[i][l];
                 }
             }
         }
