@@ -75,17 +75,26 @@ def _cpu() -> str:
     return "\n".join(dict.fromkeys(wanted))
 
 
+def library_key() -> str:
+    """16 hex digits naming this build: the source, the compiler and its version, the flags and the CPU (a profile's
+    figures for the native decoder are for one build: :attr:`medusa.engines.quantized.QuantizedEngine.profile_name`
+    carries its first 8)."""
+    if "key" not in _LIBRARY:
+        compiler = _compiler() or "none"
+        try:
+            version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            version = ""
+        blob = SOURCE.read_bytes() + " ".join((compiler, version, *FLAGS, _cpu())).encode()
+        _LIBRARY["key"] = hashlib.sha256(blob).hexdigest()[:16]
+    return _LIBRARY["key"]
+
+
 def library_path() -> Path:
     """Where the compiled library for this source, compiler and flags lives (it may not exist yet)."""
     from medusa.profile import cache_dir
 
-    compiler = _compiler() or "none"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, version, *FLAGS, _cpu())).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"q4_decoder-{key}.so"
+    return cache_dir() / "kernels" / f"q4_decoder-{library_key()}.so"
 
 
 def native_unavailable() -> str | None:
@@ -337,6 +346,8 @@ class NativeDecoder:
         self.int8_activations = int8_activations
         layout = NativeCodesQ8 if int8_activations else NativeCodes
         self.stack = decoder
+        rope = getattr(decoder.config, "rope_scaling", None) or {}
+        self.dynamic_rope = rope.get("rope_type", rope.get("type")) == "dynamic"
         first = decoder.layers[0]
         attn = first.self_attn
         self.head_dim = attn.head_dim
@@ -366,6 +377,22 @@ class NativeDecoder:
         """Bytes of the packed codes and their fp32 ``d`` and ``m``."""
         return sum(t.numel() * t.element_size() for w in self.weights for t in (w.codes, w.d, w.m))
 
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``(N, D)`` fp32 at ``positions``, read from a table the model's rotary embedding filled
+        once for positions ``0 .. P - 1`` (made again, twice as long, when a position passes it): a position's values
+        are then the same bits in every step, whatever the step's other positions. Dynamic rope scaling, whose
+        frequencies depend on the longest position asked for, calls the embedding each time instead."""
+        if self.dynamic_rope:  # its frequencies follow the longest position asked for: no table
+            cos, sin = self.stack.rotary_emb(x[None], position_ids=positions[None])  # (1, N, D) each
+            return cos[0].float().contiguous(), sin[0].float().contiguous()
+        top = int(positions.max()) + 1
+        table = self.__dict__.get("_rotary_table")
+        if table is None or table[0].shape[0] < top:
+            size = max(256, 1 << (top - 1).bit_length())
+            cos, sin = self.stack.rotary_emb(x[None, :1], position_ids=torch.arange(size)[None])  # (1, P, D) each
+            table = self.__dict__["_rotary_table"] = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        return table[0][positions].contiguous(), table[1][positions].contiguous()
+
     def _buffers(self, cache):
         """The cache's ``(1, Hkv, capacity, D)`` fp32 key and value buffers of every layer, made at the first write."""
         shape = (1, self.kv_heads, cache.capacity, self.head_dim)
@@ -388,19 +415,22 @@ class NativeDecoder:
         n, length = len(input_ids), cache.length
         cache.begin_step(n)
         x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), new: the C call overwrites it
-        cos, sin = self.stack.rotary_emb(x[None], position_ids=positions[None])  # (1, N, D) each
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        cos, sin = self._rotary(x, positions)
         seen = tree_mask.to(torch.bool)
         offsets = torch.zeros(n + 1, dtype=torch.int32)
         torch.cumsum(seen.sum(1), 0, out=offsets[1:])
         index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # (sum,) the step rows each row sees, in order
         keys, values = self._buffers(cache)
+        pointers = cache.__dict__.get("_native_pointers")
+        if pointers is None or pointers[0] != (keys[0].data_ptr(), values[0].data_ptr()):
+            pointers = ((keys[0].data_ptr(), values[0].data_ptr()), _pointers(keys), _pointers(values))
+            cache.__dict__["_native_pointers"] = pointers  # made again if the buffers were replaced
         kept = {i: torch.empty(n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
         kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
             *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
         status = self.lib.medusa_q4_forward(
             ctypes.byref(self.model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), offsets.data_ptr(),
-            index.data_ptr(), length, cache.capacity, _pointers(keys), _pointers(values), kept_ptrs,
+            index.data_ptr(), length, cache.capacity, pointers[1], pointers[2], kept_ptrs,
             torch.get_num_threads())
         if status != 0:
             raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {n} tokens")

@@ -484,7 +484,12 @@ class QuantizedEngine(StaticEngine):
     def profile_name(self) -> str:
         """``int4`` / ``int8``, with ``:lm_head=MODE`` when the lm_head is not the base's fp32 one: the lm_head's
         precision changes a step's cost curve (and whether every node is scored), the codes' source does not."""
-        name = self.name if self.kernel == "torch" else f"{self.name}:kernel={self.kernel}"
+        if self.kernel == "torch":
+            name = self.name
+        else:  # the native decoder's figures are for one build of it (a new source is measured again)
+            from medusa.engines.native import library_key
+
+            name = f"{self.name}:kernel={self.kernel}@{library_key()[:8]}"
         return name if self.lm_head_mode == "fp32" else f"{name}:lm_head={self.lm_head_mode}"
 
     @property
