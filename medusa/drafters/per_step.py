@@ -295,8 +295,9 @@ class PerStepDrafter:
         self.learn_acceptance = learn_acceptance
         self.node_overhead_s = 0.0
         """Seconds a step costs beyond the cost model's verify and head calls, per node of a row: learned from the
-        wall time of greedy steps (decoding whose output no tree changes), where it is also used; sampled decoding
-        leaves it out, so that its trees, and the random numbers they draw, do not depend on timing."""
+        wall time of one sequence's greedy steps (decoding whose output no tree changes; a batch's rounds also run
+        other requests' prefill), and used for greedy trees, batched ones too; sampled decoding leaves it out, so
+        that its trees, and the random numbers they draw, do not depend on timing."""
         self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
@@ -389,10 +390,11 @@ class PerStepDrafter:
         samplers = sampler if isinstance(sampler, list) else [sampler] * batch
         inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
         tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
-        timed = all(getattr(s, "greedy", False) for s in samplers)
+        greedy = all(getattr(s, "greedy", False) for s in samplers)
+        timed = greedy and batch == 1  # a batch's rounds also run other requests' prefill: not a step's time alone
         if timed:
             self._time_last_step(states[0], start)
-        cost = _PlusNodes(self.cost, self.node_overhead_s) if timed else self.cost
+        cost = _PlusNodes(self.cost, self.node_overhead_s) if greedy else self.cost
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
