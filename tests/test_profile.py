@@ -483,3 +483,20 @@ def test_an_engine_instance_is_measured_as_configured_under_its_profile_name(mon
     assert entry["scores_all_nodes"] is True and entry["candidate"] is False and "int4" not in profile.engines
     measure.ensure_engine(profile, model, engine)
     assert measured == [engine]  # stored: not measured again
+
+
+def test_drafting_is_timed_call_by_call_after_a_flush_of_the_caches(monkeypatch):
+    """On a CPU every timed head call follows a read that pushes the heads' weights out of the caches (as the base's
+    forward does in decoding); the figure per depth is the median of the calls, each one positive. Elsewhere the
+    flush is nothing."""
+    from tiny import tiny_model
+
+    heads = _heads_for(tiny_model("llama"))
+    order = []
+    assert measure._cache_evictor("cpu")() > 0 and measure._cache_evictor("meta")() is None  # a read; nothing
+    monkeypatch.setattr(measure, "_cache_evictor", lambda device: lambda: order.append("flush"))
+    draft = heads.draft_logits
+    monkeypatch.setattr(heads, "draft_logits", lambda *a: (order.append("call"), draft(*a))[1])
+    per_depth = measure.time_heads_levels(heads, rows=2, repeats=3)
+    assert len(per_depth) == 2 and all(s > 0 for s in per_depth)
+    assert order == ["call", "flush", "call", "flush", "call", "flush", "call"] * 2  # one untimed call a depth

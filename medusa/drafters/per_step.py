@@ -36,6 +36,7 @@ batch's forward; each row fills it with its own drafts and keeps its own accepta
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict
@@ -96,6 +97,8 @@ class StepCost:
         self.level_s = [float(v) for v in level_s]
         self.buckets = tuple(sorted(buckets)) if buckets else None
         self._table: list[float] = [0.0]
+        self.node_s = 0.0
+        """Seconds charged per node of each row on top of the forward (:meth:`charging_nodes`)."""
 
     @classmethod
     def from_profile(cls, profile, engine: str, heads, buckets: tuple[int, ...] | str | None = "measured",
@@ -143,7 +146,14 @@ class StepCost:
         """Seconds of verifying trees of ``n`` nodes (root included) for ``batch`` rows: at ``n``'s bucket, or
         (``smooth``) along the interpolated curve, which the tree is grown on before its size settles on a
         bucket."""
-        return self.forward((n if smooth else self.bucket(n)) * batch)
+        return self.forward((n if smooth else self.bucket(n)) * batch) + self.node_s * n * batch
+
+    def charging_nodes(self, node_s: float) -> StepCost:
+        """These costs with ``node_s`` seconds more per node of each row in every verify (the step's work outside
+        the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`)."""
+        charged = copy.copy(self)  # shares the measured curve
+        charged.node_s = node_s
+        return charged
 
     def level(self, depth: int, batch: int = 1) -> float:
         """Seconds of drafting depth ``depth + 1`` (head ``depth``) for ``batch`` rows."""
@@ -223,22 +233,6 @@ OVERHEAD_DECAY = 0.95
 """Weight of the past in the learned per-node overhead (:attr:`PerStepDrafter.node_overhead_s`)."""
 
 
-class _PlusNodes:
-    """A :class:`StepCost` whose verify costs ``per_node`` seconds more for each node of each row: the step's work
-    outside the forward and the head calls (choosing, accepting, compacting the cache, the heads' context), which
-    grows with the tree (:attr:`PerStepDrafter.node_overhead_s`)."""
-
-    def __init__(self, cost: StepCost, per_node: float):
-        self.cost, self.per_node, self.buckets = cost, per_node, cost.buckets
-
-    def verify(self, n: int, batch: int = 1, smooth: bool = False) -> float:
-        return self.cost.verify(n, batch, smooth) + self.per_node * n * batch
-
-    def level(self, depth: int, batch: int = 1) -> float:
-        return self.cost.level(depth, batch)
-
-    def bucket(self, n: int) -> int:
-        return self.cost.bucket(n)
 RATE_DECAY = 0.85
 """Weight of the past in the running rate (about the last seven steps count)."""
 SEEN_DECAY = 0.97
@@ -394,7 +388,7 @@ class PerStepDrafter:
         timed = greedy and batch == 1  # a batch's rounds also run other requests' prefill: not a step's time alone
         if timed:
             self._time_last_step(states[0], start)
-        cost = _PlusNodes(self.cost, self.node_overhead_s) if greedy else self.cost
+        cost = self.cost.charging_nodes(self.node_overhead_s) if greedy else self.cost
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row

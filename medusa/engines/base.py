@@ -110,10 +110,6 @@ class Engine(abc.ABC):
     returns_layers: ClassVar[bool] = True
     """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
-    packs_drafter_products: ClassVar[bool] = False
-    """The drafter's projections run on oneDNN-packed copies too (:meth:`medusa.drafters.heads._HeadsBase.project`):
-    declared by the engines that pack the base's own products, so the choice follows the engine's (which ``auto``
-    makes from this machine's measured profile), never a guess about the CPU."""
     drafter_products_key: ClassVar[str | None] = None
     """Names the drafter products (:meth:`drafter_product`) where they change the drafting cost beyond a packed copy
     (part of the profile's drafter key, :func:`medusa.profile.heads_key`); ``None``: matmul or a packed copy."""
@@ -122,7 +118,8 @@ class Engine(abc.ABC):
         """The product the heads draft through for ``weight`` ``(N, K)``: ``rows (M, K) -> (M, N)``, or ``None``
         (``matmul`` / ``nn.Linear``, as here). ``role``: ``"projection"`` (the heads' shared lm_head rows) or
         ``"input{k}"`` (Hydra head k's input layer). The engines that pack their own products offer a packed copy of
-        the projection (:func:`medusa.engines.onednn.packed_drafter_product`)."""
+        the projection (:func:`medusa.engines.onednn.packed_drafter_product`), so the choice follows the engine
+        (which ``auto`` makes from this machine's measured profile), never a guess about the CPU."""
         return None
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""

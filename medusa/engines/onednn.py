@@ -216,8 +216,6 @@ class OneDNNEngine(StaticEngine):
 
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
                "as the weights; static elsewhere)")
-    packs_drafter_products = True
-
     def drafter_product(self, weight: torch.Tensor, role: str):
         return packed_drafter_product(weight, role)
 

@@ -351,7 +351,7 @@ class QuantizedLinears:
 class QuantizedEngine(StaticEngine):
     """:class:`StaticEngine` whose forwards run a shadow of the decoder on weight-only quantized linear layers
     (:mod:`medusa.engines.quantized`); the base's own modules are left as they are. The drafter's projections run
-    packed beside it (:attr:`medusa.engines.Engine.packs_drafter_products`).
+    packed beside it (:meth:`drafter_product`).
 
     Args:
         model: a transformers ``*ForCausalLM`` on a CPU.
@@ -371,8 +371,6 @@ class QuantizedEngine(StaticEngine):
             a ``gguf`` given to the int8 engine; a ``gguf`` that does not match the model (see ``gguf_codes``);
             ``kernel="native"`` where it cannot run (no C compiler, a model the lean forward does not support).
     """
-
-    packs_drafter_products = True
 
     kind: ClassVar[str] = ""
 

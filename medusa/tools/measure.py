@@ -340,10 +340,10 @@ def measure_profile(model, candidates=None, progress=None) -> MachineProfile:
 @torch.inference_mode()
 def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
     """Seconds of drafting one tree level with each head (its call over ``rows`` nodes and a top-10), by depth
-    (head k drafts depth k + 1). On a CPU each call is timed alone, after the caches were flushed
-    (:func:`_cache_evictor`): decoding calls the heads right after a base forward has streamed the base's weights
-    through them, and a call timed with its weights cached ran two to three times faster than in decoding (0.2 ms
-    against 0.4-0.6 ms a level for SmolLM2's Hydra heads beside the native int4 decoder)."""
+    (head k drafts depth k + 1): the median of ``repeats`` calls, each timed alone; on a CPU after the caches were
+    flushed (:func:`_cache_evictor`): decoding calls the heads right after a base forward has streamed the base's
+    weights through them, and a call timed with its weights cached ran two to three times faster than in decoding
+    (0.2 ms against 0.4-0.6 ms a level for SmolLM2's Hydra heads beside the native int4 decoder)."""
     parameter = next(heads.parameters())
     # The drafting input, as decoding makes it: the heads' context fed a few positions of base states (the last
     # hidden state, then the layers a feature drafter reads).
@@ -357,19 +357,13 @@ def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
     evict = _cache_evictor(parameter.device)
     for k, p in enumerate(paths):
         heads.draft_logits(k, hidden, p).topk(10, dim=-1)  # untimed
-        _sync(parameter.device)
-        if evict is None:
-            start = time.perf_counter()
-            for _ in range(repeats):
-                heads.draft_logits(k, hidden, p).topk(10, dim=-1)
-            _sync(parameter.device)
-            out.append((time.perf_counter() - start) / repeats)
-            continue
         times = []
         for _ in range(repeats):
             evict()
+            _sync(parameter.device)
             start = time.perf_counter()
             heads.draft_logits(k, hidden, p).topk(10, dim=-1)
+            _sync(parameter.device)
             times.append(time.perf_counter() - start)
         out.append(statistics.median(times))
     return out
@@ -378,9 +372,9 @@ def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
 def _cache_evictor(device):
     """On a CPU, a function that reads a buffer twice the last-level cache (at least 64 MiB), so that a call timed
     after it finds its weights where decoding does: in memory, pushed out of the caches by the base's forward that
-    came before (which reads the base's weights once, more bytes than any cache). ``None`` elsewhere."""
+    came before (which reads the base's weights once, more bytes than any cache). Elsewhere, nothing."""
     if torch.device(device).type != "cpu":
-        return None
+        return lambda: None
     size = 64 << 20
     try:
         text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
