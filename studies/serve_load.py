@@ -71,6 +71,7 @@ class ServerProcess:
             cmd += ["--threads", str(args.threads)]
         if args.engine:
             cmd += ["--engine", args.engine]
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         self.log = open(Path(args.log_dir) / f"serve-{speculation}-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + args.start_timeout_s

@@ -391,3 +391,72 @@ def test_a_change_through_data_is_seen_after_a_forced_refresh():
     engine.refresh(force=True)
     out, _ = medusa_generate(model, random_heads(model), IDS, Tree.chain(3), 12, engine=engine)
     assert out == changed
+
+
+def sdpa_model(arch):
+    model = tiny_model(arch)
+    model.config._attn_implementation = "sdpa"  # tiny models default to eager; real bases load with SDPA
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_grouped_query_attention_gives_the_same_bits_as_transformers_sdpa(arch):
+    """Grouped key heads read in place under a mask (a tree's, a batch's, a sliding window's) equal transformers'
+    SDPA attention, which copies them first, bit for bit; the call without a mask is transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from medusa.engines.attention import grouped_query_attention
+
+    model = sdpa_model(arch)
+    module = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    assert module.num_key_value_groups > 1
+    g = torch.Generator().manual_seed(0)
+    heads, kv, dim = model.config.num_attention_heads, model.config.num_key_value_heads, module.head_dim
+    for batch, n, length in [(1, 5, 30), (3, 4, 41), (16, 2, 64), (2, 7, 200)]:
+        q, k, v = (torch.randn(batch, h, s, dim, generator=g) for h, s in ((heads, n), (kv, length), (kv, length)))
+        visible = torch.rand(batch, 1, n, length, generator=g) > 0.3
+        visible[..., -1] = True  # every row sees at least one key
+        additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+        for mask in (visible, additive, None):
+            got = grouped_query_attention(module, q, k, v, mask, scaling=module.scaling)[0]
+            expected = sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+            assert torch.equal(got, expected), (batch, n, length, None if mask is None else mask.dtype)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_shadow_decoder_reads_grouped_keys_in_place_with_the_same_bits(arch, monkeypatch):
+    """The onednn shadow's attention modules (only theirs: the base keeps SDPA) run the grouped attention; a tree
+    verify and a batched step give the same logits as the shadow on transformers' SDPA."""
+    from medusa.engines.attention import GROUPED_QUERY_ATTENTION
+
+    model = sdpa_model(arch)
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 17)]
+    tree = kv_cache.causal_mask(5, "cpu")
+    tree[3, 1:3] = False  # a branch: node 3 sees the root only
+
+    def run(engine):
+        cache = engine.new_cache(40)
+        engine.forward(prompts[0], torch.arange(9), kv_cache.causal_mask(9, "cpu"), cache)
+        one = engine.forward(IDS[:5], 9 + torch.tensor([0, 1, 2, 1, 2]), tree, cache)[0]
+        rows = [engine.prefill_row(p, capacity=40)[0] for p in prompts]
+        batched = engine.forward_rows(IDS[None, :5].expand(2, 5), torch.tensor([[9, 10, 11, 10, 11], [17, 18, 19, 18,
+                                      19]]), torch.tensor([9, 17]), tree, engine.stack_rows(rows))
+        return one, batched
+
+    with torch.inference_mode():
+        grouped = engines.make_engine("onednn", model)
+        attention = {m.config._attn_implementation for m in grouped.packed.shadow_decoder().modules()
+                     if type(m).__name__.endswith("Attention")}
+        assert attention == {GROUPED_QUERY_ATTENTION} and model.config._attn_implementation == "sdpa"
+        assert all(m.config._attn_implementation == "sdpa" for m in model.modules()
+                   if type(m).__name__.endswith("Attention"))
+        sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                          lambda *a, **k: calls.append(k.get("enable_gqa")) or sdpa(*a, **k))
+            got = run(grouped)
+        assert True in calls  # the tree's and the batch's forwards took the grouped path
+        monkeypatch.setattr(onednn, "use_grouped_query_attention", lambda shadow: 0)
+        expected = run(engines.make_engine("onednn", model))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

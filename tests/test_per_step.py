@@ -184,6 +184,46 @@ def test_batched_per_step_trees_equal_one_prompt_at_a_time():
     assert taus[3] > taus[1] and taus[0] > taus[1]  # each row kept its own acceptance
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_greedy_rows_share_one_head_call_per_level_and_draft_what_each_would_alone(head_type, monkeypatch):
+    """Rows that all decode greedily are drafted in one head call per depth, with the candidates each row's own
+    call gives (rows that sample keep one call each: test below); their tokens stay the base's greedy ones."""
+    from medusa.decode.loop import RunningBatch
+    from medusa.drafters.base import TopK
+
+    model = tiny_model("llama")
+    heads = random_heads(model, head_type=head_type)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
+    prompts = prompts_of([12, 4, 20], seed=2)
+    references = [hf_greedy(model, p, 24) for p in prompts]
+    batch = RunningBatch(model, drafter, make_engine("eager", model))
+    for i, p in enumerate(prompts):
+        batch.join(i, p, 24)
+    calls, draft_logits = [], type(heads).draft_logits
+
+    def counted(self, k, hidden, paths):
+        calls.append(hidden.dim())
+        return draft_logits(self, k, hidden, paths)
+
+    monkeypatch.setattr(type(heads), "draft_logits", counted)
+    rows = batch.rows
+    args = ([r.state for r in rows], torch.stack([r.root for r in rows]), [r.sequence for r in rows])
+    with torch.inference_mode():
+        together = drafter.propose_rows(*args, TopK(greedy=True))
+    levels = len(calls)
+    assert levels > 1 and calls == [2] * levels  # one call per depth, one hidden state per node
+    calls.clear()
+    with torch.inference_mode():
+        alone = drafter.propose_rows(*args, TopK())  # typical acceptance's draws: one call per row, as alone
+    assert len(calls) == len(rows) * levels
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(together, alone, strict=True))
+    out = [[] for _ in prompts]
+    for step in batch_decode_steps(model, drafter, prompts, 24, engine=make_engine("eager", model)):
+        for i, s in step:
+            out[i] += s.tokens
+    assert out == references
+
+
 def test_a_sampling_row_shares_the_per_step_tree_with_greedy_rows():
     """Each row's candidates are drawn with its own rule's sampler (the sampling row's without replacement, from its
     own generator) on one tree shape; the greedy rows keep the base's greedy tokens."""

@@ -150,6 +150,8 @@ class DraftModelHeads(nn.Module):
 
     base_layers: tuple[int, ...] = ()
 
+    drafts_rows_together = False  # its draft state is a context of its own per sequence
+
     def __init__(self, model, depth: int, base_vocab: int, engine: str | None = "eager",
                  token_map: torch.Tensor | None = None, capacity: int | None = None, **engine_options):
         super().__init__()

@@ -229,6 +229,8 @@ class EagleDrafterHeads(_HeadsBase):
         ValueError: missing or mis-shaped embeddings, a missing position embedding, or bad layer settings.
     """
 
+    drafts_rows_together = False  # its draft state is a context of its own per sequence
+
     def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
                  token_map: torch.Tensor | None = None, position_weight: torch.Tensor | None = None):
         super().__init__(config, lm_head_weight, token_map)

@@ -237,6 +237,9 @@ class _HeadsBase(nn.Module):
     base_layers: tuple[int, ...] = ()
     """The base's intermediate decoder layers the heads read besides its last hidden state (none: heads read the
     last hidden state only; the eagle drafter reads its fused layers)."""
+    drafts_rows_together: bool = True
+    """:meth:`draft_logits` takes one hidden state per node ``(P, H)``, so the nodes of several sequences' trees
+    share one call (the eagle drafter, whose state is a context of its own, does not)."""
 
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         """Head ``k``'s logits ``(..., Vh)`` from its features ``(..., H)``: shared lm_head rows or its own copy.
@@ -324,7 +327,8 @@ class _HeadsBase(nn.Module):
 
         Args:
             k: head index (the depth of the nodes whose children are drafted).
-            hidden: ``(H,)`` the base's hidden state at the last accepted position t.
+            hidden: ``(H,)`` the base's hidden state at the last accepted position t, or ``(P, H)`` one per node
+                (nodes of several sequences' trees in one call).
             path_tokens: ``(P, k + 1)`` long: for each node, the tokens from the root (token t+1) down to the node.
 
         Returns:
@@ -399,6 +403,8 @@ class MedusaHeads(_HeadsBase):
         return self.blocks[k](hidden)  # (..., H)
 
     def draft_logits(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() > 1:  # one state per node: several sequences' trees in one call
+            return self.project(k, self.blocks[k](hidden))  # (P, Vh)
         # A Medusa head does not read the path: one row serves every node of the level.
         return self.project(k, self.blocks[k](hidden[None])).expand(len(path_tokens), -1)  # (P, Vh)
 

@@ -489,14 +489,27 @@ class PerStepDrafter:
                      vocab: torch.Tensor) -> _Level:
         """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
-        draw)."""
+        draw). Rows that all decode greedily share one head call and one draw (each row's top candidates are its
+        own, whatever rows sit beside it, and greedy output never depends on the drafts); otherwise each row gets
+        the call a single sequence would make, so a seeded sampling row draws as ``generate`` does."""
         paths = [_path(tree.parents, node) for node in chosen]
+        path_tokens = torch.tensor([[[row[i] for i in path] for path in paths] for row in tree.tokens],
+                                   dtype=torch.long, device=vocab.device)  # (B, P, depth + 1)
+        batch, width = path_tokens.shape[:2]
+        together = getattr(self.heads, "drafts_rows_together", False)  # test doubles may not declare it
+        if batch > 1 and together and all(getattr(s, "greedy", False) for s in samplers):
+            hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
+            logits_all = self.heads.draft_logits(depth, hidden, path_tokens.flatten(0, 1))  # (B*P, Vh)
+            c_all, _, ranked_all = samplers[0].draw_ranked(logits_all, self.top_k)  # (B*P, k) each
+            drawn = [(logits_all.view(batch, width, -1)[b], c_all.view(batch, width, -1)[b], None,
+                      ranked_all.view(batch, width, -1)[b]) for b in range(batch)]
+        else:
+            drawn = []
+            for b, state in enumerate(states):
+                row_logits = self.heads.draft_logits(depth, state.hidden, path_tokens[b])  # (P, Vh)
+                drawn.append((row_logits, *samplers[b].draw_ranked(row_logits, self.top_k)))  # (P, k) ...
         logits, cands, qs, values, base_ids, calibrated = [], [], [], [], [], []
-        for b, state in enumerate(states):
-            path_tokens = torch.tensor([[tree.tokens[b][i] for i in path] for path in paths], dtype=torch.long,
-                                       device=vocab.device)  # (P, depth + 1)
-            row_logits = self.heads.draft_logits(depth, state.hidden, path_tokens)  # (P, Vh)
-            c, q, ranked = samplers[b].draw_ranked(row_logits, self.top_k)  # (P, k), (P, Vh) or None, (P, k)
+        for b, (state, (row_logits, c, q, ranked)) in enumerate(zip(states, drawn, strict=True)):
             ranked = ranked.float()
             accept = acceptance[depth][torch.bucketize(ranked, inner_edges, right=True)] * (ranked > 0)  # (P, k)
             parent = torch.tensor([tree.values[b][i] for i in chosen], device=accept.device)  # (P,)

@@ -8,7 +8,8 @@ the same reordering CPU inductor's weight freezing does for bf16; for fp32 induc
 
 How: :class:`PackedLinears` builds a shadow of the decoder stack: new module objects that share the base's
 parameters and buffers (the same tensors), with every plain ``nn.Linear`` replaced by a :class:`PackedLinear`
-holding the original module and a reordered copy of its weight. The onednn engine runs that shadow
+holding the original module and a reordered copy of its weight, and its attention modules reading grouped key heads
+in place under a mask (:mod:`medusa.engines.attention`). The onednn engine runs that shadow
 (``static_cache.forward(..., decoder=shadow)``); nothing in the base model is changed, so the base runs as before
 everywhere else, in any thread (Hugging Face ``generate``, training). A copy is made again when its weight was
 replaced or changed in place through an operation that counts (its version counter or storage changes); a change
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from medusa.engines import kv_cache, static_cache
+from medusa.engines.attention import use_grouped_query_attention
 from medusa.engines.base import register_engine
 from medusa.engines.static import StaticEngine
 
@@ -161,6 +163,7 @@ class PackedLinears:
         """Make the shadow of the base decoder as it is now, keeping the packed copies of linears still in it."""
         previous, self.layers, self._links = self.layers, {}, []
         self.decoder = self._shadow(self.base_decoder, {}, previous)
+        use_grouped_query_attention(self.decoder)  # its own attention modules: the base's keep theirs
 
     def _shadow(self, module: nn.Module, made: dict[int, nn.Module], previous: dict) -> nn.Module:
         if id(module) in made:  # a module used twice stays one module
