@@ -155,8 +155,9 @@ class Soak:
         return {"passed": broken == 400 and deep == 400, "broken_json": broken, "nested_5000": deep}
 
     def fault_sigstop(self) -> dict:
-        k = next(i for i, r in enumerate(self.requests) if r["stream"] and r["max_tokens"] == max(self.args.lengths))
-        argv = [sys.executable, "-c", STOPPED_CLIENT, self.server.url, json.dumps(self.requests[k])]
+        k = next(i for i, r in enumerate(self.requests) if r["max_tokens"] == max(self.args.lengths))
+        body = self.requests[k] | {"stream": True}  # streamed or not, greedy gives the reference's text
+        argv = [sys.executable, "-c", STOPPED_CLIENT, self.server.url, json.dumps(body)]
         client = subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=Path(__file__).parent, text=True)
         time.sleep(1.0)
         client.send_signal(signal.SIGSTOP)
