@@ -3,9 +3,10 @@
 Why: transformers' SDPA attention hands grouped query heads to torch's kernel (``enable_gqa``) only when no mask is
 given; with a mask and more than one query row (every tree verify and every batched step here) it first copies each
 layer's keys and values ``num_key_value_groups`` times (``repeat_kv``), a copy of the whole visible cache per layer
-and step. On the reference model (3 query heads per key head) at 16 rows that copy alone took 18 ms of a 200 ms step
-(docs/serve.md, "The batched step's attention"). torch's CPU kernel reads the shared key head itself when told
-``enable_gqa``, with the mask, and gives the same bits as the copied keys (``tests/test_engines.py``).
+and step. On the reference model (3 query heads per key head) a speculative step of 16 rows took 229 ms with the
+copy and 174 ms without it (docs/serve.md, run 6, ``studies/batched_step_cost.py``). torch's CPU kernel reads the
+shared key head itself when told ``enable_gqa``, with the mask, and gives the same bits as the copied keys
+(``tests/test_onednn.py``).
 
 How: :func:`grouped_query_attention` is registered once in transformers' ``AttentionInterface`` (its documented
 extension point) as :data:`GROUPED_QUERY_ATTENTION`; :func:`use_grouped_query_attention` gives the attention modules
