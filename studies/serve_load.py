@@ -430,12 +430,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def server_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags :class:`ServerProcess` reads (shared with ``serve_soak.py``)."""
     p.add_argument("--base", required=True)
     p.add_argument("--heads", required=True)
     p.add_argument("--threads", type=int)
     p.add_argument("--engine")
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--max-waiting", type=int, default=64)
+    p.add_argument("--request-timeout-s", type=float, default=900)
+    p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--log-dir", default="/tmp")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    server_arguments(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
@@ -445,15 +455,10 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
                    help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
-    p.add_argument("--max-running", type=int, default=16)
-    p.add_argument("--max-waiting", type=int, default=64)
-    p.add_argument("--request-timeout-s", type=float, default=900)
-    p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--drain-timeout-s", type=float, default=10)
     p.add_argument("--sigterm-after-s", type=float, default=3)
     p.add_argument("--flood", type=int, default=100, help="requests sent at once in the flood fault")
     p.add_argument("--skip", nargs="*", default=[], choices=["load", "overhead", "faults"])
-    p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--out", required=True, help="the JSON report (with --tables: an earlier one, printed)")
     p.add_argument("--tables", action="store_true", help="print the tables of the report --out and exit")
     args = p.parse_args()

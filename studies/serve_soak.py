@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_load import KEY, NAME, ServerProcess, call, percentile, read_messages, requests_for
+from serve_load import KEY, NAME, ServerProcess, call, percentile, read_messages, requests_for, server_arguments
 
 FAULTS = ("disconnect", "oversize", "half_open", "malformed", "sigstop")
 
@@ -221,10 +221,7 @@ def summarise(run: Soak, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True)
-    p.add_argument("--heads", required=True)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--engine")
+    server_arguments(p)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--minutes", type=float, default=20)
     p.add_argument("--fault-every-s", type=float, default=60)
@@ -232,13 +229,8 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
     p.add_argument("--stop-s", type=float, default=15, help="how long the sigstop fault keeps its client stopped")
     p.add_argument("--rss-every-s", type=float, default=10)
-    p.add_argument("--max-running", type=int, default=16)
-    p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--read-timeout-s", type=float, default=30)
-    p.add_argument("--request-timeout-s", type=float, default=900)
-    p.add_argument("--start-timeout-s", type=float, default=600)
-    p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--out", required=True, help="the JSON report")
     args = p.parse_args()
     report = soak(args)

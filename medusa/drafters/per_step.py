@@ -295,6 +295,7 @@ class PerStepDrafter:
         self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
+        self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
         self.typical_nodes = min(16, max_nodes)
         """The step size an engine is chosen for (``--engine auto``)."""
         self._tables: dict[torch.device, tuple] = {}
@@ -434,7 +435,8 @@ class PerStepDrafter:
                     seconds += call
                     draft_s += call
                     heads_start = time.perf_counter()
-                    level = self._draft_level(depth, states, tree, chosen, samplers, acceptance, inner_edges, vocab)
+                    level = self._draft_level(depth, states, tree, chosen, samplers, acceptance, inner_edges, vocab,
+                                              together=greedy and self._rows_together)
                     in_heads += time.perf_counter() - heads_start
                     levels.append(level)
                     for slot, node in enumerate(chosen):
@@ -486,18 +488,18 @@ class PerStepDrafter:
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
                      samplers: list[DraftSampler], acceptance: torch.Tensor, inner_edges: torch.Tensor,
-                     vocab: torch.Tensor) -> _Level:
+                     vocab: torch.Tensor, together: bool = False) -> _Level:
         """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
-        draw). Rows that all decode greedily share one head call and one draw (each row's top candidates are its
-        own, whatever rows sit beside it, and greedy output never depends on the drafts); otherwise each row gets
-        the call a single sequence would make, so a seeded sampling row draws as ``generate`` does."""
+        draw). ``together`` (every row decodes greedily, and the heads draft rows together): one head call and one
+        draw for all rows (each row's top candidates are its own, whatever rows sit beside it, and greedy output
+        never depends on the drafts); otherwise each row gets the call a single sequence would make, so a seeded
+        sampling row draws as ``generate`` does."""
         paths = [_path(tree.parents, node) for node in chosen]
         path_tokens = torch.tensor([[[row[i] for i in path] for path in paths] for row in tree.tokens],
                                    dtype=torch.long, device=vocab.device)  # (B, P, depth + 1)
         batch, width = path_tokens.shape[:2]
-        together = getattr(self.heads, "drafts_rows_together", False)  # test doubles may not declare it
-        if batch > 1 and together and all(getattr(s, "greedy", False) for s in samplers):
+        if batch > 1 and together:
             hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
             logits_all = self.heads.draft_logits(depth, hidden, path_tokens.flatten(0, 1))  # (B*P, Vh)
             c_all, _, ranked_all = samplers[0].draw_ranked(logits_all, self.top_k)  # (B*P, k) each

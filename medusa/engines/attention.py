@@ -21,6 +21,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 GROUPED_QUERY_ATTENTION = "medusa_grouped_sdpa"
 """The name :func:`grouped_query_attention` is registered under."""
@@ -35,8 +36,6 @@ def grouped_query_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     D)``, ``attention_mask`` additive or boolean ``(B or 1, 1 or Hq, N, S)`` or ``None``; returns ``((B, N, Hq, D),
     None)``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     if (not grouped or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
