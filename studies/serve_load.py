@@ -211,6 +211,8 @@ def load(args, messages) -> dict:
             top = max(args.concurrency)
             run_level(server.url, requests_for(messages, top, [max(args.lengths)]), top, args.request_timeout_s)
             entry = {"rss_after_warmup_mb": round(server.rss_mb(), 1), "levels": {}}
+            time.sleep(args.idle_s)  # the server hands its free memory back when idle (--idle-release-s)
+            entry["rss_after_warmup_idle_mb"] = round(server.rss_mb(), 1)
             for c in args.concurrency:
                 count = max(args.min_requests, args.requests_per_client * c)
                 if c == 1:  # the Medusa answers, one at a time, are the reference
@@ -221,6 +223,8 @@ def load(args, messages) -> dict:
                                                                "results": results}
                 print(f"{mode} c={c}: {json.dumps(summary(results, wall))}", flush=True)
             entry["rss_after_load_mb"] = round(server.rss_mb(), 1)
+            time.sleep(args.idle_s)
+            entry["rss_after_load_idle_mb"] = round(server.rss_mb(), 1)
             entry["health"] = server.health()
         finally:
             entry["exit_s"] = round(server.stop(), 2)
@@ -419,6 +423,11 @@ def markdown(report: dict) -> str:
         grow = entry["rss_after_load_mb"] / entry["rss_after_warmup_mb"] - 1
         lines.append(f"\n{mode}: RSS {entry['rss_after_warmup_mb']:.0f} MB after warm-up, "
                      f"{entry['rss_after_load_mb']:.0f} MB after the load ({grow:+.1%}); {entry['health']}")
+        if "rss_after_load_idle_mb" in entry:  # from 2026-12-06 run 7: also read after an idle spell
+            idle = entry["rss_after_load_idle_mb"] / entry["rss_after_warmup_idle_mb"] - 1
+            lines.append(f"{mode}, each read after {report['args'].get('idle_s')} s idle: "
+                         f"{entry['rss_after_warmup_idle_mb']:.0f} MB after warm-up, "
+                         f"{entry['rss_after_load_idle_mb']:.0f} MB after the load ({idle:+.1%})")
     if "generate" in report:  # earlier reports: generate after the servers stopped
         g = report["generate"]
         lines.append(f"\nlibrary generate: {g['tokens']} tokens in {g['wall_s']} s = {g['tokens_per_s']} tok/s; "
@@ -455,6 +464,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
                    help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
+    p.add_argument("--idle-s", type=float, default=5.0,
+                   help="idle seconds before the second reading of the resident size after warm-up and after the load")
     p.add_argument("--drain-timeout-s", type=float, default=10)
     p.add_argument("--sigterm-after-s", type=float, default=3)
     p.add_argument("--flood", type=int, default=100, help="requests sent at once in the flood fault")

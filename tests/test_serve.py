@@ -587,3 +587,41 @@ def test_sigterm_drains_in_flight_requests_and_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_idle_scheduler_hands_free_memory_back_once_per_idle_spell():
+    from medusa.decode.logits_process import resolve_decoding
+
+    def served(scheduler, jobs: int) -> None:
+        for _ in range(jobs):
+            done = threading.Event()
+            scheduler.submit(Job(torch.tensor([5, 6, 7, 8]), 4, resolve_decoding(),
+                                 lambda e: done.set() if e[0] != "tokens" else None))
+            assert done.wait(30)
+
+    def releases_after(scheduler, seconds: float) -> int:
+        time.sleep(seconds)
+        return scheduler.memory_releases
+
+    model = tiny_medusa()
+    scheduler = Scheduler(model, max_running=2, idle_release_s=0.05)
+    scheduler.start()
+    try:
+        served(scheduler, 1)
+        first = releases_after(scheduler, 0.5)
+        assert first >= 1 and releases_after(scheduler, 0.3) == first  # once per spell, not every wait
+        served(scheduler, 1)
+        assert releases_after(scheduler, 0.5) == first + 1
+    finally:
+        scheduler.stop(10)
+    never = Scheduler(model, max_running=2, idle_release_s=0)
+    never.start()
+    try:
+        served(never, 1)
+        assert releases_after(never, 0.3) == 0
+    finally:
+        never.stop(10)
+    with pytest.raises(ValueError, match="idle_release_s"):
+        ServeConfig(NAME, idle_release_s=float("nan"))
+    with pytest.raises(ValueError, match="idle_release_s"):
+        Scheduler(model, idle_release_s=-1)

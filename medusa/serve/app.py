@@ -61,6 +61,9 @@ class ServeConfig:
     """Open connections at once; one more is closed as soon as it is made."""
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
+    idle_release_s: float = 2.0
+    """After this many seconds with no request, the C allocator's free memory goes back to the system, so that the
+    resident size falls back after a busy spell (glibc ``malloc_trim``); 0: never."""
     request_timeout_s: float = 600.0
     """A request not finished by then is cancelled (504, or an error event when streaming)."""
     default_max_tokens: int = 512
@@ -94,6 +97,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not self.idle_release_s >= 0:  # also refuses NaN
+            raise ValueError(f"idle_release_s must be >= 0 (0: never), got {self.idle_release_s}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -141,7 +146,7 @@ class Server:
         self.model, self.config = model, config
         self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation,
                                    profile_forward_s(model) if config.speculation == "auto" else None,
-                                   config.prefill_chunk)
+                                   config.prefill_chunk, config.idle_release_s)
         self.drain_deadline: float | None = None
         """Set on SIGTERM (:meth:`drain`): requests still running then end with an error."""
         text_config = model.base.config.get_text_config(decoder=True)

@@ -57,6 +57,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections at once; more are closed as soon as they are made")
     p.add_argument("--keep-alive-s", type=float, default=default["keep_alive_s"],
                    help="an idle keep-alive connection is closed after this long")
+    p.add_argument("--idle-release-s", type=float, default=default["idle_release_s"],
+                   help="after this long with no request, free memory goes back to the system (0: never)")
     p.add_argument("--request-timeout-s", type=float, default=default["request_timeout_s"],
                    help="a request still running then is ended")
     p.add_argument("--default-max-tokens", type=int, default=default["default_max_tokens"],

@@ -14,6 +14,7 @@ speculative while a row samples, so that a seeded request draws as ``generate`` 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -32,6 +33,23 @@ logger = logging.getLogger(__name__)
 SPECULATION = ("auto", "on", "off")
 """``auto``: each batched step speculative or plain, whichever measured faster at that batch size; ``on``: always
 speculative; ``off``: plain decoding throughout."""
+
+
+def release_free_memory() -> bool:
+    """Hand the C allocator's free pages back to the system: glibc's ``malloc_trim(0)``.
+
+    A server's resident size otherwise keeps the high-water mark of every batch it has run: tensors freed after a
+    step stay in the allocator's arenas (one per thread that allocated), so resident memory after a busy spell
+    reads as growth though nothing is live. Returns whether the call was made (False where the C library has no
+    ``malloc_trim``: musl, macOS).
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 class QueueFull(Exception):
@@ -171,13 +189,21 @@ class Scheduler:
         max_running: the most requests decoding at once (rows of the batch).
         max_waiting: the most requests waiting to start; :meth:`submit` raises :class:`QueueFull` beyond.
         speculation: one of :data:`SPECULATION`.
+        idle_release_s: after this many seconds with nothing to do (once per idle spell), the free memory of the
+            C allocator goes back to the system (:func:`release_free_memory`); 0: never.
     """
 
     def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto",
-                 forward_s: Callable[[int], float] | None = None, prefill_chunk: int = 256):
-        if max_running < 1 or max_waiting < 0 or prefill_chunk < 1:
-            raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting >= 0, got {max_running}, "
-                             f"{prefill_chunk}, {max_waiting}")
+                 forward_s: Callable[[int], float] | None = None, prefill_chunk: int = 256,
+                 idle_release_s: float = 2.0):
+        if max_running < 1 or max_waiting < 0 or prefill_chunk < 1 or not idle_release_s >= 0:
+            raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting and idle_release_s >= 0, "
+                             f"got {max_running}, {prefill_chunk}, {max_waiting}, {idle_release_s}")
+        self.idle_release_s = idle_release_s
+        self.memory_releases = 0
+        """Idle spells after which the free memory was handed back (:func:`release_free_memory`)."""
+        self.last_release_ms: float | None = None
+        """How long the last hand-back took (a request arriving meanwhile waits for it)."""
         self.model, self.max_running, self.max_waiting = model, max_running, max_waiting
         self.prefill_chunk = prefill_chunk
         self.joining: deque[tuple[Job, Joining]] = deque()
@@ -238,23 +264,40 @@ class Scheduler:
         return {"running": len(self.jobs), "prefilling": len(self.joining), "waiting": waiting,
                 "batched_forwards": batch.forwards,
                 "max_rows_per_forward": batch.max_rows, "row_forwards": batch.row_forwards,
-                "plain_steps": self.plain_steps, "sampling_row_steps": self.sampling_row_steps}
+                "plain_steps": self.plain_steps, "sampling_row_steps": self.sampling_row_steps,
+                "memory_releases": self.memory_releases, "last_memory_release_ms": self.last_release_ms}
 
     # -- the scheduler thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        idle_since: float | None = None  # None: worked since the last release
         while True:
             with self._lock:
                 if self._stopping:
                     break
                 if not self.waiting and not self.jobs and not self.joining:
                     self._lock.wait(0.05)
+                    idle_since = self._release_when_idle(idle_since)
                     continue
+            idle_since = None
             try:
                 self._round()
             except Exception:  # a fault of the scheduler itself must not leave requests waiting forever
                 logger.exception("scheduler round failed")
                 self._fail_running("internal error in the scheduler")
         self._fail_all("the server is shutting down")
+
+    def _release_when_idle(self, idle_since: float | None) -> float | None:
+        """Start or continue an idle spell; at ``idle_release_s`` into it, release the free memory once. Returns
+        the spell's start, or ``inf`` once released (nothing more until the next work)."""
+        now = time.monotonic()
+        if idle_since is None:
+            return now
+        if self.idle_release_s and now - idle_since >= self.idle_release_s:
+            if release_free_memory():
+                self.memory_releases += 1
+                self.last_release_ms = round(1000 * (time.monotonic() - now), 2)
+            return float("inf")
+        return idle_since
 
     def _round(self) -> None:
         """Admit, prefill up to ``prefill_chunk`` prompt tokens, drop the cancelled, then one batched step for
