@@ -54,7 +54,7 @@ def chain_tau(top1: list[float]) -> float:
 def decode_set(model: MedusaModel, prompts: list[torch.Tensor], max_new_tokens: int, tree=None) -> tuple[dict, list]:
     """Greedy-decode ``prompts`` (``tree``: that tree instead of the model's drafter); tau over the set, tokens/s,
     the drafter's ms per step and the tokens."""
-    steps = tokens_out = new = 0
+    steps = tokens_out = new = copied = 0
     draft_s = seconds = 0.0
     outputs = []
     for ids in prompts:
@@ -65,8 +65,11 @@ def decode_set(model: MedusaModel, prompts: list[torch.Tensor], max_new_tokens: 
         new += len(tokens)
         steps += stats.decode_steps
         tokens_out += stats.decode_tokens
+        copied += stats.copied_tokens
         draft_s += stats.step_s["draft"] + stats.step_s["choose"]
-    return {"tau": round(tokens_out / max(steps, 1), 3), "steps": steps, "new_tokens": new,
+    return {"tau": round(tokens_out / max(steps, 1), 3),
+            "tau_without_lookup_tokens": round((tokens_out - copied) / max(steps, 1), 3),
+            "steps": steps, "new_tokens": new,
             "tokens_per_s": round(new / seconds, 2), "drafter_ms_per_step": round(1000 * draft_s / max(steps, 1), 2),
             "seconds": round(seconds, 1)}, outputs
 

@@ -596,7 +596,7 @@ def test_an_idle_scheduler_hands_free_memory_back_once_per_idle_spell():
         for _ in range(jobs):
             done = threading.Event()
             scheduler.submit(Job(torch.tensor([5, 6, 7, 8]), 4, resolve_decoding(),
-                                 lambda e: done.set() if e[0] != "tokens" else None))
+                                 lambda e, done=done: done.set() if e[0] != "tokens" else None))
             assert done.wait(30)
 
     def releases_after(scheduler, seconds: float) -> int:
