@@ -489,25 +489,11 @@ def test_the_node_overhead_is_learned_from_greedy_steps_and_left_out_of_sampled_
     reference = hf_greedy(model, ids, 8)
     heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
     drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
-
-    def timed(wall, steps=40):  # greedy steps of 1-12 nodes, the cost model's seconds growing with the nodes
-        for i in range(steps):
-            n = (1, 4, 8, 12)[i % 4]
-            model_s = 0.05 + 0.002 * n
-            drafter._time_last_step(PerStepState(None, step_started=10.0, step_model_s=model_s, step_nodes=n),
-                                    10.0 + wall(model_s, n))
-
-    timed(lambda model_s, n: model_s + 0.004 * n)  # 4 ms a node the model does not know of
-    assert drafter.node_overhead_s == pytest.approx(0.004, rel=0.15) and drafter.slowdown == pytest.approx(1, abs=0.1)
-    learnt = drafter.node_overhead_s
-    drafter._time_last_step(PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=4), 10.5)
-    assert drafter.node_overhead_s == learnt  # ten times the model: a pause, skipped
-    timed(lambda model_s, n: 2.5 * model_s, steps=200)  # the machine slowed as a whole (another job on the cores):
-    assert drafter.slowdown == pytest.approx(2.5, rel=0.1)  # not charged to the nodes, which would make steps plain
-    assert drafter.node_overhead_s < 0.0005
-    for _ in range(50):  # steps all of one size: read as a slower machine, never as a charge that keeps them plain
-        drafter._time_last_step(PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=1), 10.2)
-    assert drafter.node_overhead_s < 0.0005 and drafter.slowdown > 3
+    state = PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=4)
+    drafter._time_last_step(state, 10.07)  # 20 ms beyond the model over 4 nodes
+    assert drafter.node_overhead_s == pytest.approx(0.005)
+    drafter._time_last_step(state, 10.5)  # ten times the model: a pause, skipped
+    assert drafter.node_overhead_s == pytest.approx(0.005)
 
     def propose(sampler, overhead):
         drafter.node_overhead_s = overhead

@@ -231,10 +231,6 @@ CHAIN = -1
 little, the later ones less)."""
 OVERHEAD_DECAY = 0.95
 """Weight of the past in the learned per-node overhead (:attr:`PerStepDrafter.node_overhead_s`)."""
-OVERHEAD_PRIOR = 0.01
-"""Ridge weight, relative to the timed steps' own, pulling the fitted per-node overhead towards 0
-(:meth:`PerStepDrafter._time_last_step`): steps all of one size cannot tell a slower machine from a cost per node,
-and are read as the former, so that steps made plain by a charge never stay plain for want of other sizes."""
 
 
 RATE_DECAY = 0.85
@@ -296,10 +292,7 @@ class PerStepDrafter:
         wall time of one sequence's greedy steps (decoding whose output no tree changes; a batch's rounds also run
         other requests' prefill), and used for greedy trees, batched ones too; sampled decoding leaves it out, so
         that its trees, and the random numbers they draw, do not depend on timing."""
-        self._overhead_sums = [0.0] * 5  # decayed sums of m*m, m*n, n*n, e*m, e*n over the timed steps
-        self.slowdown = 1.0
-        """How much slower than the cost model this machine runs whole steps now (fitted with
-        :attr:`node_overhead_s`; another process on the cores slows the forward and the head calls alike)."""
+        self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
         self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
@@ -536,31 +529,17 @@ class PerStepDrafter:
 
     def _time_last_step(self, state: PerStepState, now: float) -> None:
         """Fold the last timed step of ``state``'s rows (from its tree's proposal to ``now``, the next one's) into
-        :attr:`node_overhead_s` and :attr:`slowdown`.
-
-        The wall time ``e`` of a step the cost model gave ``m`` seconds for ``n`` nodes is fitted as
-        ``e = slowdown * m + c * n`` over the timed steps (least squares, decayed by :data:`OVERHEAD_DECAY`, a ridge
-        of :data:`OVERHEAD_PRIOR` towards ``c`` 0); the per-node overhead is ``c / slowdown``, in
-        the cost model's seconds. A machine slowed as a whole (another job on the cores) thus raises the slowdown,
-        which leaves the best tree as it is, instead of charging every node for it, which would make the steps
-        plain; only time that grows with the nodes beyond the model is charged. A gap of more than three times the
-        slowed model's figure is a pause (the caller away), not a step, and is skipped."""
+        :attr:`node_overhead_s`: its wall time beyond what the cost model gave it, per node. A gap of more than
+        three times the model's figure is a pause (the caller away), not a step, and is skipped."""
         if not state.step_started or not state.step_nodes:
             return
-        e, m, n = now - state.step_started, state.step_model_s, float(state.step_nodes)
-        if e > 3 * self.slowdown * m:
+        elapsed = now - state.step_started
+        if elapsed > 3 * state.step_model_s:
             return
         sums = self._overhead_sums
-        for i, v in enumerate((m * m, m * n, n * n, e * m, e * n)):
-            sums[i] = OVERHEAD_DECAY * sums[i] + v
-        mm, mn, nn, em, en = sums
-        a, b, d = mm, mn, nn * (1 + OVERHEAD_PRIOR)  # the normal equations [[a, b], [b, d]] [s, c] = [em, en]
-        det = a * d - b * b
-        if det <= 0:
-            return
-        slowdown, c = (em * d - b * en) / det, (a * en - b * em) / det
-        self.slowdown = max(slowdown, 0.25)
-        self.node_overhead_s = max(0.0, c / self.slowdown)
+        sums[0] = OVERHEAD_DECAY * sums[0] + (elapsed - state.step_model_s)
+        sums[1] = OVERHEAD_DECAY * sums[1] + state.step_nodes
+        self.node_overhead_s = max(0.0, sums[0] / sums[1])
 
     def _settle(self, tree: _Growing, levels: list[_Level], leftovers, chain, expected: float, draft_s: float,
                 batch: int, may_prune: bool, rate: float | None, cost=None):
