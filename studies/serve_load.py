@@ -66,7 +66,7 @@ class ServerProcess:
         cmd = [sys.executable, "-c", "import sys; from medusa.cli import main; sys.exit(main())", "serve",
                "--base", args.base, "--heads", args.heads, "--port", str(self.port), "--served-model-name", NAME,
                "--api-key", KEY, "--speculation", speculation, "--max-running", str(args.max_running),
-               "--max-waiting", str(args.max_waiting), *extra]
+               "--max-waiting", str(args.max_waiting), *extra, *(args.server_arg or ())]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         if args.engine:
@@ -450,6 +450,8 @@ def server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=900)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--server-arg", action="append", metavar="FLAG",
+                   help="one more flag for every server started, e.g. --server-arg=--idle-release-s=0 (repeatable)")
 
 
 def main() -> int:

@@ -112,6 +112,13 @@ def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel):
     assert torch.equal(hidden[0], steps[0][0]) and torch.equal(hidden[2], steps[1][0])
     assert torch.equal(hidden[3], steps[2][0])
     assert not torch.equal(hidden[1], steps[1][0])  # row 1 (token 6) is another branch: the control
+    # Keeping the accepted path 5 -> 7 -> 8 (rows 0, 2, 3: a move, in the one store of every layer) leaves the
+    # cache the row-by-row decoding made: the next token's bits agree.
+    tree.keep(20, torch.tensor([0, 2, 3]))
+    assert tree.length == alone.length == 23 and tree.slot_store.data_ptr() == tree.layers[0].keys.data_ptr()
+    after = [engine.forward(torch.tensor([9]), torch.tensor([23]), torch.ones(1, 1, dtype=torch.bool), c)[1]
+             for c in (tree, alone)]
+    assert torch.equal(after[0], after[1])
 
 
 @pytest.mark.parametrize("kernel", ["native", "native-q8"])
@@ -155,10 +162,45 @@ def test_hydra_heads_draft_through_q8_0_products_beside_the_native_decoder(kerne
     assert greedy(medusa) == greedy(medusa, Tree.chain(0))
     made = medusa.heads.__dict__["_products"]
     assert made["input0"][1] is not None and medusa.engine.smooth_step_cost
-    assert heads_key(medusa.heads).endswith(":products=q8_0" + (":int8" if kernel == "native-q8" else ""))
+    assert heads_key(medusa.heads).endswith(":products=q8_0" + (":int8" if kernel == "native-q8" else "") + ":level")
     medusa.use_engine("int4", lm_head="bf16")  # torch's kernels: the packed projection, no Q8_0, measured sizes
     assert medusa.heads.drafter_products_key is None and "_products" not in medusa.heads.__dict__
     assert not medusa.engine.smooth_step_cost and ":products" not in heads_key(medusa.heads)
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-q8"])
+def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kernel):
+    """The fused level (input layer, SiLU, projection, softmax, top-k in one call) gives the candidates and
+    probabilities of the unfused path up to float summation order; a control: heads whose drafting cannot fuse
+    (ResBlocks after the input layer) say so with ``None``, and Medusa stays plain's with either."""
+    from medusa.drafters.base import TopK
+
+    model = tiny_model("llama")
+    heads = random_heads(model, head_type="hydra")
+    medusa = MedusaModel(model, heads, engine="int4", kernel=kernel, lm_head="bf16")
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for k in range(heads.config.num_heads):
+            hidden = torch.randn(3, heads.config.hidden_size, generator=gen)
+            paths = torch.randint(0, heads.config.vocab_size, (3, k + 1), generator=gen)
+            logits = heads.draft_logits(k, hidden, paths)
+            ids, _, probs = TopK().draw_ranked(logits, 4)
+            fused_logits, fused_ids, fused_probs = heads.draft_ranked(k, hidden, paths, 4)
+            assert torch.allclose(fused_logits, logits, atol=1e-5) and torch.equal(fused_ids, ids)
+            assert torch.allclose(fused_probs, probs, atol=1e-6)
+        with pytest.raises(ValueError, match="shapes do not fit"):
+            medusa.heads.__dict__["_products"]["input0"][1].__self__.hydra_level(
+                heads.inputs[0].bias, medusa.heads.__dict__["_products"]["projection"][1].__self__,
+                heads.embed_weight, 1e-6, hidden, torch.zeros(3, 2, dtype=torch.long), 4)  # head 0 reads 1 token
+    from medusa.drafters.heads import MedusaHeadsConfig, build_heads
+
+    weight = model.get_output_embeddings().weight.detach()
+    deeper = build_heads(MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
+                                           head_type="hydra", num_layers=2), weight,
+                         model.get_input_embeddings().weight.detach())
+    medusa_deeper = MedusaModel(model, deeper, engine="int4", kernel=kernel, lm_head="bf16")
+    assert deeper.draft_ranked(0, hidden, paths[:, :1], 4) is None
+    assert greedy(medusa_deeper) == greedy(medusa_deeper, Tree.chain(0)) == greedy(medusa)
 
 
 def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path):

@@ -33,7 +33,7 @@ from medusa.decode.loop import medusa_generate
 from medusa.decode.tree import Tree, load_tree, save_tree, tree_buffers
 from medusa.drafters.base import TopK
 from medusa.drafters.composite import CompositeDrafter, tree_drafter
-from medusa.drafters.prompt_lookup import PromptLookupDrafter, lookup_draft
+from medusa.drafters.prompt_lookup import PromptLookupDrafter, lookup_draft, lookup_match
 from medusa.tools.calibrate import (
     Replay,
     choose_tree,
@@ -62,6 +62,30 @@ def test_lookup_repeats_a_span_that_reaches_the_end_and_pads_without_a_match():
     assert lookup_draft(T([1, 2, 3]), 3).tolist() == [3, 3, 3]  # the last token is new: no match
     assert lookup_draft(T([5]), 2).tolist() == [5, 5]
     assert lookup_draft(T([1, 2, 1]), 0).tolist() == []
+
+
+def _lookup_by_list(ids: list[int], length: int, max_ngram: int) -> tuple[list[int], int]:
+    """The rule spelled out on a list: the last earlier match of the longest final n-gram, copied periodically."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        starts = [j for j in range(len(ids) - n) if ids[j:j + n] == ids[len(ids) - n:]]
+        if starts:
+            copied = ids[starts[-1] + n:]
+            return (copied * length)[:length], n
+    return [ids[-1]] * length, 0
+
+
+def test_the_cpu_byte_search_matches_the_rule_on_random_sequences():
+    """CPU sequences are searched as bytes (8 per id); a match must start at an id's first byte: ids times 257 make
+    byte patterns that straddle two ids, the case an unaligned hit would get wrong."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        size = int(torch.randint(1, 30, (1,), generator=gen))
+        vocab = 4 if trial % 2 else 70000
+        ids = torch.randint(0, vocab, (size,), generator=gen) * (257 if trial % 3 == 0 else 1)
+        length, ngram = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+        tokens, n = lookup_match(ids, length, ngram)
+        assert (tokens.tolist(), n) == _lookup_by_list(ids.tolist(), length, ngram)
+        assert tokens.dtype == ids.dtype
 
 
 @pytest.mark.parametrize("sequence, length, ngram", [(T([], dtype=torch.long), 2, 3), (T([[1, 2]]), 2, 3),

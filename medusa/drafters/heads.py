@@ -474,6 +474,26 @@ class HydraHeads(_HeadsBase):
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
         return self.blocks[k](hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x)))  # (..., H)
 
+    def draft_ranked(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor,
+                     top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Head ``k``'s level in one call where the engine's drafter products can fuse it (the native decoder's Q8_0
+        products: :meth:`medusa.engines.native.NativeHead.hydra_level`): ``(logits (P, Vh), ids (P, top_k),
+        probs (P, top_k))``, the ``top_k`` head-vocabulary ids by logit with their softmax probabilities, best first,
+        as :meth:`draft_logits` then :meth:`medusa.drafters.base.TopK.draw_ranked` give them up to float summation
+        order. ``None`` where it cannot (no such products, ResBlocks after the input layer, another dtype, gradients
+        on): the caller then takes those two steps. ``hidden`` ``(H,)`` or ``(P, H)``; ``path_tokens``
+        ``(P, k + 1)``."""
+        if len(self.blocks[k]) or self.lm_heads is not None or hidden.dtype != torch.float32:
+            return None
+        rows = hidden.expand(len(path_tokens), -1)  # (P, H)
+        first = self._drafter_product(f"input{k}", self.inputs[k].weight, rows)
+        level = getattr(getattr(first, "__self__", None), "hydra_level", None)
+        projection = getattr(self._drafter_product("projection", self.shared_weight_t.T, rows), "__self__", None)
+        if level is None or projection is None or self.inputs[k].bias is None:
+            return None
+        return level(self.inputs[k].bias, projection, self.embed_weight, torch.finfo(torch.float32).eps, rows,
+                     path_tokens, top_k)
+
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``(..., T, K)``: ``[t, j]`` is the token at t + 1 + j, 0 past the end (no target exists there)."""
         if input_ids is None:

@@ -36,8 +36,11 @@ batch's forward; each row fills it with its own drafts and keeps its own accepta
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import logging
+import operator
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -298,7 +301,7 @@ class PerStepDrafter:
         self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
         self.typical_nodes = min(16, max_nodes)
         """The step size an engine is chosen for (``--engine auto``)."""
-        self._tables: dict[torch.device, tuple] = {}
+        self._tables: dict = {}  # per device: the calibration's tables, as tensors and as lists
         self._layouts: OrderedDict[tuple, TreeBuffers] = OrderedDict()
 
     @classmethod
@@ -400,16 +403,16 @@ class PerStepDrafter:
         chain = chain_conditional = None
         if self.lookup_length:
             drafts = [lookup_match(seq, self.lookup_length, self.calibration.lookup_max_ngram) for seq in sequences]
-            grams = torch.tensor([n for _, n in drafts], device=device)
-            conditional = lookup_table[grams, : self.lookup_length]  # (B, L) each position's, given the one before
-            chain_conditional = conditional.tolist()
-            if self.learn_acceptance:
-                scale = torch.tensor([[s.seen_scale(CHAIN), s.seen_scale(CHAIN - 1)] for s in states],
-                                     device=device)  # (B, 2): the first node, the later ones
-                scale = torch.cat([scale[:, :1], scale[:, 1:].expand(-1, conditional.shape[1] - 1)], 1)
-                conditional = (conditional * scale).clamp(max=1.0)
-            chain = (torch.stack([t for t, _ in drafts]).tolist(),  # (B, L) tokens
-                     conditional.cumprod(dim=1).tolist())  # (B, L) path values
+            if ("lookup", device) not in self._tables:
+                self._tables["lookup", device] = lookup_table[:, : self.lookup_length].tolist()
+            by_ngram = self._tables["lookup", device]
+            # (B, L) each position's acceptance given the one before, by the n-gram each row matched
+            chain_conditional = conditional = [by_ngram[n] for _, n in drafts]
+            if self.learn_acceptance:  # the first node by its seen scale, the later ones by theirs
+                conditional = [[min(1.0, v * s.seen_scale(CHAIN if j == 0 else CHAIN - 1)) for j, v in enumerate(row)]
+                               for row, s in zip(conditional, states, strict=True)]
+            chain = ([t.tolist() for t, _ in drafts],  # (B, L) tokens
+                     [list(itertools.accumulate(row, operator.mul)) for row in conditional])  # (B, L) path values
         if self.learn_acceptance:  # the best a depth may give, after the rows' seen scales
             best_accept = [min(1.0, a * max(s.seen_scale(k) for s in states for k in (2 * d, 2 * d + 1)))
                            for d, a in enumerate(best_accept)]
@@ -501,31 +504,54 @@ class PerStepDrafter:
         batch, width = path_tokens.shape[:2]
         if batch > 1 and together:
             hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
-            logits_all = self.heads.draft_logits(depth, hidden, path_tokens.flatten(0, 1))  # (B*P, Vh)
-            c_all, _, ranked_all = samplers[0].draw_ranked(logits_all, self.top_k)  # (B*P, k) each
+            logits_all, c_all, _, ranked_all = self._draw(depth, hidden, path_tokens.flatten(0, 1), samplers[0])
             drawn = [(logits_all.view(batch, width, -1)[b], c_all.view(batch, width, -1)[b], None,
                       ranked_all.view(batch, width, -1)[b]) for b in range(batch)]
         else:
             drawn = []
             for b, state in enumerate(states):
-                row_logits = self.heads.draft_logits(depth, state.hidden, path_tokens[b])  # (P, Vh)
-                drawn.append((row_logits, *samplers[b].draw_ranked(row_logits, self.top_k)))  # (P, k) ...
+                drawn.append(self._draw(depth, state.hidden, path_tokens[b], samplers[b]))  # (P, Vh), (P, k) ...
+        # A few values a row (P x k): Python lists cost less than a dozen small tensor calls here.
+        edges, table, vocab_ids = self._list_tables(inner_edges, acceptance, vocab)
         logits, cands, qs, values, base_ids, calibrated = [], [], [], [], [], []
         for b, (state, (row_logits, c, q, ranked)) in enumerate(zip(states, drawn, strict=True)):
-            ranked = ranked.float()
-            accept = acceptance[depth][torch.bucketize(ranked, inner_edges, right=True)] * (ranked > 0)  # (P, k)
-            parent = torch.tensor([tree.values[b][i] for i in chosen], device=accept.device)  # (P,)
+            # each candidate's calibrated acceptance by the bin of its ranked probability (0 where it is 0)
+            accept = [[table[depth][bisect.bisect_right(edges, r)] if r > 0 else 0.0 for r in row]
+                      for row in ranked.float().tolist()]  # (P, k)
+            parent = [tree.values[b][i] for i in chosen]  # (P,)
             logits.append(row_logits), cands.append(c), qs.append(q)
             seen = accept
             if self.learn_acceptance:  # rank 0 and the later ranks, each by its own seen scale; a later rank
-                # never above an earlier one (a parent's kept candidates are its first ranks)
-                scale = torch.full_like(accept[:1], state.seen_scale(2 * depth + 1))  # (1, k)
-                scale[0, 0] = state.seen_scale(2 * depth)
-                seen = torch.cummin((accept * scale).clamp(max=1.0), dim=1).values
-            values.append((parent[:, None] * seen).tolist())
-            base_ids.append(vocab[c].tolist())
-            calibrated.append(accept.tolist())
+                # never above an earlier one (a parent's kept candidates are its first ranks): a running minimum
+                first, later = state.seen_scale(2 * depth), state.seen_scale(2 * depth + 1)
+                seen = [list(itertools.accumulate((min(1.0, a * (later if r else first)) for r, a in enumerate(row)),
+                                                  min)) for row in accept]
+            values.append([[p * v for v in row] for p, row in zip(parent, seen, strict=True)])
+            base_ids.append([[vocab_ids[i] for i in row] for row in c.tolist()])
+            calibrated.append(accept)
         return _Level(chosen, logits, cands, qs, values, base_ids, child_accept=calibrated)
+
+    def _list_tables(self, inner_edges: torch.Tensor, acceptance: torch.Tensor, vocab: torch.Tensor):
+        """The calibration's inner bin edges, acceptance table ``(depths, bins)`` and head-to-base ids as Python lists
+        (made once per device)."""
+        key = ("lists", inner_edges.device)
+        if key not in self._tables:
+            self._tables[key] = (inner_edges.tolist(), acceptance.tolist(), vocab.tolist())
+        return self._tables[key]
+
+    def _draw(self, depth: int, hidden: torch.Tensor, path_tokens: torch.Tensor, sampler: DraftSampler):
+        """Head ``depth``'s logits ``(P, Vh)`` at ``P`` nodes and ``sampler``'s ranked draw from them: ``(logits,
+        candidates (P, k), q or None, ranked probabilities (P, k))``. Top-k draws go through the heads' fused level
+        where they offer one (:meth:`medusa.drafters.heads.HydraHeads.draft_ranked`: one C call beside the native
+        decoder), the same candidates up to float summation order."""
+        if type(sampler) is TopK:
+            fused = getattr(self.heads, "draft_ranked", None)
+            out = None if fused is None else fused(depth, hidden, path_tokens, self.top_k)
+            if out is not None:
+                logits, ids, probs = out
+                return logits, ids, None, probs
+        logits = self.heads.draft_logits(depth, hidden, path_tokens)  # (P, Vh)
+        return (logits, *sampler.draw_ranked(logits, self.top_k))
 
     def _time_last_step(self, state: PerStepState, now: float) -> None:
         """Fold the last timed step of ``state``'s rows (from its tree's proposal to ``now``, the next one's) into

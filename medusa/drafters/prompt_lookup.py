@@ -55,6 +55,8 @@ def lookup_match(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tup
     if length < 0 or max_ngram < 1:
         raise ValueError(f"length must be >= 0 and max_ngram >= 1, got {length} and {max_ngram}")
     size = len(sequence)
+    if sequence.device.type == "cpu" and length > 0:
+        return _lookup_match_cpu(sequence, length, max_ngram)
     out = sequence.new_full((length,), int(sequence[-1]))
     if length == 0:
         return out, 0
@@ -68,6 +70,26 @@ def lookup_match(sequence: torch.Tensor, length: int, max_ngram: int = 3) -> tup
             reps = -(-length // period)
             return copied.repeat(reps)[:length], n
     return out, 0
+
+
+def _lookup_match_cpu(sequence: torch.Tensor, length: int, max_ngram: int) -> tuple[torch.Tensor, int]:
+    """:func:`lookup_match` on a CPU tensor, by a byte search over the ids' 8-byte words (a few microseconds where the
+    tensor calls take about 0.1 ms): the last match of the final n-gram that ends before the last token, longest n
+    first. The same tokens and n."""
+    ids = sequence.to(torch.int64)
+    data, size = ids.numpy().tobytes(), len(ids)
+    word = 8
+    for n in range(min(max_ngram, size - 1), 0, -1):
+        pattern, end = data[(size - n) * word:], (size - 1) * word  # windows with at least one token after them
+        found = data.rfind(pattern, 0, end)
+        while found >= 0 and found % word:  # a match must start at a token's first byte
+            found = data.rfind(pattern, 0, found + len(pattern) - 1)
+        if found >= 0:
+            start = found // word + n  # first copied position
+            copied = sequence[start:].tolist()
+            reps = -(-length // len(copied))
+            return torch.tensor((copied * reps)[:length], dtype=sequence.dtype), n
+    return sequence.new_full((length,), int(sequence[-1])), 0
 
 
 @register_drafter("lookup")

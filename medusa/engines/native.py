@@ -144,6 +144,12 @@ def _library():
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q8_0_head_q8.restype = None
     lib.medusa_q8_0_head_q8.argtypes = lib.medusa_q8_0_head.argtypes
+    lib.medusa_hydra_level.restype = ctypes.c_int
+    lib.medusa_hydra_level.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q4_forward.restype = ctypes.c_int
     lib.medusa_q4_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -287,6 +293,51 @@ class NativeHead:
         return y
 
 
+    def hydra_level(self, bias: torch.Tensor, projection: NativeHead, embed: torch.Tensor, eps: float,
+                    hidden: torch.Tensor, path_tokens: torch.Tensor,
+                    top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Hydra head level in one C call, this head being the level's input layer ``W_in`` ``(H, (T + 1) H)``
+        (Ankner et al. 2024, section 3; ``csrc/q4_decoder.c``, ``medusa_hydra_level``): per node, the RMS-normalised
+        embeddings of its ``T`` path tokens beside its hidden state, ``f = h + silu(W_in x + b)``, the head
+        vocabulary's logits ``projection(f)``, and their ``top_k`` best ids with softmax probabilities. The same
+        products as the two separate calls (:meth:`logits`), for drafts only: the verify decides what is emitted.
+
+        Args:
+            bias: ``(H,)`` the input layer's bias; ``projection``: the head vocabulary's rows ``(Vh, H)``, with this
+                head's activation rounding; ``embed``: the base's input embeddings ``(V, H)``; ``eps``: the norm's.
+            hidden: ``(P, H)`` each node's hidden state; ``path_tokens``: ``(P, T)`` long, ``T`` = hidden input
+                size / H - 1.
+
+        Returns:
+            ``(logits (P, Vh), ids (P, top_k) long, probs (P, top_k))``, best first.
+
+        Raises:
+            ValueError: shapes that do not fit, or ``projection`` rounds activations otherwise.
+            MemoryError: the C side could not allocate its scratch.
+        """
+        x = hidden.float().contiguous()
+        tokens = path_tokens.to(torch.int64).contiguous()
+        count, size = x.shape
+        if (tokens.shape != (count, self.hidden // size - 1) or self.hidden % size or projection.hidden != size
+                or self.vocab != size or tuple(embed.shape[1:]) != (size,) or bias.shape != (size,)
+                or projection.int8_activations != self.int8_activations or not 0 < top_k <= projection.vocab):
+            raise ValueError(f"a Hydra level's shapes do not fit: hidden {tuple(x.shape)}, tokens "
+                             f"{tuple(tokens.shape)}, input layer ({self.vocab}, {self.hidden}), projection "
+                             f"({projection.vocab}, {projection.hidden}), top_k {top_k}")
+        embed, bias = embed.float().contiguous(), bias.float().contiguous()
+        logits = torch.empty(count, projection.vocab)
+        ids = torch.empty(count, top_k, dtype=torch.int64)
+        probs = torch.empty(count, top_k)
+        done = self.lib.medusa_hydra_level(
+            x.data_ptr(), count, size, tokens.data_ptr(), tokens.shape[1], embed.data_ptr(), eps,
+            self.codes.data_ptr(), self.d.data_ptr(), bias.data_ptr(), projection.codes.data_ptr(),
+            projection.d.data_ptr(), projection.vocab, int(self.int8_activations), logits.data_ptr(), top_k,
+            ids.data_ptr(), probs.data_ptr(), torch.get_num_threads())
+        if done != 0:
+            raise MemoryError("the native Hydra level could not allocate its scratch memory")
+        return logits, ids, probs
+
+
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, K)`` weights rounded to Q8_0 blocks of 32 (GGUF's ``Q8_0``: ``w = d q``, ``d = max|w| / 127`` per block,
     ``q = round(w / d)`` in -127..127): ``(codes (N, K) int8, d (N, K / 32) fp32)``. A block of zeros gets ``d`` 0.
@@ -396,6 +447,14 @@ class NativeDecoder:
     def _buffers(self, cache):
         """The cache's ``(1, Hkv, capacity, D)`` fp32 key and value buffers of every layer, made at the first write."""
         shape = (1, self.kv_heads, cache.capacity, self.head_dim)
+        if all(layer.keys is None for layer in cache.layers):
+            # One store for every layer's keys and values, the layers' tensors views of it: compacting the kept
+            # path (:meth:`medusa.engines.static_cache.SlotCache.keep`) is then one gather and one write in all.
+            store = torch.zeros(len(cache.layers), 2, *shape)
+            for layer, (keys, values) in zip(cache.layers, store, strict=True):
+                layer.keys, layer.values = keys, values
+                layer.is_initialized = True
+            cache.slot_store = store.view(-1, cache.capacity, self.head_dim)  # (layers * 2 * Hkv, capacity, D)
         for layer in cache.layers:
             if layer.keys is None:
                 layer.keys, layer.values = torch.zeros(shape), torch.zeros(shape)

@@ -497,9 +497,12 @@ class QuantizedEngine(StaticEngine):
 
     @property
     def drafter_products_key(self) -> str | None:
-        """``q8_0`` (``q8_0:int8`` with int8 activations) beside the native decoder, whose drafter products are
-        those (:meth:`drafter_product`); else ``None``."""
-        return None if self.kernel == "torch" else "q8_0" + (":int8" if self.kernel == "native-q8" else "")
+        """``q8_0:level`` (``q8_0:int8:level`` with int8 activations) beside the native decoder, whose drafter
+        products are those (:meth:`drafter_product`) and fuse a Hydra head's level into one C call
+        (:meth:`medusa.engines.native.NativeHead.hydra_level`); else ``None``."""
+        if self.kernel == "torch":
+            return None
+        return "q8_0" + (":int8" if self.kernel == "native-q8" else "") + ":level"
 
     def drafter_product(self, weight: torch.Tensor, role: str):
         """Beside the native decoder, every drafter product (the shared projection and the Hydra input layers) on

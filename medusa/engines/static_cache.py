@@ -130,7 +130,13 @@ class SlotCache(Cache):
                                           and bool((keep[1:] > keep[:-1]).all())):
             self.length = prefix_len + len(keep)
             return
-        kv_cache.move_slots(self, keep.to(self._slots.device) + prefix_len, prefix_len)  # (A,) slots kept
+        store = getattr(self, "slot_store", None)  # every layer's keys and values in one tensor (an engine's)
+        first = self.layers[0].keys
+        if store is not None and first is not None and first.data_ptr() == store.data_ptr():
+            kept = keep.to(store.device) + prefix_len  # (A,) slots kept
+            store[:, prefix_len : prefix_len + len(keep)] = store.index_select(1, kept)
+        else:
+            kv_cache.move_slots(self, keep.to(self._slots.device) + prefix_len, prefix_len)  # (A,) slots kept
         self.length = prefix_len + len(keep)
 
     def to_device(self, device) -> None:

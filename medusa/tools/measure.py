@@ -355,14 +355,20 @@ def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
              for k in range(heads.config.num_heads)]
     out = []
     evict = _cache_evictor(parameter.device)
+    fused = getattr(heads, "draft_ranked", None)
+
+    def level(k: int, path: torch.Tensor) -> None:  # as greedy drafting calls it: fused where the heads can
+        if fused is None or fused(k, hidden, path, 10) is None:
+            heads.draft_logits(k, hidden, path).topk(10, dim=-1)
+
     for k, p in enumerate(paths):
-        heads.draft_logits(k, hidden, p).topk(10, dim=-1)  # untimed
+        level(k, p)  # untimed
         times = []
         for _ in range(repeats):
             evict()
             _sync(parameter.device)
             start = time.perf_counter()
-            heads.draft_logits(k, hidden, p).topk(10, dim=-1)
+            level(k, p)
             _sync(parameter.device)
             times.append(time.perf_counter() - start)
         out.append(statistics.median(times))

@@ -171,8 +171,13 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < M * groups; t++) {
         const float *xg = x + t * 32;
+#if defined(__AVX512F__)
+        float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xg)),
+                                                       _mm512_abs_ps(_mm512_loadu_ps(xg + 16))));
+#else
         float top = 0.0f;
         for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(xg[j]));
+#endif
         float scale = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
         int sum = 0;
         for (int j = 0; j < 32; j++) {
@@ -442,6 +447,33 @@ static __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+/* act (M, I) = silu(gate) * up, gu (M, 2 I) = [gate | up], inside a parallel region: the threads share chunks of 16
+ * values of every row (one row is a token: a single-token forward spreads its activation over all threads). With
+ * AVX-512, silu(g) = g * sigmoid(g), the sigmoid from e = exp(-|g|) (exp_nonpositive): 1 / (1 + e) for g >= 0, e / (1 +
+ * e) below; elsewhere g / (1 + expf(-g)). Each value is computed by the same instructions whatever the other rows
+ * are (a row's chunks start at multiples of 16, its tail masked alike). */
+static void silu_gate(const float *gu, int64_t M, int64_t I, float *act) {
+    const int64_t chunks = (I + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M * chunks; t++) {
+        const int64_t i = t / chunks, j0 = (t % chunks) * 16, n = I - j0 < 16 ? I - j0 : 16;
+        const float *g = gu + i * 2 * I + j0, *u = g + I;
+        float *a = act + i * I + j0;
+#if defined(__AVX512F__)
+        const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+        const __m512 one = _mm512_set1_ps(1.0f);
+        __m512 gv = _mm512_maskz_loadu_ps(lanes, g), uv = _mm512_maskz_loadu_ps(lanes, u);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+        __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        __mmask16 negative = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+        __m512 sig = _mm512_mask_mul_ps(r, negative, e, r);
+        _mm512_mask_storeu_ps(a, lanes, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+#else
+        for (int64_t j = 0; j < n; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+#endif
+    }
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
     if (n % 16 == 0) {
@@ -598,12 +630,7 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < M; i++) rms_norm(x + i * H, w->norms[2 * l + 1], H, w->eps, h + i * H);
                 PRODUCT(h, H, 2, 2 * I, gu, 0);
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < M; i++)
-                    for (int64_t j = 0; j < I; j++) {
-                        float g = gu[i * 2 * I + j];
-                        act[i * I + j] = g / (1.0f + expf(-g)) * gu[i * 2 * I + I + j];
-                    }
+                silu_gate(gu, M, I, act);
                 PRODUCT(act, I, 3, H, x, 1); /* x += mlp */
                 if (kept[l] != NULL) {
 #pragma omp for schedule(static)
@@ -619,4 +646,68 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
     }
     free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(xq); free(xs); free(xsum);
     return ok ? 0 : -1;
+}
+
+/* ---- one Hydra head level for P tree nodes in one call (drafting beside the native decoder) ----------------------
+ * Hydra head k (Ankner et al. 2024, section 3) at node p reads [h_p ; n(e(t_p0)) ; ... ; n(e(t_pk))] (T = k + 1
+ * path tokens, n the weightless RMS norm of the base's input embedding row, eps as given), then
+ *   f = h + silu(W_in x + b),  logits = W_proj f  (the head vocabulary's Vh rows),
+ * and each node's top_k head-vocabulary ids by logit with their softmax probabilities, best first (ties: the lower
+ * id first). W_in (H, (T + 1) H) and W_proj (Vh, H) are Q8_0 blocks in the layout of medusa_q8_0_head (fp32
+ * activations) or medusa_q8_0_head_q8 (int8 activations: int8_activations = 1), so the products are those of the
+ * drafter products the heads use otherwise. Draft values only: the verify decides what is emitted.
+ * hidden: (P, H); tokens: (P, T) int64; embed: (V, H) fp32; logits: (P, Vh) out; ids (P, top_k) int64 and probs
+ * (P, top_k) fp32 out. Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t *tokens, int64_t T,
+                       const float *embed, float eps, const void *in_codes, const float *in_d, const float *in_bias,
+                       const void *proj_codes, const float *proj_d, int64_t Vh, int int8_activations,
+                       float *logits, int64_t top_k, int64_t *ids, float *probs, int threads) {
+    const int64_t K = (T + 1) * H;
+    float *x = malloc(sizeof(float) * P * K), *f = malloc(sizeof(float) * P * H);
+    if (!x || !f) { free(x); free(f); return -1; }
+    for (int64_t p = 0; p < P; p++) {
+        float *xp = x + p * K;
+        memcpy(xp, hidden + p * H, sizeof(float) * H);
+        for (int64_t t = 0; t < T; t++) {
+            const float *e = embed + tokens[p * T + t] * H;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < H; j++) sum += e[j] * e[j];
+            float inv = 1.0f / sqrtf(sum / (float)H + eps);
+            for (int64_t j = 0; j < H; j++) xp[(t + 1) * H + j] = e[j] * inv;
+        }
+    }
+    if (int8_activations)
+        medusa_q8_0_head_q8(x, P, K, (const uint8_t *)in_codes, in_d, H, f, threads);
+    else
+        medusa_q8_0_head(x, P, K, (const int8_t *)in_codes, in_d, H, f, threads);
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t j = 0; j < H; j++) {
+            float g = f[p * H + j] + in_bias[j];
+            f[p * H + j] = hidden[p * H + j] + g / (1.0f + expf(-g));
+        }
+    if (int8_activations)
+        medusa_q8_0_head_q8(f, P, H, (const uint8_t *)proj_codes, proj_d, Vh, logits, threads);
+    else
+        medusa_q8_0_head(f, P, H, (const int8_t *)proj_codes, proj_d, Vh, logits, threads);
+    for (int64_t p = 0; p < P; p++) {
+        const float *l = logits + p * Vh;
+        int64_t *best = ids + p * top_k;
+        float *bp = probs + p * top_k;
+        int64_t have = 0;
+        float top = -INFINITY;
+        for (int64_t v = 0; v < Vh; v++) {
+            float value = l[v];
+            if (value > top) top = value;
+            if (have == top_k && !(value > l[best[top_k - 1]])) continue;
+            int64_t i = have < top_k ? have++ : top_k - 1;
+            while (i > 0 && value > l[best[i - 1]]) { best[i] = best[i - 1]; i--; }
+            best[i] = v;
+        }
+        float total = 0.0f;
+        for (int64_t v = 0; v < Vh; v++) total += expf(l[v] - top);
+        for (int64_t i = 0; i < have; i++) bp[i] = expf(l[best[i]] - top) / total;
+        for (int64_t i = have; i < top_k; i++) { best[i] = 0; bp[i] = 0.0f; }
+    }
+    free(x); free(f);
+    return 0;
 }
