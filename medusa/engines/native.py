@@ -7,12 +7,13 @@ docs/quantized.md). llama.cpp does the whole token in 11 ms. This decoder runs e
 norms, rotary, cache writes and attention run beside them in the same OpenMP region, so a token costs one call
 from Python.
 
-Numbers: activations stay fp32 and a weight is ``q * d + m`` in fp32 (GGUF Q4_1's own formula, from the same codes
-the torch path packs), so the decoder computes the prepared fp32 model up to summation order and the rounding of
-the zero point, where torch's kernel rounds activations, scales and zeros to bfloat16. With ``int8_activations``
-(the ``native-q8`` kernel) each product's input is rounded to int8 in blocks of 32, as llama.cpp does, and the
-products run on AVX-512 VNNI (:class:`NativeCodesQ8`): lossy in the activations, about 3x cheaper. The lm_head can
-come from the GGUF's own Q8_0 blocks (:class:`NativeHead`).
+Numbers: activations stay fp32 and a weight is ``q * d + m`` in fp32 (GGUF Q4_1's own formula, from the same codes the
+torch path packs), so the decoder computes the prepared fp32 model up to summation order, the rounding of the zero
+point and the MLP's SiLU (with AVX-512, its exponential a polynomial within about 2e-7 relative), where torch's kernel
+rounds activations, scales and zeros to bfloat16. With ``int8_activations`` (the ``native-q8`` kernel) each product's
+input is rounded to int8 in blocks of 32, as llama.cpp does, and the products run on AVX-512 VNNI
+(:class:`NativeCodesQ8`): lossy in the activations, about 3x cheaper. The lm_head can come from the GGUF's own Q8_0
+blocks (:class:`NativeHead`).
 
 Exactness: every value of a row is computed by the same instructions in the same order whatever the step's other
 rows are (see the C file's header), and each row attends to exactly the keys it may see in slot order. So greedy
