@@ -192,6 +192,9 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
             medusa.heads.__dict__["_products"]["input0"][1].__self__.hydra_level(
                 heads.inputs[0].bias, medusa.heads.__dict__["_products"]["projection"][1].__self__,
                 heads.embed_weight, 1e-6, hidden, torch.zeros(3, 2, dtype=torch.long), 4)  # head 0 reads 1 token
+        with pytest.raises(ValueError, match="not an id of the"):
+            heads.draft_ranked(0, hidden, torch.full((3, 1), heads.config.vocab_size), 4)
+        assert heads.draft_ranked(0, hidden[0], torch.zeros(0, 1, dtype=torch.long), 4)[1].shape == (0, 4)
     from medusa.drafters.heads import MedusaHeadsConfig, build_heads
 
     weight = model.get_output_embeddings().weight.detach()

@@ -147,7 +147,8 @@ def _library():
     lib.medusa_q8_0_head_q8.argtypes = lib.medusa_q8_0_head.argtypes
     lib.medusa_hydra_level.restype = ctypes.c_int
     lib.medusa_hydra_level.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                       ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int]
@@ -313,7 +314,8 @@ class NativeHead:
             ``(logits (P, Vh), ids (P, top_k) long, probs (P, top_k))``, best first.
 
         Raises:
-            ValueError: shapes that do not fit, or ``projection`` rounds activations otherwise.
+            ValueError: shapes that do not fit, ``projection`` rounds activations otherwise, or a path token that is
+                not an embedding row.
             MemoryError: the C side could not allocate its scratch.
         """
         x = hidden.float().contiguous()
@@ -329,11 +331,16 @@ class NativeHead:
         logits = torch.empty(count, projection.vocab)
         ids = torch.empty(count, top_k, dtype=torch.int64)
         probs = torch.empty(count, top_k)
+        if count == 0:
+            return logits, ids, probs
         done = self.lib.medusa_hydra_level(
-            x.data_ptr(), count, size, tokens.data_ptr(), tokens.shape[1], embed.data_ptr(), eps,
+            x.data_ptr(), count, size, tokens.data_ptr(), tokens.shape[1], embed.data_ptr(), embed.shape[0], eps,
             self.codes.data_ptr(), self.d.data_ptr(), bias.data_ptr(), projection.codes.data_ptr(),
             projection.d.data_ptr(), projection.vocab, int(self.int8_activations), logits.data_ptr(), top_k,
             ids.data_ptr(), probs.data_ptr(), torch.get_num_threads())
+        if done == -2:
+            raise ValueError(f"a path token is not an id of the {embed.shape[0]}-row embedding table: "
+                             f"{tokens.min().item()}..{tokens.max().item()}")
         if done != 0:
             raise MemoryError("the native Hydra level could not allocate its scratch memory")
         return logits, ids, probs

@@ -657,12 +657,15 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
  * activations) or medusa_q8_0_head_q8 (int8 activations: int8_activations = 1), so the products are those of the
  * drafter products the heads use otherwise. Draft values only: the verify decides what is emitted.
  * hidden: (P, H); tokens: (P, T) int64; embed: (V, H) fp32; logits: (P, Vh) out; ids (P, top_k) int64 and probs
- * (P, top_k) fp32 out. Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+ * (P, top_k) fp32 out; V: the embedding table's rows. Returns 0; -1 when scratch memory could not be allocated; -2
+ * when a path token is not an embedding row (nothing written then). */
 int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t *tokens, int64_t T,
-                       const float *embed, float eps, const void *in_codes, const float *in_d, const float *in_bias,
-                       const void *proj_codes, const float *proj_d, int64_t Vh, int int8_activations,
-                       float *logits, int64_t top_k, int64_t *ids, float *probs, int threads) {
+                       const float *embed, int64_t V, float eps, const void *in_codes, const float *in_d,
+                       const float *in_bias, const void *proj_codes, const float *proj_d, int64_t Vh,
+                       int int8_activations, float *logits, int64_t top_k, int64_t *ids, float *probs, int threads) {
     const int64_t K = (T + 1) * H;
+    for (int64_t i = 0; i < P * T; i++)
+        if (tokens[i] < 0 || tokens[i] >= V) return -2;
     float *x = malloc(sizeof(float) * P * K), *f = malloc(sizeof(float) * P * H);
     if (!x || !f) { free(x); free(f); return -1; }
     for (int64_t p = 0; p < P; p++) {
