@@ -40,6 +40,8 @@ def build(source: str, folder: Path, name: str):
     for fn in ("medusa_q4_forward", "medusa_q8_0_head_q8"):
         getattr(lib, fn).restype = getattr(reference, fn).restype
         getattr(lib, fn).argtypes = getattr(reference, fn).argtypes
+        if f"void {fn}(" in source:  # an earlier build whose lm_head returned nothing
+            getattr(lib, fn).restype = None
     return lib
 
 
@@ -73,7 +75,7 @@ def main() -> None:
                 times, outs = {k: [] for k in libs}, {}
                 for _ in range(args.rounds):
                     for name, lib in libs.items():
-                        head._call = lib.medusa_q8_0_head_q8
+                        head._call = lambda *a, f=lib.medusa_q8_0_head_q8: f(*a) or 0  # void: 0
                         float(flush.sum())
                         start = time.perf_counter()
                         outs[name] = head.logits(x)

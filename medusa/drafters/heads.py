@@ -489,7 +489,8 @@ class HydraHeads(_HeadsBase):
         rows = hidden.expand(len(path_tokens), -1)  # (P, H)
         weight, shared, bias = self.inputs[k].weight, self.shared_weight_t, self.inputs[k].bias
         key = (weight.data_ptr(), weight._version, shared.data_ptr(), shared._version, self.drafter_products,
-               None if bias is None else (bias.data_ptr(), bias._version))
+               None if bias is None else (bias.data_ptr(), bias._version), self.embed_weight.data_ptr(),
+               self.embed_weight._version, len(self.blocks[k]))
         made = self.__dict__.setdefault("_fused_levels", {})  # k -> (key, the level's call or None), resolved once
         if k not in made or made[k][0] != key:
             level = projection = None

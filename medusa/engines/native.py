@@ -140,10 +140,10 @@ def _library():
     lib.medusa_q8_supported.restype = ctypes.c_int
     lib.medusa_q8_product.restype = None
     lib.medusa_q8_product.argtypes = lib.medusa_q4_product.argtypes
-    lib.medusa_q8_0_head.restype = None
+    lib.medusa_q8_0_head.restype = ctypes.c_int
     lib.medusa_q8_0_head.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.medusa_q8_0_head_q8.restype = None
+    lib.medusa_q8_0_head_q8.restype = ctypes.c_int
     lib.medusa_q8_0_head_q8.argtypes = lib.medusa_q8_0_head.argtypes
     lib.medusa_hydra_level.restype = ctypes.c_int
     lib.medusa_hydra_level.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -290,8 +290,9 @@ class NativeHead:
         """``(M, K)`` hidden states -> ``(M, V)`` fp32 logits; each row's bits do not depend on the others."""
         x = hidden.float().contiguous()
         y = torch.empty(x.shape[0], self.vocab)
-        self._call(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(), self.vocab,
-                   y.data_ptr(), torch.get_num_threads())
+        if self._call(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(), self.vocab,
+                      y.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError("the native lm_head could not allocate its scratch memory")
         return y
 
 
@@ -341,6 +342,8 @@ class NativeHead:
         if done == -2:
             raise ValueError(f"a path token is not an id of the {embed.shape[0]}-row embedding table: "
                              f"{tokens.min().item()}..{tokens.max().item()}")
+        if done == -3:
+            raise ValueError(f"top_k must be in 1..{projection.vocab}, got {top_k}")
         if done != 0:
             raise MemoryError("the native Hydra level could not allocate its scratch memory")
         return logits, ids, probs

@@ -331,8 +331,8 @@ static inline __attribute__((always_inline)) void head_channel(const float *x, i
 /* ---- the lm_head from a GGUF's Q8_0 blocks, fp32 activations: y (M, V) = x (M, K) W^T, W = d q ------------------
  * codes (V, K) int8, d (V, K / 32) fp32; each channel's weights unpacked once for up to four rows, each (row,
  * channel) summed in the same order whatever the rows are. */
-void medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t V,
-                      float *y, int threads) {
+int medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t V,
+                     float *y, int threads) {
     const int64_t groups = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < V; n++) {
@@ -349,6 +349,7 @@ void medusa_q8_0_head(const float *x, int64_t M, int64_t K, const int8_t *codes,
             }
         }
     }
+    return 0;
 }
 
 /* ---- the Q8_0 lm_head with int8 activations (kernel "native-q8"), VNNI: W = d q, q int8 stored as q + 128 (u8) ----
@@ -398,8 +399,9 @@ static inline __attribute__((always_inline)) void q8_0_head_block(const int8_t *
         for (int l = 0; l < 16; l++) y[(r0 + i) * V + n + l] = out[i][l];
 }
 
-void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t V,
-                         float *y, int threads) {
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing written to y then). */
+int medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t V,
+                        float *y, int threads) {
     const int64_t groups = K / 32;
     int8_t *xq = malloc((size_t)M * K);
     float *s = malloc(sizeof(float) * M * groups), *ssum = malloc(sizeof(float) * M * groups);
@@ -422,7 +424,9 @@ void medusa_q8_0_head_q8(const float *x, int64_t M, int64_t K, const uint8_t *co
             }
         }
     }
+    int ok = xq && s && ssum;
     free(xq); free(s); free(ssum);
+    return ok ? 0 : -1;
 }
 
 #if defined(__AVX512F__)
@@ -657,13 +661,15 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
  * activations) or medusa_q8_0_head_q8 (int8 activations: int8_activations = 1), so the products are those of the
  * drafter products the heads use otherwise. Draft values only: the verify decides what is emitted.
  * hidden: (P, H); tokens: (P, T) int64; embed: (V, H) fp32; logits: (P, Vh) out; ids (P, top_k) int64 and probs
- * (P, top_k) fp32 out; V: the embedding table's rows. Returns 0; -1 when scratch memory could not be allocated; -2
- * when a path token is not an embedding row (nothing written then). */
+ * (P, top_k) fp32 out; V: the embedding table's rows. Returns 0; -1 when scratch memory could not be allocated
+ * (outputs then undefined); -2 when a path token is not an embedding row, -3 when top_k is not in 1..Vh (nothing
+ * written then). */
 int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t *tokens, int64_t T,
                        const float *embed, int64_t V, float eps, const void *in_codes, const float *in_d,
                        const float *in_bias, const void *proj_codes, const float *proj_d, int64_t Vh,
                        int int8_activations, float *logits, int64_t top_k, int64_t *ids, float *probs, int threads) {
     const int64_t K = (T + 1) * H;
+    if (top_k < 1 || top_k > Vh) return -3;
     for (int64_t i = 0; i < P * T; i++)
         if (tokens[i] < 0 || tokens[i] >= V) return -2;
     float *x = malloc(sizeof(float) * P * K), *f = malloc(sizeof(float) * P * H);
@@ -679,19 +685,17 @@ int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t 
             for (int64_t j = 0; j < H; j++) xp[(t + 1) * H + j] = e[j] * inv;
         }
     }
-    if (int8_activations)
-        medusa_q8_0_head_q8(x, P, K, (const uint8_t *)in_codes, in_d, H, f, threads);
-    else
-        medusa_q8_0_head(x, P, K, (const int8_t *)in_codes, in_d, H, f, threads);
+    int failed = int8_activations ? medusa_q8_0_head_q8(x, P, K, (const uint8_t *)in_codes, in_d, H, f, threads)
+                                  : medusa_q8_0_head(x, P, K, (const int8_t *)in_codes, in_d, H, f, threads);
+    if (failed) { free(x); free(f); return -1; }
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < H; j++) {
             float g = f[p * H + j] + in_bias[j];
             f[p * H + j] = hidden[p * H + j] + g / (1.0f + expf(-g));
         }
-    if (int8_activations)
-        medusa_q8_0_head_q8(f, P, H, (const uint8_t *)proj_codes, proj_d, Vh, logits, threads);
-    else
-        medusa_q8_0_head(f, P, H, (const int8_t *)proj_codes, proj_d, Vh, logits, threads);
+    failed = int8_activations ? medusa_q8_0_head_q8(f, P, H, (const uint8_t *)proj_codes, proj_d, Vh, logits, threads)
+                              : medusa_q8_0_head(f, P, H, (const int8_t *)proj_codes, proj_d, Vh, logits, threads);
+    if (failed) { free(x); free(f); return -1; }
     for (int64_t p = 0; p < P; p++) {
         const float *l = logits + p * Vh;
         int64_t *best = ids + p * top_k;
