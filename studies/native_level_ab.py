@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--kernel", default="native-q8", choices=["native", "native-q8"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--against", default="unfused", choices=["unfused", "no-level-learning"],
+                        help="the second Medusa decoder: drafting unfused, or fused without learning the head calls' "
+                             "cost from their wall time (PerStepDrafter.level_learned_s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from peer_bench import default_gguf
@@ -54,10 +57,13 @@ def main() -> None:
                "int4_kernel": args.kernel, "quantized_lm_head": "gguf", "threads": args.threads}
     models = {"plain": build_model(DecodeConfig(base=args.base, drafter="none", **options)),
               "fused": build_model(DecodeConfig(base=args.base, heads=args.heads, **options)),
-              "unfused": build_model(DecodeConfig(base=args.base, heads=args.heads, **options))}
-    for module in models["unfused"].modules():
-        if isinstance(module, HydraHeads):
-            module.draft_ranked = lambda *a, **k: None  # this instance drafts with the two products, as before
+              args.against: build_model(DecodeConfig(base=args.base, heads=args.heads, **options))}
+    if args.against == "unfused":
+        for module in models["unfused"].modules():
+            if isinstance(module, HydraHeads):
+                module.draft_ranked = lambda *a, **k: None  # this instance drafts with the two products, as before
+    else:
+        models[args.against].drafter._learn_level = lambda depth, seconds: None  # the profile's figures only
 
     def run(name: str, ids: torch.Tensor):
         start = time.perf_counter()
@@ -83,7 +89,7 @@ def main() -> None:
             t["nodes"] += stats.tree_nodes
             for part, s in stats.step_s.items():
                 t["parts"][part] = t["parts"].get(part, 0.0) + s
-        identical += outs["plain"] == outs["fused"] == outs["unfused"]
+        identical += outs["plain"] == outs["fused"] == outs[args.against]
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     print(f"# {args.kernel}, {len(prompts)} prompts of {Path(args.prompts).name}, {args.threads} threads\n")
     print("| decoder | tok/s | vs plain | tau | " + " | ".join(f"{p} ms" for p in totals["plain"]["parts"])

@@ -151,11 +151,14 @@ class StepCost:
         bucket."""
         return self.forward((n if smooth else self.bucket(n)) * batch) + self.node_s * n * batch
 
-    def charging_nodes(self, node_s: float) -> StepCost:
+    def charging_nodes(self, node_s: float, level_s: list[float] | None = None) -> StepCost:
         """These costs with ``node_s`` seconds more per node of each row in every verify (the step's work outside
-        the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`)."""
+        the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`), and the
+        head calls at ``level_s`` by depth where given (:attr:`PerStepDrafter.level_learned_s`)."""
         charged = copy.copy(self)  # shares the measured curve
         charged.node_s = node_s
+        if level_s is not None:
+            charged.level_s = list(level_s)
         return charged
 
     def level(self, depth: int, batch: int = 1) -> float:
@@ -296,6 +299,11 @@ class PerStepDrafter:
         other requests' prefill), and used for greedy trees, batched ones too; sampled decoding leaves it out, so
         that its trees, and the random numbers they draw, do not depend on timing."""
         self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
+        self.level_learned_s: list[float] | None = None
+        """Seconds of a head call by depth as one sequence's greedy steps measured them, never above the cost
+        model's figure (the profile times a call with its weights flushed from the caches, which can overstate what
+        a call right after a forward pays); used, as :attr:`node_overhead_s`, for greedy trees only."""
+        self._level_sums: list[list[float]] = []  # per depth: decayed (seconds, calls), the model's figure a prior
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
         self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
@@ -392,7 +400,7 @@ class PerStepDrafter:
         timed = greedy and batch == 1  # a batch's rounds also run other requests' prefill: not a step's time alone
         if timed:
             self._time_last_step(states[0], start)
-        cost = self.cost.charging_nodes(self.node_overhead_s) if greedy else self.cost
+        cost = self.cost.charging_nodes(self.node_overhead_s, self.level_learned_s) if greedy else self.cost
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
@@ -440,7 +448,10 @@ class PerStepDrafter:
                     heads_start = time.perf_counter()
                     level = self._draft_level(depth, states, tree, chosen, samplers, acceptance, inner_edges, vocab,
                                               together=greedy and self._rows_together)
-                    in_heads += time.perf_counter() - heads_start
+                    spent = time.perf_counter() - heads_start
+                    in_heads += spent
+                    if timed:
+                        self._learn_level(depth, spent)
                     levels.append(level)
                     for slot, node in enumerate(chosen):
                         for rank in range(len(level.child_values[0][slot])):
@@ -552,6 +563,21 @@ class PerStepDrafter:
                 return logits, ids, None, probs
         logits = self.heads.draft_logits(depth, hidden, path_tokens)  # (P, Vh)
         return (logits, *sampler.draw_ranked(logits, self.top_k))
+
+    def _learn_level(self, depth: int, seconds: float) -> None:
+        """Fold one greedy single-sequence head call's wall time at ``depth`` into :attr:`level_learned_s`: a
+        decayed mean with the cost model's figure as a prior of one call, kept at or below that figure; a call
+        over three times the figure (a first call making its products, a pause) is skipped."""
+        model = self.cost.level_s
+        if not self._level_sums:
+            self._level_sums = [[s, 1.0] for s in model]
+        prior = model[min(depth, len(model) - 1)]
+        if depth >= len(self._level_sums) or seconds > 3 * prior:
+            return
+        sums = self._level_sums[depth]
+        sums[0] = OVERHEAD_DECAY * sums[0] + seconds
+        sums[1] = OVERHEAD_DECAY * sums[1] + 1.0
+        self.level_learned_s = [min(a / b, s) for (a, b), s in zip(self._level_sums, model, strict=True)]
 
     def _time_last_step(self, state: PerStepState, now: float) -> None:
         """Fold the last timed step of ``state``'s rows (from its tree's proposal to ``now``, the next one's) into

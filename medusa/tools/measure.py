@@ -136,15 +136,24 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+ROUNDS_BUDGET_S = 4.0
+"""Seconds of timed forwards after which :func:`time_forwards` stops adding rounds beyond its ``repeats``."""
+MAX_ROUNDS = 30
+"""Most timed rounds :func:`time_forwards` runs."""
+
+
 def _best(values: list[float]) -> float:
     return min(values)
 
 
 @torch.inference_mode()
-def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefix_len: int = PREFIX_LEN
-                  ) -> dict[int, float]:
+def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefix_len: int = PREFIX_LEN,
+                  budget_s: float = ROUNDS_BUDGET_S) -> dict[int, float]:
     """Seconds of one forward over n new tokens after ``prefix_len`` cached ones, through ``engine``, for each n in
-    ``sizes``: the fastest of ``repeats`` rounds interleaved across sizes, after one untimed round. The lm_head is
+    ``sizes``: the fastest of ``repeats`` rounds interleaved across sizes, after one untimed round, and of more rounds
+    while the timed ones took under ``budget_s`` in all (at most :data:`MAX_ROUNDS`): a fast engine's curve from
+    three rounds moved 10-25% at 4-8 tokens between two profiles of the same build, and the per-step tree's size
+    follows it (docs/quantized.md, "Third pass"). The lm_head is
     applied as decoding applies it on that engine (:attr:`medusa.engines.Engine.scores_all_nodes`): to all n rows, or
     to one (the walk along the accepted path asks for about tau rows, one at a time)."""
     device, vocab = model.device, model.config.get_text_config(decoder=True).vocab_size
@@ -156,7 +165,8 @@ def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefi
                    logits_for=slice(-1, None))
     rows = None if engine.scores_all_nodes else slice(-1, None)
     engine.warm_up(list(sizes), prefix_len + max(sizes))
-    for round_ in range(repeats + 1):
+    spent, round_ = 0.0, 0
+    while round_ <= repeats or (spent < budget_s and round_ <= MAX_ROUNDS):
         for n in sizes:
             ids = torch.randint(0, vocab, (n,), generator=generator).to(device)
             positions = prefix_len + torch.arange(n, device=device)
@@ -167,7 +177,9 @@ def time_forwards(engine, model, sizes=STEP_SIZES, repeats: int = REPEATS, prefi
             _sync(device)
             if round_:
                 times[n].append(time.perf_counter() - start)
+                spent += times[n][-1]
             engine.keep_positions(cache, prefix_len, torch.empty(0, dtype=torch.long, device=device))
+        round_ += 1
     return {n: _best(t) for n, t in times.items()}
 
 
