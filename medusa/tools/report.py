@@ -224,6 +224,10 @@ def profile_table(profile: dict, path: str | None = None, choices: dict[int, str
         if split:
             lines.append(f"{'':8}  one token: {1e3 * split['products_s']:.1f} ms in matrix products, "
                          f"{1e3 * split['outside_s']:.1f} ms outside them")
+            whole, one = split["products_s"] + split["outside_s"], curve.get(1)
+            if one and whole > 1.5 * one:  # timed apart from the curve: a busy machine, or the profiler's own cost
+                lines.append(f"{'':8}  (the split's forward took {1e3 * whole:.1f} ms against {1e3 * one:.1f} ms in "
+                             "the curve: it was timed on a busy machine; measure again when the machine is idle)")
         for batch, by_n in (entry.get("batch_forward_s") or {}).items():
             text = ", ".join(f"n={k} {1e3 * v:.1f} ms" for k, v in by_n.items())
             lines.append(f"{'':8}  batch {batch}: {text}")
