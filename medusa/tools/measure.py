@@ -355,7 +355,10 @@ def time_heads_levels(heads, rows: int = 4, repeats: int = 20) -> list[float]:
     (head k drafts depth k + 1): the median of ``repeats`` calls, each timed alone; on a CPU after the caches were
     flushed (:func:`_cache_evictor`): decoding calls the heads right after a base forward has streamed the base's
     weights through them, and a call timed with its weights cached ran two to three times faster than in decoding
-    (0.20-0.22 ms against 0.45-0.74 ms a level for SmolLM2's Hydra heads beside the native int4 decoder)."""
+    (0.20-0.22 ms against 0.45-0.74 ms a level for SmolLM2's Hydra heads beside the native int4 decoder). A level
+    is timed as greedy drafting calls it: fused into one call where the heads offer it
+    (:meth:`medusa.drafters.heads.HydraHeads.draft_ranked`). Greedy trees then learn what decoding's own calls take
+    (:attr:`medusa.drafters.per_step.PerStepDrafter.level_learned_s`, never above this figure)."""
     parameter = next(heads.parameters())
     # The drafting input, as decoding makes it: the heads' context fed a few positions of base states (the last
     # hidden state, then the layers a feature drafter reads).
