@@ -39,9 +39,9 @@ def main() -> None:
     parser.add_argument("--kernel", default="native-q8", choices=["native", "native-q8"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--against", default="unfused", choices=["unfused", "no-level-learning"],
-                        help="the second Medusa decoder: drafting unfused, or fused without learning the head calls' "
-                             "cost from their wall time (PerStepDrafter.level_learned_s)")
+    parser.add_argument("--against", default="unfused", choices=["unfused", "level-learning"],
+                        help="the second Medusa decoder: drafting unfused, or fused and learning the head calls' cost "
+                             "from their wall time (PerStepDrafter(learn_level_cost=True))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from peer_bench import default_gguf
@@ -63,7 +63,7 @@ def main() -> None:
             if isinstance(module, HydraHeads):
                 module.draft_ranked = lambda *a, **k: None  # this instance drafts with the two products, as before
     else:
-        models[args.against].drafter._learn_level = lambda depth, seconds: None  # the profile's figures only
+        models[args.against].drafter.learn_level_cost = True  # off by default
 
     def run(name: str, ids: torch.Tensor):
         start = time.perf_counter()

@@ -456,7 +456,6 @@ def test_a_sequences_seen_acceptance_shrinks_trees_whose_drafts_the_base_rejects
     heads = NeverRight(random_heads(model, head_type="hydra"), reference)
     drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0,
                              learn_acceptance=learn)
-    drafter._learn_level = lambda depth, seconds: None  # the modeled head calls, not this machine's (tested below)
     out, stats = decode(model, drafter, ids, 40)
     assert out == reference and stats.tau == 1.0
     late = stats.tree_nodes[len(stats.tree_nodes) // 2:]
@@ -467,9 +466,9 @@ def test_a_sequences_seen_acceptance_shrinks_trees_whose_drafts_the_base_rejects
 
 
 def test_greedy_trees_learn_a_head_calls_cost_from_its_wall_time_never_above_the_model():
-    """Head calls measured cheaper than the profile's figure lower the cost greedy trees charge (a decayed mean, the
-    figure a prior of one call); a call over three times the figure is skipped, and the learned cost never rises
-    above the figure. Sampled trees keep the model's figures."""
+    """With ``learn_level_cost`` (off by default), head calls measured cheaper than the profile's figure lower the
+    cost greedy trees charge (a decayed mean, the figure a prior of one call); a call over three times the figure is
+    skipped, and the learned cost never rises above the figure. Sampled trees keep the model's figures."""
     model = tiny_model("llama")
     heads = random_heads(model, head_type="hydra")
     drafter = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0)
@@ -486,7 +485,11 @@ def test_greedy_trees_learn_a_head_calls_cost_from_its_wall_time_never_above_the
     assert charged.level(1) == learned[1] and drafter.cost.level(1) == HEAD_CALL  # the model itself unchanged
     # A greedy decode learns from its own calls; the tokens stay the base's.
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
-    fresh = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0)
+    off = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0)
+    decode(model, off, ids, 12)
+    assert off.level_learned_s is None  # off by default
+    fresh = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3), lookup_length=0,
+                           learn_level_cost=True)
     out, _ = decode(model, fresh, ids, 12)
     assert out == hf_greedy(model, ids, 12) and fresh.level_learned_s is not None  # a tiny head: well under 2 ms
     assert all(v <= HEAD_CALL for v in fresh.level_learned_s) and min(fresh.level_learned_s) < HEAD_CALL

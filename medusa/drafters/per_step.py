@@ -264,6 +264,8 @@ class PerStepDrafter:
         max_nodes: most nodes of a tree, root included.
         top_k: most candidates per parent (at most the calibration's ``top_k``).
         max_parents: most nodes drafted from at one depth.
+        learn_level_cost: greedy trees charge a head call what this drafter's own calls took
+            (:attr:`level_learned_s`); off by default.
 
     Raises:
         medusa.drafters.calibration.CalibrationMismatchError: the calibration is for other heads.
@@ -275,7 +277,7 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step", learn_acceptance: bool = True):
+                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -299,10 +301,13 @@ class PerStepDrafter:
         other requests' prefill), and used for greedy trees, batched ones too; sampled decoding leaves it out, so
         that its trees, and the random numbers they draw, do not depend on timing."""
         self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
+        self.learn_level_cost = learn_level_cost
         self.level_learned_s: list[float] | None = None
-        """Seconds of a head call by depth as one sequence's greedy steps measured them, never above the cost
-        model's figure (the profile times a call with its weights flushed from the caches, which can overstate what
-        a call right after a forward pays); used, as :attr:`node_overhead_s`, for greedy trees only."""
+        """With ``learn_level_cost``: seconds of a head call by depth as one sequence's greedy steps measured them,
+        never above the cost model's figure (the profile times a call with its weights flushed from the caches,
+        which can overstate what a call right after a forward pays); used, as :attr:`node_overhead_s`, for greedy
+        trees only. Off by default: a load run with it on was slower at 1 and 64 clients (docs/serve.md, run 9),
+        not yet separated from the machine's own drift."""
         self._level_sums: list[list[float]] = []  # per depth: decayed (seconds, calls), the model's figure a prior
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
@@ -450,7 +455,7 @@ class PerStepDrafter:
                                               together=greedy and self._rows_together)
                     spent = time.perf_counter() - heads_start
                     in_heads += spent
-                    if timed:
+                    if timed and self.learn_level_cost:
                         self._learn_level(depth, spent)
                     levels.append(level)
                     for slot, node in enumerate(chosen):
