@@ -364,3 +364,34 @@ def test_release_dense_through_the_builder_and_the_cli(base_dir, capsys):
     assert "--release-dense" not in capsys.readouterr().err
     assert main([*argv, "--release-dense"]) == 2
     assert "pass --quantize int4 or int8 too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native", "native-q8"])
+def test_a_prompt_prefilled_in_chunks_and_path_scoring_go_through_the_quantized_lm_head(kernel):
+    """A forward that scores no row (every prefill chunk before the last, as ``medusa serve`` runs a long prompt; the
+    path-only verify) returns ``(0, V)`` logits through the engine's own lm_head, not an error; the chunked prompt
+    gives the first token of the prompt prefilled at once, and path scoring the tokens of scoring every node."""
+    from medusa.decode.loop import RunningBatch
+    from medusa.drafters.composite import tree_drafter
+    from medusa.engines import native
+
+    if kernel != "torch" and native.native_unavailable() is not None:
+        pytest.skip(native.native_unavailable())
+    model = tiny_model("llama")
+    engine = engines.make_engine("int4", model, kernel=kernel, lm_head="bf16")
+    hidden = torch.randn(3, 0, model.config.hidden_size)[0]  # (0, H)
+    assert engine.lm_logits_rows(hidden).shape == (0, model.config.vocab_size)
+    heads = random_heads(model)
+    firsts = []
+    for chunk in (20, 7):
+        batch = RunningBatch(model, tree_drafter(heads, Tree.chain(0)), engine)
+        joining = batch.begin("a", IDS, 8)
+        steps = [batch.prefill(joining, chunk) for _ in range(-(-len(IDS) // chunk))]
+        assert steps[:-1] == [None] * (len(steps) - 1)
+        firsts.append(steps[-1].tokens)
+    assert firsts[0] == firsts[1]
+    medusa = MedusaModel(model, heads, engine="int4", kernel=kernel, lm_head="bf16")
+    tree = Tree.from_paths([[0], [0, 0], [1]])
+    every = medusa.generate(IDS, 16, tree=tree, stop_token_ids=set(), do_sample=False)[0]
+    medusa.engine.scores_all_nodes = False
+    assert medusa.generate(IDS, 16, tree=tree, stop_token_ids=set(), do_sample=False)[0] == every

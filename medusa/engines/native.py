@@ -290,6 +290,8 @@ class NativeHead:
         """``(M, K)`` hidden states -> ``(M, V)`` fp32 logits; each row's bits do not depend on the others."""
         x = hidden.float().contiguous()
         y = torch.empty(x.shape[0], self.vocab)
+        if not len(x):  # a forward that scores no row (a prefill chunk before the last)
+            return y
         if self._call(x.data_ptr(), x.shape[0], self.hidden, self.codes.data_ptr(), self.d.data_ptr(), self.vocab,
                       y.data_ptr(), torch.get_num_threads()) != 0:
             raise MemoryError("the native lm_head could not allocate its scratch memory")

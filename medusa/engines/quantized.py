@@ -557,10 +557,10 @@ class QuantizedEngine(StaticEngine):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gguf_head is not None:
             rows = self.gguf_head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (M, V)
-            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], -1))
+            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], rows.shape[-1]))  # M may be 0
         if self.checked_head is not None:
             rows = self.checked_head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (M, V)
-            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], -1))
+            return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], rows.shape[-1]))
         if self.quantized.lm_head is None:
             return super().lm_logits(hidden)
         return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
