@@ -192,8 +192,27 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* One group of 32 int8 activations against 16 channels' codes (eight vectors, four features each): 16 int32 sums. */
+/* acc + w . (the 4 bytes at x, broadcast to every 32-bit lane): vpdpbusd with its broadcast folded into the memory
+ * operand (compilers emit a separate vpbroadcastd for the intrinsic, one more instruction per product). */
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* One group of 32 int8 activations against 16 channels' codes (eight vectors, four features each): 16 int32 sums.
+ * Two accumulators, so that the eight products form two dependency chains of four (integer sums: the same bits). */
 static inline __m512i group_dot(const __m512i w[8], const int8_t *xg) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        a0 = dpbusd_broadcast(a0, w[j], xg + 4 * j);
+        a1 = dpbusd_broadcast(a1, w[j + 1], xg + 4 * j + 4);
+    }
+    return _mm512_add_epi32(a0, a1);
+}
+
+/* group_dot as one chain of intrinsics: the lm_head's blocks of up to eight rows (above four rows, the two chains
+ * and the folded broadcasts measured slower there: registers run short). The same integer sums. */
+static inline __m512i group_dot_chain(const __m512i w[8], const int8_t *xg) {
     __m512i iacc = _mm512_setzero_si512();
     for (int j = 0; j < 8; j++) {
         int32_t quad;
@@ -371,7 +390,7 @@ static inline __attribute__((always_inline)) void q8_0_head_block(const int8_t *
         for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
         __m512 dv = _mm512_loadu_ps(db + g * 16);
         for (int i = 0; i < rows; i++) {
-            __m512i iacc = group_dot(w, xq + (r0 + i) * K + g * 32);
+            __m512i iacc = group_dot_chain(w, xq + (r0 + i) * K + g * 32);
             int64_t t = (r0 + i) * groups + g;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_mul_ps(dv, _mm512_set1_ps(s[t])), acc[i]);
             acc[i] = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.0f * ssum[t]), acc[i]);
@@ -491,6 +510,84 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+#if defined(__AVX512F__)
+/* Lane t of the result: the sum of the 16 lanes of a[t], in the same order for every t (pairs of lanes two apart,
+ * then neighbours, then the four 128-bit quarters as (0 + 1) + (2 + 3)): sixteen dot products' last step in 45
+ * instructions instead of a horizontal sum each. */
+static inline __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+/* One (row, query head) of the attention, head size 16 dv (dv a compile-time constant where inlined below): the
+ * query q against the visible slots (the first `length`, then the row's own `own` slots length + index[j]) of the
+ * key and value rows kb, vb, into o (16 dv values). Scores 16 slots at a time (each a product of 16 dv terms, then
+ * sum_lanes16), the softmax over 16-slot blocks, the weighted values in two accumulators (even and odd slots). Every
+ * step is blocked by slot number, never by the rows of the forward, so a row's bits do not depend on the others. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *kb, const float *vb,
+                                                         int64_t length, const int32_t *index, int64_t own,
+                                                         float scaling, float *mine, float *o, const int dv) {
+    const int64_t D = 16 * dv, seen = length + own;
+    __m512 qv[8], topv = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < dv; j++) qv[j] = _mm512_loadu_ps(q + 16 * j);
+    for (int64_t s0 = 0; s0 < seen; s0 += 16) {
+        const int n = seen - s0 >= 16 ? 16 : (int)(seen - s0);
+        const __mmask16 lanes = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+        __m512 acc[16];
+        for (int t = 0; t < 16; t++) {
+            if (t >= n) {
+                acc[t] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t slot = s0 + t < length ? s0 + t : length + index[s0 + t - length];
+            const float *k = kb + slot * D;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int j = 1; j < dv; j++) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), a);
+            acc[t] = a;
+        }
+        const __m512 scores = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scaling));
+        _mm512_mask_storeu_ps(mine + s0, lanes, scores);
+        topv = _mm512_mask_max_ps(topv, lanes, topv, scores);
+    }
+    const __m512 top16 = _mm512_set1_ps(_mm512_reduce_max_ps(topv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < seen; s0 += 16) {
+        const __mmask16 lanes = seen - s0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s0)) - 1u);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, mine + s0), top16));
+        e = _mm512_maskz_mov_ps(lanes, e);
+        _mm512_mask_storeu_ps(mine + s0, lanes, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 even[8], odd[8];
+    for (int j = 0; j < dv; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    int64_t s = 0;
+    for (; s + 1 < seen; s += 2) {
+        const int64_t a = s < length ? s : length + index[s - length];
+        const int64_t b = s + 1 < length ? s + 1 : length + index[s + 1 - length];
+        const __m512 pa = _mm512_set1_ps(mine[s]), pb = _mm512_set1_ps(mine[s + 1]);
+        for (int j = 0; j < dv; j++) {
+            even[j] = _mm512_fmadd_ps(pa, _mm512_loadu_ps(vb + a * D + 16 * j), even[j]);
+            odd[j] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + b * D + 16 * j), odd[j]);
+        }
+    }
+    if (s < seen) {
+        const int64_t a = s < length ? s : length + index[s - length];
+        const __m512 pa = _mm512_set1_ps(mine[s]);
+        for (int j = 0; j < dv; j++) even[j] = _mm512_fmadd_ps(pa, _mm512_loadu_ps(vb + a * D + 16 * j), even[j]);
+    }
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    for (int j = 0; j < dv; j++) _mm512_storeu_ps(o + 16 * j, _mm512_div_ps(_mm512_add_ps(even[j], odd[j]), total));
+}
+#endif
+
 /* out (H) = weight * (x * 1 / sqrt(mean(x^2) + eps)), transformers' Llama RMSNorm in fp32. */
 static void rms_norm(const float *x, const float *weight, int64_t H, float eps, float *out) {
     float sum = 0.0f;
@@ -574,15 +671,27 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                                sizeof(float) * D);
                     }
                 }
-                /* attention: each (row, query head) alone over its visible slots, in slot order; the tasks ordered
-                 * by key-value head, so that the threads share out the cached keys and values rather than each
-                 * reading all of them */
+                /* attention: each (row, query head) alone over its visible slots, in slot order (with AVX-512 and a
+                 * head size of 16-128, attend() above: blocks of 16 slots); the tasks ordered by key-value head, so
+                 * that the threads share out the cached keys and values rather than each reading all of them */
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M * Hq; t++) {
                     int64_t kv = t / (M * group), i = t % (M * group) / group, head = kv * group + t % group;
                     const float *q = qkv + i * QKV + head * D;
                     const float *kb = kc + kv * cap * D, *vb = vc + kv * cap * D;
                     int64_t own = offsets[i + 1] - offsets[i], seen = length + own;
+#if defined(__AVX512F__)
+                    switch (D) {
+#define ATTEND(dv) attend(q, kb, vb, length, index + offsets[i], own, w->scaling, mine, \
+                          att + i * Hq * D + head * D, dv); continue;
+                    case 16: ATTEND(1)
+                    case 32: ATTEND(2)
+                    case 64: ATTEND(4)
+                    case 128: ATTEND(8)
+#undef ATTEND
+                    default: break;
+                    }
+#endif
                     float top = -INFINITY;
                     for (int64_t s = 0; s < seen; s++) {
                         int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
