@@ -67,12 +67,13 @@ def _dequantized_copy(model, engine):
     return copy_
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])
-def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads):
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 16), (4, 16), (2, 64), (1, 128), (2, 32), (4, 24)])
+def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads, head_dim):
     """The prompt and a branching tree step: hidden states, logits and the layers a feature drafter reads match
     transformers' fp32 forward of the same weights (up to summation order), each tree row on its own branch; with
-    grouped query heads and without."""
-    model = tiny_model("llama", num_key_value_heads=kv_heads)
+    grouped query heads and without, and head sizes the attention's 16-key blocks take (16-128) and one they do not
+    (24: the slot-by-slot path)."""
+    model = tiny_model("llama", num_key_value_heads=kv_heads, head_dim=head_dim)
     engine = engines.make_engine("int4", model, kernel="native")
     settings = engine.settings()
     assert settings["forward"] == "native" and settings["activation_dtype"] == "float32"
@@ -97,9 +98,9 @@ def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads):
         assert torch.allclose(logits[row], expected, atol=1e-3)
 
 
-@pytest.mark.parametrize("kernel", ["native", "native-q8"])
-def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("kernel, head_dim", [("native", 16), ("native-q8", 16), ("native", 64), ("native-q8", 128)])
+def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel, head_dim):
+    model = tiny_model("llama", head_dim=head_dim)
     engine = engines.make_engine("int4", model, kernel=kernel)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     tree, alone = engine.new_cache(64), engine.new_cache(64)
