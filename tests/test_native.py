@@ -98,26 +98,32 @@ def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads, head
         assert torch.allclose(logits[row], expected, atol=1e-3)
 
 
-@pytest.mark.parametrize("kernel, head_dim", [("native", 16), ("native-q8", 16), ("native", 64), ("native-q8", 128)])
-def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel, head_dim):
+@pytest.mark.parametrize("kernel, head_dim, prompt", [("native", 16, 20), ("native-q8", 16, 20), ("native", 64, 14),
+                                                     ("native-q8", 128, 15)])
+def test_a_tree_rows_bits_equal_the_same_row_decoded_alone(kernel, head_dim, prompt):
+    """A tree row's hidden state has the bits of the same token decoded alone after the same path, and keeping the
+    accepted path leaves the cache that decoding made; with prompts of 14 and 15 tokens the tree's own keys straddle
+    a 16-key block of the attention."""
     model = tiny_model("llama", head_dim=head_dim)
     engine = engines.make_engine("int4", model, kernel=kernel)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     tree, alone = engine.new_cache(64), engine.new_cache(64)
-    engine.forward(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(), tree)
-    engine.forward(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(), alone)
+    causal = torch.ones(prompt, prompt).tril().bool()
+    engine.forward(IDS[:prompt], torch.arange(prompt), causal, tree)
+    engine.forward(IDS[:prompt], torch.arange(prompt), causal, alone)
     # hidden states: the decoder's own bits (an fp32 lm_head over several rows may sum otherwise than over one)
-    _, hidden = engine.forward(torch.tensor([5, 6, 7, 8]), torch.tensor([20, 21, 21, 22]), mask, tree)
-    steps = [engine.forward(torch.tensor([t]), torch.tensor([p]), torch.ones(1, 1, dtype=torch.bool), alone)[1]
-             for t, p in ((5, 20), (7, 21), (8, 22))]
+    p = prompt
+    _, hidden = engine.forward(torch.tensor([5, 6, 7, 8]), torch.tensor([p, p + 1, p + 1, p + 2]), mask, tree)
+    steps = [engine.forward(torch.tensor([t]), torch.tensor([q]), torch.ones(1, 1, dtype=torch.bool), alone)[1]
+             for t, q in ((5, p), (7, p + 1), (8, p + 2))]
     assert torch.equal(hidden[0], steps[0][0]) and torch.equal(hidden[2], steps[1][0])
     assert torch.equal(hidden[3], steps[2][0])
     assert not torch.equal(hidden[1], steps[1][0])  # row 1 (token 6) is another branch: the control
     # Keeping the accepted path 5 -> 7 -> 8 (rows 0, 2, 3: a move, in the one store of every layer) leaves the
     # cache the row-by-row decoding made: the next token's bits agree.
-    tree.keep(20, torch.tensor([0, 2, 3]))
-    assert tree.length == alone.length == 23 and tree.slot_store.data_ptr() == tree.layers[0].keys.data_ptr()
-    after = [engine.forward(torch.tensor([9]), torch.tensor([23]), torch.ones(1, 1, dtype=torch.bool), c)[1]
+    tree.keep(p, torch.tensor([0, 2, 3]))
+    assert tree.length == alone.length == p + 3 and tree.slot_store.data_ptr() == tree.layers[0].keys.data_ptr()
+    after = [engine.forward(torch.tensor([9]), torch.tensor([p + 3]), torch.ones(1, 1, dtype=torch.bool), c)[1]
              for c in (tree, alone)]
     assert torch.equal(after[0], after[1])
 
