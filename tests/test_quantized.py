@@ -381,6 +381,9 @@ def test_a_prompt_prefilled_in_chunks_and_path_scoring_go_through_the_quantized_
     engine = engines.make_engine("int4", model, kernel=kernel, lm_head="bf16")
     hidden = torch.randn(3, 0, model.config.hidden_size)[0]  # (0, H)
     assert engine.lm_logits_rows(hidden).shape == (0, model.config.vocab_size)
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(ValueError, match="at least one new token, got none"):
+        engine.forward(none, none, torch.ones(0, 0, dtype=torch.bool), engine.new_cache(8))
     heads = random_heads(model)
     firsts = []
     for chunk in (20, 7):

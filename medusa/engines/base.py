@@ -171,7 +171,12 @@ class Engine(abc.ABC):
 
         Returns:
             ``(logits (M, V), hidden (N, H))``; times itself (:attr:`last_forward_s`).
+
+        Raises:
+            ValueError: no new token (N = 0).
         """
+        if input_ids is not None and input_ids.shape[-1] == 0:  # None: a subclass forward that reads no ids
+            raise ValueError(f"the {self.name} engine's forward takes at least one new token, got none")
         start = time.perf_counter()
         cuda = self.model.device.type == "cuda"
         with attention_kernels(self.sdpa_backends) if cuda and self.sdpa_backends is not None else (
