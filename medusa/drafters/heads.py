@@ -39,6 +39,9 @@ built as ``cls(config, lm_head_weight, embed_weight=..., token_map=...)`` and de
 and ``to_base_ids``."""
 # Version 1: Medusa heads only (no head_type field). Version 2: head_type (medusa | hydra). Version 3: the heads'
 # own attention layer (prefix_layers, prefix_window). Version 4: the eagle drafter (eagle_layers, eagle_base).
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+"""The weightless RMS norm's epsilon of the fused Hydra level (:meth:`HydraHeads.draft_ranked`), as the unfused
+path's ``F.rms_norm`` takes it for fp32."""
 FORMAT_VERSION = 4
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 
@@ -483,30 +486,17 @@ class HydraHeads(_HeadsBase):
         order. ``None`` where it cannot (no such products, ResBlocks after the input layer, another dtype, gradients
         on): the caller then takes those two steps. ``hidden`` ``(H,)`` or ``(P, H)``; ``path_tokens``
         ``(P, k + 1)``."""
-        if (self.lm_heads is not None or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or torch.is_grad_enabled()):
+        bias = self.inputs[k].bias
+        if self.lm_heads is not None or len(self.blocks[k]) or bias is None or hidden.dtype != torch.float32:
             return None
         rows = hidden.expand(len(path_tokens), -1)  # (P, H)
-        weight, shared, bias = self.inputs[k].weight, self.shared_weight_t, self.inputs[k].bias
-        key = (weight.data_ptr(), weight._version, shared.data_ptr(), shared._version, self.drafter_products,
-               None if bias is None else (bias.data_ptr(), bias._version), self.embed_weight.data_ptr(),
-               self.embed_weight._version, len(self.blocks[k]))
-        made = self.__dict__.setdefault("_fused_levels", {})  # k -> (key, the level's call or None), resolved once
-        if k not in made or made[k][0] != key:
-            level = projection = None
-            if not len(self.blocks[k]) and bias is not None:
-                first = self._drafter_product(f"input{k}", weight, rows)
-                level = getattr(getattr(first, "__self__", None), "hydra_level", None)
-                projection = getattr(self._drafter_product("projection", shared.T, rows), "__self__", None)
-            call = None
-            if level is not None and projection is not None:
-                eps, embed, bias = torch.finfo(torch.float32).eps, self.embed_weight, bias.detach()
-
-                def call(x, tokens, top, level=level, bias=bias, projection=projection, embed=embed, eps=eps):
-                    return level(bias, projection, embed, eps, x, tokens, top)
-            made[k] = (key, call)
-        call = made[k][1]
-        return None if call is None else call(rows, path_tokens, top_k)
+        # the engine's products of the two weights, made once and again after a weight changed (_drafter_product)
+        first = self._drafter_product(f"input{k}", self.inputs[k].weight, rows)
+        projection = getattr(self._drafter_product("projection", self.shared_weight_t.T, rows), "__self__", None)
+        level = getattr(getattr(first, "__self__", None), "hydra_level", None)
+        if level is None or projection is None:
+            return None
+        return level(bias.detach(), projection, self.embed_weight, FLOAT32_EPS, rows, path_tokens, top_k)
 
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``(..., T, K)``: ``[t, j]`` is the token at t + 1 + j, 0 past the end (no target exists there)."""
