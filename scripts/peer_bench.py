@@ -61,6 +61,19 @@ def default_gguf() -> str:
     return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def native_model(base: str, heads: str | None, kernel: str = "native-q8", threads: int = 2, gguf: str | None = None,
+                 report=None):
+    """A :class:`medusa.model.MedusaModel` through the native int4 decoder as this bench runs it: the GGUF's own Q4_1
+    codes (``gguf``; default :func:`default_gguf`), its Q8_0 lm_head, the dense weights released; ``heads`` ``None``:
+    plain decoding. For the studies that time this engine (``studies/native_*.py``)."""
+    from medusa.build import DecodeConfig, build_model
+
+    drafter = {"heads": heads} if heads else {"drafter": "none"}
+    return build_model(DecodeConfig(base=base, quantize="int4", gguf=gguf or default_gguf(), release_dense=True,
+                                    int4_kernel=kernel, quantized_lm_head="gguf", threads=threads, **drafter),
+                       **({} if report is None else {"report": report}))
+
+
 def rss_mb() -> float:
     import psutil
 

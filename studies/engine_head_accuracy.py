@@ -36,19 +36,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from peer_bench import default_gguf
+    from peer_bench import native_model
     from transformers import AutoTokenizer
 
-    from medusa.build import DecodeConfig, build_model
     from medusa.engines import kv_cache
     from medusa.tools.bench import encode_prompt, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     prompts = [encode_prompt(tokenizer, r) for r in read_prompts(args.prompts)][: args.limit]
     for kernel in ("native", "native-q8"):
-        model = build_model(DecodeConfig(base=args.base, heads=args.heads, quantize="int4", gguf=default_gguf(),
-                                         release_dense=True, int4_kernel=kernel, quantized_lm_head="gguf",
-                                         threads=args.threads))
+        model = native_model(args.base, args.heads, kernel, args.threads)
         heads, engine, num = model.heads, model.engine, model.heads.config.num_heads
         right, chain, positions = torch.zeros(num), torch.zeros(num), 0
         with torch.inference_mode():

@@ -38,20 +38,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from peer_bench import default_gguf
+    from peer_bench import native_model
     from transformers import AutoTokenizer
 
-    from medusa.build import DecodeConfig, build_model
     from medusa.tools.bench import encode_prompt, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     prompts = [encode_prompt(tokenizer, r) for r in read_prompts(args.prompts)][: args.limit + 1]
-    options = {"quantize": "int4", "gguf": default_gguf(), "release_dense": True, "int4_kernel": "native-q8",
-               "quantized_lm_head": "gguf", "threads": args.threads}
     models = {}
     for mode in MODES:
-        models["plain", mode] = build_model(DecodeConfig(base=args.base, drafter="none", **options))
-        models["medusa", mode] = build_model(DecodeConfig(base=args.base, heads=args.heads, **options))
+        models["plain", mode] = native_model(args.base, None, "native-q8", args.threads)
+        models["medusa", mode] = native_model(args.base, args.heads, "native-q8", args.threads)
     gc.collect()
     frozen_objects = len(gc.get_objects())
     totals = {key: [0, 0.0] for key in models}

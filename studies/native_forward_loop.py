@@ -32,14 +32,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from peer_bench import default_gguf
+    from peer_bench import native_model
 
-    from medusa.build import DecodeConfig, build_model
     from medusa.engines import kv_cache
 
-    model = build_model(DecodeConfig(base=args.base, drafter="none", quantize="int4", gguf=default_gguf(),
-                                     release_dense=True, int4_kernel=args.kernel, quantized_lm_head="gguf",
-                                     threads=args.threads))
+    model = native_model(args.base, None, args.kernel, args.threads)
     engine, n = model.engine, args.new_tokens
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.base.config.vocab_size, (300,), generator=gen)

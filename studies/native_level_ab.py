@@ -44,20 +44,17 @@ def main() -> None:
                              "from their wall time (PerStepDrafter(learn_level_cost=True))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from peer_bench import default_gguf
+    from peer_bench import native_model
     from transformers import AutoTokenizer
 
-    from medusa.build import DecodeConfig, build_model
     from medusa.drafters.heads import HydraHeads
     from medusa.tools.bench import encode_prompt, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     prompts = [encode_prompt(tokenizer, r) for r in read_prompts(args.prompts)][: args.limit]
-    options = {"quantize": "int4", "gguf": args.gguf or default_gguf(), "release_dense": True,
-               "int4_kernel": args.kernel, "quantized_lm_head": "gguf", "threads": args.threads}
-    models = {"plain": build_model(DecodeConfig(base=args.base, drafter="none", **options)),
-              "fused": build_model(DecodeConfig(base=args.base, heads=args.heads, **options)),
-              args.against: build_model(DecodeConfig(base=args.base, heads=args.heads, **options))}
+    models = {"plain": native_model(args.base, None, args.kernel, args.threads, args.gguf),
+              "fused": native_model(args.base, args.heads, args.kernel, args.threads, args.gguf),
+              args.against: native_model(args.base, args.heads, args.kernel, args.threads, args.gguf)}
     if args.against == "unfused":
         for module in models["unfused"].modules():
             if isinstance(module, HydraHeads):

@@ -33,14 +33,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from peer_bench import default_gguf
+    from peer_bench import native_model
 
-    from medusa.build import DecodeConfig, build_model
     from medusa.engines import kv_cache
 
-    model = build_model(DecodeConfig(base=args.base, heads=args.heads, quantize="int4", gguf=default_gguf(),
-                                     release_dense=True, int4_kernel="native-q8", quantized_lm_head="gguf",
-                                     threads=args.threads))
+    model = native_model(args.base, args.heads, "native-q8", args.threads)
     heads, engine = model.heads, model.engine
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.heads.config.vocab_size, (300,), generator=gen)
