@@ -79,3 +79,28 @@ def test_prefix_checkpoint_round_trip_and_bad_configs(tmp_path):
         MedusaHeadsConfig(hidden_size=H, vocab_size=V, head_type="hydra", prefix_layers=2)
     with pytest.raises(ValueError, match="prefix_window must be a positive integer"):
         MedusaHeadsConfig(hidden_size=H, vocab_size=V, head_type="hydra", prefix_layers=1, prefix_window=0)
+
+
+def test_decoding_feeds_the_layer_through_the_engines_drafter_products():
+    """``extend_context`` runs the layer's three linears through the products the engine offers the drafter (the
+    native decoder's Q8_0 ones), as the heads' own layers: equal to the layers themselves when the product is the
+    same product, and a different product changes the drafting input."""
+    torch.manual_seed(0)
+    heads = make_hydra(num_heads=2, prefix_window=4)
+    torch.nn.init.normal_(heads.prefix.out.weight, 0, 0.3)
+    hidden, tokens = torch.randn(6, H), torch.randint(0, V, (6,))
+    with torch.no_grad():
+        reference = heads.extend_context(heads.new_context(), hidden[:4], tokens[:4])
+        asked = []
+
+        def products(weight, role, scale=1.0):
+            asked.append(role)
+            return lambda rows: scale * (rows @ weight.T)
+
+        heads.drafter_products = products
+        same = heads.extend_context(heads.new_context(), hidden[:4], tokens[:4])
+        assert {"prefix.fuse", "prefix.qkv", "prefix.out"} <= set(asked)
+        torch.testing.assert_close(same, reference, rtol=1e-5, atol=1e-5)
+        heads.drafter_products = lambda weight, role: products(weight, role, 1.5 if role == "prefix.out" else 1.0)
+        heads.__dict__.pop("_products", None)
+        assert not torch.allclose(heads.extend_context(heads.new_context(), hidden[:4], tokens[:4]), reference)

@@ -467,7 +467,8 @@ class HydraHeads(_HeadsBase):
     def extend_context(self, context, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         if self.prefix is None:
             return hidden[-1]
-        return self.prefix.extend(context, hidden, self.embed(next_tokens, hidden.dtype))  # (H,)
+        # the layer's linears through the engine's drafter products, as the heads' own (_linear)
+        return self.prefix.extend(context, hidden, self.embed(next_tokens, hidden.dtype), self._linear)  # (H,)
 
     def features(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         if tokens is None or tokens.shape[-1] != k + 1:

@@ -29,12 +29,20 @@ ROPE_THETA = 10000.0
 HEAD_DIM = 64
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+def rotary_freqs(dim: int, theta: float = ROPE_THETA, device=None) -> torch.Tensor:
+    """``(dim / 2,)`` fp32 rotary frequencies ``theta ** (-i / (dim / 2))`` (Su et al. 2021)."""
+    half = dim // 2
+    return theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA,
+           freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021; the half-split layout transformers uses) of ``x`` ``(..., T, D)``
     at integer ``positions`` ``(T,)`` (or any leading shape broadcastable to ``x``'s, ``(..., T)``), base
-    ``theta``."""
+    ``theta`` (``freqs``: :func:`rotary_freqs` of ``D`` and ``theta``, made once by a caller that rotates often)."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # (D/2,)
+    if freqs is None:
+        freqs = rotary_freqs(x.shape[-1], theta, x.device)  # (D/2,)
     angles = positions.to(torch.float32)[..., None] * freqs  # (..., T, D/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -57,10 +65,8 @@ class PrefixContext:
     """``(A, L, D)`` rotated keys, ``A`` attention heads, ``L <= prefix_window`` positions."""
     values: torch.Tensor | None = None
     """``(A, L, D)`` values."""
-    positions: torch.Tensor | None = None
-    """``(L,)`` long positions of the cached keys."""
     length: int = 0
-    """Positions seen so far (the next position's index)."""
+    """Positions seen so far (the next position's index); the cached keys are the last ``L`` of them."""
 
 
 class PrefixAttention(nn.Module):
@@ -113,28 +119,44 @@ class PrefixAttention(nn.Module):
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (..., A, T, D)
         return hidden + self.out(attended.transpose(-3, -2).flatten(-2))  # (..., T, H)
 
-    def extend(self, context: PrefixContext, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+    def extend(self, context: PrefixContext, hidden: torch.Tensor, next_embeds: torch.Tensor,
+               linear=None) -> torch.Tensor:
         """Append ``n`` accepted positions to ``context`` and return ``h'`` at the last of them (decoding).
+
+        The cache keeps the last ``prefix_window`` positions, consecutive, and only the last position is queried, so
+        every cached key is inside its window: the attention needs no mask. Equal to :meth:`forward` at that
+        position up to float summation order.
 
         Args:
             context: the sequence's state, updated in place.
             hidden: ``(n, H)`` the base's hidden states at the accepted positions, in order.
             next_embeds: ``(n, H)`` the normalised input embeddings of the token that followed each of them.
+            linear: ``(role, layer, x) -> layer(x)``, the product to run the layer's three linears through (roles
+                ``prefix.fuse``, ``prefix.qkv``, ``prefix.out``): the heads pass the engine's drafter products
+                (:meth:`medusa.drafters.heads.MedusaHeads._linear`); ``None``: the layers themselves.
 
         Returns:
             ``(H,)`` the drafting input at the last position.
         """
+        run = linear or (lambda role, layer, x: layer(x))
         n = len(hidden)
+        freqs = self.__dict__.get("_freqs")
+        if freqs is None or freqs.device != hidden.device:
+            freqs = self.__dict__["_freqs"] = rotary_freqs(HEAD_DIM, device=hidden.device)
         positions = torch.arange(context.length, context.length + n, device=hidden.device)
-        q, k_all, v_all = self._qkv(hidden, next_embeds, positions)  # (A, n, D) each
-        q = q[:, -1:]  # only the last position is queried
+        z = run("prefix.fuse", self.fuse, torch.cat([hidden, next_embeds.to(hidden.dtype)], dim=-1))  # (n, H)
+        z = nn.functional.rms_norm(z, (z.shape[-1],))
+        qkv = run("prefix.qkv", self.qkv, z).view(n, 3, self.num_attention_heads, HEAD_DIM)  # (n, 3, A, D)
+        q = rotate(qkv[-1:, 0].transpose(0, 1), positions[-1:], freqs=freqs)  # (A, 1, D): the last position only
+        k = rotate(qkv[:, 1].transpose(0, 1), positions, freqs=freqs)  # (A, n, D)
+        v = qkv[:, 2].transpose(0, 1)  # (A, n, D)
         if context.keys is not None:
-            k_all = torch.cat([context.keys, k_all], dim=-2)  # (A, L + n, D)
-            v_all = torch.cat([context.values, v_all], dim=-2)
-            positions = torch.cat([context.positions, positions])
-        mask = window_mask(positions[-1:], positions, self.window)  # (1, L + n)
-        attended = nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # (A, 1, D)
-        keep = slice(-self.window, None)
-        context.keys, context.values, context.positions = k_all[:, keep], v_all[:, keep], positions[keep]
+            k = torch.cat([context.keys, k], dim=-2)  # (A, L + n, D)
+            v = torch.cat([context.values, v], dim=-2)
+        k, v = k[:, -self.window:], v[:, -self.window:]  # the query's window: every key it may see
+        scores = (q @ k.transpose(-1, -2)) * HEAD_DIM ** -0.5  # (A, 1, W)
+        attended = torch.softmax(scores, dim=-1) @ v  # (A, 1, D)
+        context.keys, context.values = k, v
         context.length += n
-        return hidden[-1] + self.out(attended.transpose(0, 1).flatten(-2))[0]  # (H,)
+        out = run("prefix.out", self.out, attended.transpose(0, 1).reshape(1, -1))  # (1, H)
+        return hidden[-1] + out[0]  # (H,)
