@@ -540,3 +540,48 @@ def test_the_node_overhead_is_learned_from_greedy_steps_and_left_out_of_sampled_
     sampler = SampleWithoutReplacement(lambda logits: logits, torch.Generator().manual_seed(0))
     size, row = propose(sampler, 1.0)
     assert size > 4 and row.step_started == 0.0  # not charged, not timed
+
+
+def test_the_fixed_and_node_fit_splits_the_step_overhead_and_counts_the_fixed_part_in_the_step():
+    """``overhead_fit="fixed+node"``: a step's unmodeled time as a line over its nodes (one step: all of it fixed);
+    the fixed part lowers the rate a node must beat, so a greedy tree is never smaller for it, and it is in the
+    step's seconds; sampled trees neither learn nor use it."""
+    from medusa.drafters.base import SampleWithoutReplacement, TopK
+    from medusa.drafters.per_step import PerStepState
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2))
+    reference = hf_greedy(model, ids, 8)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, 0], vocab=model.config.vocab_size)
+
+    def drafter(fit):
+        return PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3), overhead_fit=fit)
+
+    one = drafter("fixed+node")
+    one._time_last_step(PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=4), 10.07)
+    assert one.step_overhead_s == pytest.approx(0.02) and one.node_overhead_s == 0.0  # no slope to see yet
+    fitted = drafter("fixed+node")
+    for nodes in [1, 4, 2, 6, 3, 5] * 8:  # 4 ms a step and 1 ms a node beyond the model
+        fitted._time_last_step(PerStepState(None, step_started=10.0, step_model_s=0.05, step_nodes=nodes),
+                               10.05 + 0.004 + 0.001 * nodes)
+    assert fitted.step_overhead_s == pytest.approx(0.004, abs=2e-4)
+    assert fitted.node_overhead_s == pytest.approx(0.001, abs=1e-4)
+    with pytest.raises(ValueError, match="overhead_fit"):
+        drafter("fixed")
+
+    def propose(sampler, fixed_s):
+        fitted.node_overhead_s, fitted.step_overhead_s = 0.0, fixed_s
+        row = fitted.new_state()
+        with torch.no_grad():
+            hidden = heads.ref_hidden[len(ids) - 1]
+            fitted.start(row, hidden[None], torch.tensor([reference[0]]))
+            tree = fitted.propose(row, torch.tensor(reference[0]), torch.tensor(ids.tolist() + reference[:1]),
+                                  sampler)
+        return len(tree.tokens), row
+
+    greedy = TopK(greedy=True)
+    size, row = propose(greedy, 1.0)
+    assert size >= propose(greedy, 0.0)[0] and row.last_seconds > 1.0
+    size, row = propose(SampleWithoutReplacement(lambda logits: logits, torch.Generator().manual_seed(0)), 1.0)
+    assert row.last_seconds < 1.0 and row.step_started == 0.0  # not charged, not timed
+
