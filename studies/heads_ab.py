@@ -13,8 +13,7 @@ shared host) falls on every decoder alike. Reported per decoder:
 
 A decoder is ``NAME=HEADS_DIR`` (``NAME=none``: plain decoding, always added as ``plain``), with options after commas:
 ``lookup=N`` (the lookup chain's length; 0: the heads alone), ``products=projection`` (only the heads' shared
-projection through the engine's drafter products, the rest through ``nn.Linear``), ``overhead=FIT`` (the per-step
-tree's fit of a step's unmodeled time, ``medusa.drafters.per_step.OVERHEAD_FITS``).
+projection through the engine's drafter products, the rest through ``nn.Linear``).
 
     MEDUSA_CACHE_DIR=/tmp/bench6 python studies/heads_ab.py --threads 2 --limit 24 \\
         --decoder shipped=checkpoints/smollm2-135m-instruct-hydra --decoder prefix=outputs/hydra-prefix/heads \\
@@ -45,9 +44,9 @@ def parse_decoder(spec: str) -> tuple[str, str, dict]:
     if not name or not folder:
         raise SystemExit(f"--decoder wants NAME=HEADS_DIR[,key=value], got {spec!r}")
     options = dict(p.split("=", 1) for p in pairs)
-    unknown = set(options) - {"lookup", "products", "overhead"}
+    unknown = set(options) - {"lookup", "products"}
     if unknown:
-        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products, overhead)")
+        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products)")
     return name, folder, options
 
 
@@ -73,8 +72,6 @@ def build(args, folder: str | None, options: dict):
         heads = model.heads
         heads.drafter_products = lambda weight, role: packed_product(weight) if role == "projection" else None
         heads.__dict__.pop("_products", None)
-    if "overhead" in options:  # the per-step tree's overhead fit (medusa.drafters.per_step.OVERHEAD_FITS)
-        model.drafter.overhead_fit = options["overhead"]
     return model
 
 

@@ -236,16 +236,7 @@ CHAIN = -1
 ``CHAIN - 1``; the first is accepted far more often than the calibration's n-gram table says on text that copies
 little, the later ones less)."""
 OVERHEAD_DECAY = 0.95
-"""Weight of the past in the learned step overhead (:attr:`PerStepDrafter.node_overhead_s`, and
-:attr:`PerStepDrafter.step_overhead_s` with the ``fixed+node`` fit)."""
-OVERHEAD_MIN_VARIANCE = 0.5
-"""Nodes squared: the least variance of the timed steps' sizes the ``fixed+node`` fit divides its slope by, so that
-steps of nearly one size (whose overhead cannot be split into a fixed and a per-node part) leave the slope near 0."""
-OVERHEAD_FITS = ("node", "fixed+node")
-"""How a step's unmodeled wall time is learned: ``node`` (the default), all of it per node; ``fixed+node``, a fixed
-part per step plus a part per node (a decayed least-squares line over the timed steps' sizes), the fixed part counted
-in the step's seconds. Through the native int4 decoder ``fixed+node`` grew larger trees (3.46 nodes against 2.63,
-tau 1.84 against 1.67) at the same tokens/s (docs/per-step-tree.md): an option for A/Bs, not the default."""
+"""Weight of the past in the learned per-node overhead (:attr:`PerStepDrafter.node_overhead_s`)."""
 
 
 RATE_DECAY = 0.85
@@ -286,8 +277,7 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False,
-                 overhead_fit: str = "node"):
+                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -295,8 +285,6 @@ class PerStepDrafter:
         lookup_length = calibration.lookup_length if lookup_length is None else lookup_length
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if overhead_fit not in OVERHEAD_FITS:
-            raise ValueError(f"overhead_fit must be one of {OVERHEAD_FITS}, got {overhead_fit!r}")
         self.objective = objective
         if max_nodes < 1 or top_k < 1 or max_parents < 1:
             raise ValueError(f"max_nodes, top_k and max_parents must be >= 1, got {max_nodes}, {top_k}, {max_parents}")
@@ -312,13 +300,7 @@ class PerStepDrafter:
         wall time of one sequence's greedy steps (decoding whose output no tree changes; a batch's rounds also run
         other requests' prefill), and used for greedy trees, batched ones too; sampled decoding leaves it out, so
         that its trees, and the random numbers they draw, do not depend on timing."""
-        self.overhead_fit = overhead_fit
-        """:data:`OVERHEAD_FITS`."""
-        self.step_overhead_s = 0.0
-        """With the ``fixed+node`` fit: seconds a step costs beyond the cost model whatever its size (choosing,
-        accepting, the heads' context, Python), counted in the step's seconds; :attr:`node_overhead_s` is then the
-        part that grows with the nodes. Greedy trees only, as :attr:`node_overhead_s`."""
-        self._overhead_sums = [0.0] * 5  # decayed (1, nodes, nodes^2, unmodeled seconds, nodes x seconds)
+        self._overhead_sums = [0.0, 0.0]  # decayed (unmodeled seconds, nodes) of the timed steps
         self.learn_level_cost = learn_level_cost
         self.level_learned_s: list[float] | None = None
         """With ``learn_level_cost``: seconds of a head call by depth as one sequence's greedy steps measured them,
@@ -424,8 +406,7 @@ class PerStepDrafter:
         if timed:
             self._time_last_step(states[0], start)
         cost = self.cost.charging_nodes(self.node_overhead_s, self.level_learned_s) if greedy else self.cost
-        fixed = self.step_overhead_s if greedy else 0.0  # the step's own cost whatever its size
-        seconds = fixed + cost.verify(1, batch)
+        seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
         for state in states:
@@ -505,10 +486,10 @@ class PerStepDrafter:
                 break
             depth += 1
         if cost.buckets is not None:
-            tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, fixed + draft_s, batch,
+            tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, draft_s, batch,
                                                   all(isinstance(s, TopK) for s in samplers),
                                                   None if step_rate else running, cost)
-            seconds = fixed + draft_s + cost.verify(len(tree.parents), batch)
+            seconds = draft_s + cost.verify(len(tree.parents), batch)
         for b, state in enumerate(states):
             state.last_seconds = seconds
             if timed:
@@ -605,29 +586,17 @@ class PerStepDrafter:
 
     def _time_last_step(self, state: PerStepState, now: float) -> None:
         """Fold the last timed step of ``state``'s rows (from its tree's proposal to ``now``, the next one's) into
-        :attr:`node_overhead_s`: its wall time beyond what the cost model gave it, per node (with the ``fixed+node``
-        fit: a decayed least-squares line over the steps' node counts, slope at least 0, into
-        :attr:`step_overhead_s` and :attr:`node_overhead_s`; all of it per node where the fixed part would come out
-        negative). A gap of more than three times the model's figure is a pause (the caller away), not a step, and
-        is skipped."""
+        :attr:`node_overhead_s`: its wall time beyond what the cost model gave it, per node. A gap of more than
+        three times the model's figure is a pause (the caller away), not a step, and is skipped."""
         if not state.step_started or not state.step_nodes:
             return
         elapsed = now - state.step_started
         if elapsed > 3 * state.step_model_s:
             return
-        n, excess = float(state.step_nodes), elapsed - state.step_model_s
         sums = self._overhead_sums
-        for i, v in enumerate((1.0, n, n * n, excess, n * excess)):
-            sums[i] = OVERHEAD_DECAY * sums[i] + v
-        per_node_only = max(0.0, sums[3] / sums[1])
-        if self.overhead_fit == "node":
-            self.node_overhead_s = per_node_only
-            return
-        mean_n, mean_excess = sums[1] / sums[0], sums[3] / sums[0]
-        variance = max(sums[2] / sums[0] - mean_n * mean_n, OVERHEAD_MIN_VARIANCE)
-        slope = max(0.0, (sums[4] / sums[0] - mean_n * mean_excess) / variance)
-        fixed = mean_excess - slope * mean_n
-        self.step_overhead_s, self.node_overhead_s = (fixed, slope) if fixed >= 0 else (0.0, per_node_only)
+        sums[0] = OVERHEAD_DECAY * sums[0] + (elapsed - state.step_model_s)
+        sums[1] = OVERHEAD_DECAY * sums[1] + state.step_nodes
+        self.node_overhead_s = max(0.0, sums[0] / sums[1])
 
     def _settle(self, tree: _Growing, levels: list[_Level], leftovers, chain, expected: float, draft_s: float,
                 batch: int, may_prune: bool, rate: float | None, cost=None):
