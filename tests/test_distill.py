@@ -53,3 +53,78 @@ def test_distill_command_writes_validation_and_held_out_first_and_resumes(tmp_pa
     assert main(args) == 0  # everything is done: nothing is generated again
     assert (tmp_path / "out" / "distilled_train.jsonl").read_text() == before
     assert "distilled_held_out.jsonl: " in capsys.readouterr().out
+
+
+def _records(folder):
+    return {name: {r["id"]: r for r in map(json.loads, (folder / name).read_text().splitlines())}
+            for name in ("distilled_train.jsonl", "distilled_validation.jsonl", "distilled_held_out.jsonl")}
+
+
+def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp_path, capsys):
+    """``--decoder medusa``: plain decoding and Medusa decoding (random heads: exact all the same) write the records
+    Hugging Face ``generate`` writes; a rerun resumes; decoder flags without ``--decoder medusa``, or beside
+    ``--server``, are refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa.io.checkpoint import save_heads
+    from tests.test_decoding import random_heads
+
+    base = save_tiny(tmp_path / "base", "llama")
+    save_heads(random_heads(AutoModelForCausalLM.from_pretrained(base)), tmp_path / "heads")
+    chats = write_chats(tmp_path / "chats.jsonl", n=10)
+    common = ["distill", "--base", str(base), "--data", str(chats), "--held-out-fraction", "0.2",
+              "--validation-fraction", "0.2", "--seed", "0", "--max-new-tokens", "6"]
+    assert main([*common, "--out-dir", str(tmp_path / "hf"), "--batch-size", "1"]) == 0
+    assert main([*common, "--out-dir", str(tmp_path / "plain"), "--decoder", "medusa", "--engine", "eager"]) == 0
+    assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa", "--heads",
+                 str(tmp_path / "heads"), "--engine", "static"]) == 0
+    reference = _records(tmp_path / "hf")
+    assert all(reference.values()) and _records(tmp_path / "plain") == reference == _records(tmp_path / "medusa")
+    before = (tmp_path / "medusa" / "distilled_train.jsonl").read_text()
+    assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa"]) == 0  # all done already
+    assert (tmp_path / "medusa" / "distilled_train.jsonl").read_text() == before
+    capsys.readouterr()
+    assert main([*common, "--out-dir", str(tmp_path / "x"), "--heads", str(tmp_path / "heads")]) == 2
+    assert "--heads choose this project's decoder: add --decoder medusa" in capsys.readouterr().err
+    assert main([*common, "--out-dir", str(tmp_path / "x"), "--decoder", "medusa", "--server",
+                 "http://127.0.0.1:9/v1"]) == 2
+    assert "--decoder medusa answers in process and --server through a server" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_a_quantized_decoder_is_token_checked_against_the_base_before_anything_is_written(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """On a quantized engine the decoder's first answers are compared with the base's own greedy tokens first: the
+    agreement is printed; a decoder that answers something else is named, and no record is written."""
+    import pytest
+
+    import train.distill
+    from medusa.engines import quantized
+
+    if quantized.quantize_unavailable("int8", "cpu") is not None:
+        pytest.skip(quantized.quantize_unavailable("int8", "cpu"))
+    base = save_tiny(tmp_path / "base", "llama")
+    chats = write_chats(tmp_path / "chats.jsonl", n=8)
+    common = ["distill", "--base", str(base), "--data", str(chats), "--held-out-fraction", "0.2",
+              "--validation-fraction", "0.2", "--seed", "0", "--max-new-tokens", "5", "--decoder", "medusa",
+              "--quantize", "int8", "--check-prompts", "3"]
+    assert main([*common, "--out-dir", str(tmp_path / "q"), "--min-agreement", "0"]) == 0
+    assert "token check against --base's own greedy tokens: " in capsys.readouterr().out
+    assert _records(tmp_path / "q")["distilled_train.jsonl"]
+    monkeypatch.setattr(train.distill, "decoder_answer", lambda model: lambda prompts, n: [[3] * n for _ in prompts])
+    assert main([*common, "--out-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "the decoder's answers are not --base's greedy tokens" in err and "--quantize int8 rounds" in err
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").glob("*.jsonl"))
+
+    class TwoProcesses:  # what accelerate launch --num_processes 2 gives each process
+        num_processes, device, is_main_process = 2, "cpu", True
+
+        def __init__(self, **kwargs):
+            pass
+
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "PartialState", TwoProcesses)
+    assert main([*common, "--out-dir", str(tmp_path / "two")]) == 2
+    assert "the token check (--check-prompts 3) runs in one process" in capsys.readouterr().err

@@ -83,6 +83,7 @@ def distill(
     seed: int = 0,
     prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS,
     accelerator=None,
+    answer=None,
 ) -> int:
     """Answer one prompt of each conversation (or continue a prefix of each document) with the base model (greedy)
     and append the results as JSON lines.
@@ -113,6 +114,10 @@ def distill(
         prefix_lengths: documents: the prefix lengths (tokens) one is drawn from.
         accelerator: an ``accelerate`` ``Accelerator`` or ``PartialState`` when every process of a launch calls
             this together (it waits for the others three times); ``None`` for one process.
+        answer: ``(prompts, max_new_tokens) -> answers``, each prompt a list of ids and each answer the greedy ids
+            that follow it (the stop token included where it stopped): what answers a batch instead of Hugging Face
+            ``generate`` on ``model`` (:func:`medusa.base.hf_greedy_batch`), e.g. this project's own decoder
+            (:func:`decoder_answer`).
 
     Returns:
         Number of new records this process answered.
@@ -140,7 +145,7 @@ def distill(
                     len(batches), world, len(done), too_long, max_prompt_tokens, too_short)
     mine = [] if out_of_time else batches[rank::world]  # whole batches: each answered as one process would
     written = answer_batches(model, tokenizer, mine, rank_file(out_path, rank, world), max_new_tokens,
-                             time_limit_s)
+                             time_limit_s, answer)
     if world > 1:
         wait_for_everyone(accelerator)
         if rank == 0:
@@ -157,17 +162,23 @@ def planned_batches(todo: list, batch_size: int) -> list[list]:
 
 
 def answer_batches(model, tokenizer, batches: list[list], out_path: Path, max_new_tokens: int,
-                   time_limit_s: float | None) -> int:
-    """Answer ``batches`` greedily in turn, appending each batch's records to ``out_path`` (flushed per batch);
-    stop after the batch that crosses ``time_limit_s`` (seconds). Returns the records written."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
+                   time_limit_s: float | None, answer=None) -> int:
+    """Answer ``batches`` greedily in turn (``answer``: see :func:`distill`), appending each batch's records to
+    ``out_path`` (flushed per batch); stop after the batch that crosses ``time_limit_s`` (seconds). Returns the
+    records written."""
+    if answer is None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stop = stop_token_ids(model.generation_config)  # where generate stops: the tokenizer's EOS is not added
+
+        def answer(prompts, budget):
+            return hf_greedy_batch(model, prompts, budget, stop, pad_id)
+
     total = sum(len(batch) for batch in batches)
     start, written, generated = time.monotonic(), 0, 0
     with open_for_append(out_path) as out:
         for batch in batches:
             batch_start = time.monotonic()
-            responses = hf_greedy_batch(model, [ids for _, _, ids in batch], max_new_tokens, stop, pad_id)
+            responses = answer([ids for _, _, ids in batch], max_new_tokens)
             for (conv_id, prompt, ids), response in zip(batch, responses, strict=True):
                 out.write(json.dumps(distilled_record(tokenizer, conv_id, prompt, ids, response), ensure_ascii=False)
                           + "\n")
@@ -312,9 +323,9 @@ def window_sorted(items: list, key, window: int) -> list:
 def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str | Path]], max_new_tokens: int,
                    max_prompt_tokens: int, batch_size: int, time_limit_s: float | None = None, turns: str = "all",
                    seed: int = 0, prefix_lengths: tuple[int, ...] = DEFAULT_PREFIX_LENGTHS,
-                   accelerator=None) -> list[Path]:
+                   accelerator=None, answer=None) -> list[Path]:
     """Distill each ``(conversations, path)`` split in turn (each resumable, see :func:`distill`, whose
-    ``accelerator`` this passes on); ``medusa distill`` passes validation, held-out, training.
+    ``accelerator`` and ``answer`` this passes on); ``medusa distill`` passes validation, held-out, training.
 
     ``time_limit_s`` (seconds) bounds them together: each split gets what the ones before left, and none is answered
     once nothing is left. Returns the paths.
@@ -326,5 +337,21 @@ def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str 
         left = None if time_limit_s is None else time_limit_s - (time.monotonic() - start)
         # Called even when no time is left: under several processes each must take part in every split's merge.
         distill(model, tokenizer, convs, path, max_new_tokens, max_prompt_tokens, batch_size, left, turns, seed,
-                prefix_lengths, accelerator)
+                prefix_lengths, accelerator, answer)
     return paths
+
+
+def decoder_answer(decoder):
+    """:func:`distill`'s ``answer`` through this project's decoder: each prompt greedy through ``decoder`` (a
+    :class:`medusa.model.MedusaModel` from :func:`medusa.build.build_model`: plain decoding, or Medusa decoding, on
+    any engine, a quantized one included), one prompt at a time. Speculation is exact, so the answers are the
+    greedy tokens of the model that engine runs: the base's own on an unquantized engine, and on a quantized one
+    the quantized model's (``medusa distill``'s token check measures how far they are the base's)."""
+
+    def answer(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        with torch.inference_mode():
+            return [decoder.generate(torch.tensor(ids, device=decoder.device), max_new_tokens)[0]
+                    for ids in prompts]
+
+    return answer
+

@@ -266,8 +266,9 @@ class ServerClient:
 
 
 def token_check(model, todo: list[tuple], answers: list[list[int] | None], stop_ids: set[int], pad_id: int,
-                tokenizer, min_agreement: float) -> dict:
-    """Compare the server's answers with ``--base``'s own greedy tokens, one prompt at a time (no padding).
+                tokenizer, min_agreement: float, source: str = "the server", why: str | None = None) -> dict:
+    """Compare the server's answers (``source``: whose they are, in the messages) with ``--base``'s own greedy
+    tokens, one prompt at a time (no padding).
 
     Args:
         model: the in-process base (HF causal LM).
@@ -275,6 +276,7 @@ def token_check(model, todo: list[tuple], answers: list[list[int] | None], stop_
         answers: the server's ids for them (``None`` where the answer was malformed; not counted).
         min_agreement: the least mean share of each base answer that the server's answer matches before their first
             difference.
+        source, why: whose answers they are and the likely cause a failed check names (default: a server's).
 
     Returns:
         ``{"checked", "identical", "agreement", "first_token_agreement"}``.
@@ -305,12 +307,13 @@ def token_check(model, todo: list[tuple], answers: list[list[int] | None], stop_
                 100 * report["first_token_agreement"])
     if shares and report["agreement"] < min_agreement:
         conv_id, at, theirs, ours = example
-        raise ValueError(f"the server's answers are not --base's greedy tokens: {100 * report['agreement']:.1f}% of "
+        why = why or ("the server serves another model, or the same weights with another tokenizer or chat template "
+                      "(--endpoint completions sends token ids, which sidesteps a template that differs)")
+        raise ValueError(f"{source}'s answers are not --base's greedy tokens: {100 * report['agreement']:.1f}% of "
                          f"tokens agree before the first difference (at least {100 * min_agreement:.0f}% wanted; "
                          f"{identical}/{len(shares)} answers identical). The first difference, {conv_id!r} at token "
-                         f"{at}: the server {theirs!r}, --base {ours!r}. The server serves another model, or the same "
-                         f"weights with another tokenizer or chat template (--endpoint completions sends token ids, "
-                         f"which sidesteps a template that differs); --min-agreement 0 writes the answers anyway")
+                         f"{at}: {source} {theirs!r}, --base {ours!r}. Likely: {why}; --min-agreement 0 writes the "
+                         f"answers anyway")
     return report
 
 

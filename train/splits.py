@@ -22,6 +22,8 @@ from train.data import (
     split_held_out,
 )
 
+logger = logging.getLogger(__name__)
+
 DISTILL_SPLITS = ("validation", "held-out", "train")
 """The splits ``distill`` writes, in the order it writes them."""
 
@@ -110,7 +112,7 @@ def int_list(value: str) -> list[int]:
 
 def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     """``medusa distill``'s flags (settings left unset take :class:`train.config.TrainConfig`'s defaults)."""
-    from medusa.build import DTYPES
+    from medusa.build import DTYPES, INT4_KERNELS, QUANTIZE, QUANTIZED_LM_HEADS
 
     p.add_argument("--base", required=True,
                    help="base model folder (chats use its chat template, or plain role-labelled text without one)")
@@ -138,6 +140,26 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
+    g = p.add_argument_group("through this project's decoder, in process (--decoder medusa)")
+    g.add_argument("--decoder", choices=["hf", "medusa"], default="hf",
+                   help="hf: Hugging Face generate, --batch-size prompts at once; medusa: this project's decoder, one "
+                        "prompt at a time: plain decoding, or Medusa decoding with --heads, through --engine or "
+                        "--quantize (exact: the greedy tokens of the model that engine runs; on a quantized engine "
+                        "the token check says how far they are the base's)")
+    g.add_argument("--heads", default=None, help="with --decoder medusa: Medusa/Hydra heads folder (default: plain "
+                   "decoding)")
+    g.add_argument("--engine", default=None, help="with --decoder medusa: the base's engine (default: auto)")
+    g.add_argument("--quantize", choices=QUANTIZE, default="none",
+                   help="with --decoder medusa: weight-only quantized linears (as generate --quantize)")
+    g.add_argument("--gguf", default=None, metavar="FILE",
+                   help="with --quantize int4: the 4-bit GGUF the base was prepared from (its own codes)")
+    g.add_argument("--int4-kernel", choices=INT4_KERNELS, default="native",
+                   help="with --quantize int4: as generate --int4-kernel; native (default here): fp32 activations, "
+                        "the closest to the base")
+    g.add_argument("--quantized-lm-head", choices=QUANTIZED_LM_HEADS, default=None,
+                   help="with --quantize: as generate --quantized-lm-head (default: gguf with --gguf and a native "
+                        "kernel, else fp32)")
+    g.add_argument("--threads", type=int, default=None, help="with --decoder medusa: torch CPU threads")
     g = p.add_argument_group("through a server (any OpenAI-compatible one: vLLM, SGLang, TGI, llama.cpp, serve)")
     g.add_argument("--server", metavar="URL", default=None,
                    help="ask this server instead of running --base here, e.g. http://127.0.0.1:8000/v1 (--base "
@@ -153,8 +175,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retries", type=int, default=4,
                    help="tries again after 429, 5xx, timeouts and network errors, with backoff (default 4)")
     g.add_argument("--check-prompts", type=int, default=8,
-                   help="answer this many prompts with --base here too, and compare tokens before writing (0: no "
-                        "check, and --base's weights are not loaded)")
+                   help="answer this many prompts with --base here too (Hugging Face generate), and compare tokens "
+                        "before writing; with --server, and with --decoder medusa on a quantized engine (0: no "
+                        "check, and --base's weights are not loaded for it)")
     g.add_argument("--min-agreement", type=float, default=0.5,
                    help="the token check fails below this mean share of tokens agreeing before the first "
                         "difference (default 0.5)")
@@ -179,15 +202,20 @@ def run_distill(args: argparse.Namespace) -> int:
     Under ``accelerate launch`` every process loads the base on its own device and answers its share of the batches;
     the files are the one-process files (:func:`train.distill.distill`). The process group is closed at the end.
 
+    With ``--decoder medusa`` the answers come from this project's decoder (:func:`train.distill.decoder_answer`),
+    built as ``medusa generate`` builds it; on a quantized engine its first ``--check-prompts`` answers are first
+    compared with the base's own (:func:`train.distill_server.token_check`).
+
     Raises:
-        ValueError: ``--server``, or a ``--device`` other than cpu, under several processes.
+        ValueError: ``--server``, or a ``--device`` other than cpu, under several processes; decoder flags without
+            ``--decoder medusa``, or with ``--server``; the token check under several processes; a failed check.
     """
     import torch
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from medusa.build import DTYPES
-    from train.distill import DEFAULT_PREFIX_LENGTHS, distill_splits
+    from train.distill import DEFAULT_PREFIX_LENGTHS, decoder_answer, distill_splits
     from train.setup import launched_on_cpu
 
     state = PartialState(cpu=launched_on_cpu())
@@ -195,6 +223,19 @@ def run_distill(args: argparse.Namespace) -> int:
     if several and args.server:
         raise ValueError(f"--server under {state.num_processes} processes: distill --server runs in one process (it "
                          "sends --concurrency requests at once); run it without accelerate launch")
+    medusa_decoder = args.decoder == "medusa"
+    decoder_flags = [f for f, v in (("--heads", args.heads), ("--engine", args.engine), ("--gguf", args.gguf),
+                                    ("--quantize", args.quantize != "none"), ("--threads", args.threads),
+                                    ("--quantized-lm-head", args.quantized_lm_head)) if v]
+    if decoder_flags and not medusa_decoder:
+        raise ValueError(f"{', '.join(decoder_flags)} choose this project's decoder: add --decoder medusa")
+    if medusa_decoder and args.server:
+        raise ValueError("--decoder medusa answers in process and --server through a server: pass one")
+    checked = medusa_decoder and args.quantize != "none" and args.check_prompts > 0
+    if several and checked:
+        raise ValueError(f"the token check (--check-prompts {args.check_prompts}) runs in one process: run a first "
+                         "split alone (e.g. --split validation) to see it, then --check-prompts 0 under "
+                         f"{state.num_processes} processes")
     if several and args.device not in (None, "cpu"):
         raise ValueError(f"--device {args.device} under {state.num_processes} processes would put them all on one "
                          f"device: leave it out (each process then runs on its own; this one on {state.device})")
@@ -206,14 +247,21 @@ def run_distill(args: argparse.Namespace) -> int:
     device = args.device or (state.device if several else "cuda" if torch.cuda.is_available() else "cpu")
     if args.server:
         return run_distill_through_server(args, chosen, device)
-    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
-    distill_splits(model.eval(), AutoTokenizer.from_pretrained(args.base), chosen,
+    answer = model = None
+    if medusa_decoder:
+        answer = decoder_answer(distilling_decoder(args, device))
+        if checked:
+            check_decoder_answers(args, chosen, answer, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
+        model.eval()
+    distill_splits(model, AutoTokenizer.from_pretrained(args.base), chosen,
                    max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
                    max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
                    batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
                    turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
                    prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS),
-                   accelerator=state if several else None)
+                   accelerator=state if several else None, answer=answer)
     if several:
         # Left to interpreter teardown, gloo's threads can abort a process after its work is done.
         state.destroy_process_group()
@@ -222,6 +270,60 @@ def run_distill(args: argparse.Namespace) -> int:
             done = sum(1 for _ in open(path, encoding="utf-8")) if path.is_file() else 0
             print(f"{path}: {done} answers ({len(split)} conversations in the split)")
     return 0
+
+
+def distilling_decoder(args: argparse.Namespace, device: str):
+    """``--decoder medusa``'s model: :func:`medusa.build.build_model` with the distill command's decoder flags (the
+    base's dense weights released where a quantized engine no longer reads them)."""
+    from medusa.build import DecodeConfig, build_model
+
+    native = args.quantize == "int4" and args.int4_kernel in ("native", "native-q8")
+    lm_head = args.quantized_lm_head or ("gguf" if native and args.gguf else "fp32")
+    drafter = {"heads": args.heads} if args.heads else {"drafter": "none"}
+    config = DecodeConfig(base=args.base, dtype=args.dtype, device=device, threads=args.threads, engine=args.engine,
+                          quantize=args.quantize, gguf=args.gguf,
+                          int4_kernel=args.int4_kernel if args.quantize == "int4" else "torch",
+                          quantized_lm_head=lm_head if args.quantize != "none" else "fp32",
+                          release_dense=args.quantize != "none", **drafter)
+    return build_model(config, report=lambda text: logger.info("%s", text))
+
+
+def check_decoder_answers(args: argparse.Namespace, chosen: list, answer, device: str) -> dict:
+    """Before anything is written: the decoder's answers to the first ``--check-prompts`` pending prompts of the
+    first split that has any, against the base's own greedy tokens (:func:`train.distill_server.token_check`, which
+    raises below ``--min-agreement``). Those prompts are answered again when the split is distilled."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa.base import stop_token_ids
+    from medusa.build import DTYPES
+    from train.distill import DEFAULT_PREFIX_LENGTHS, pending_prompts
+    from train.distill_server import token_check
+
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    max_new = train_default("distill_max_new_tokens", args.max_new_tokens)
+    for split, path in chosen:
+        _, _, (todo, _, _) = pending_prompts(path, tokenizer, split,
+                                             train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+                                             train_default("distill_turns", args.turns),
+                                             train_default("seed", args.seed),
+                                             tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
+        if todo:
+            break
+    else:
+        return {"checked": 0}
+    todo = todo[: args.check_prompts]
+    answers = answer([ids for _, _, ids in todo], max_new)
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.inference_mode():
+        report = token_check(base.eval(), todo, answers, stop_token_ids(base.generation_config), pad, tokenizer,
+                             args.min_agreement, source="the decoder",
+                             why=f"--quantize {args.quantize} rounds the weights, so near-ties can part the two "
+                                 "(--int4-kernel native keeps fp32 activations, the closest to the base)")
+    print(f"token check against --base's own greedy tokens: {report['identical']}/{report['checked']} answers "
+          f"identical, {100 * report['agreement']:.1f}% of tokens agree before the first difference")
+    return report
 
 
 def run_distill_through_server(args: argparse.Namespace, chosen: list, device: str) -> int:
