@@ -138,7 +138,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
     p.add_argument("--prefix-lengths", type=int_list, default=None, metavar="N,N,...",
                    help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the base's weights and compute dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     g = p.add_argument_group("through this project's decoder, in process (--decoder medusa)")
     g.add_argument("--decoder", choices=["hf", "medusa"], default="hf",
@@ -170,17 +170,17 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                         "through the server's own chat template")
     g.add_argument("--api-key-file", default=None,
                    help="a file whose first line is the API key (default: $MEDUSA_API_KEY, then $OPENAI_API_KEY)")
-    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
-    g.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request (default 300 s)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    g.add_argument("--request-timeout-s", type=float, default=300.0, help="limit per request, in seconds")
     g.add_argument("--retries", type=int, default=4,
-                   help="tries again after 429, 5xx, timeouts and network errors, with backoff (default 4)")
+                   help="tries again after 429, 5xx, timeouts and network errors, with backoff")
     g.add_argument("--check-prompts", type=int, default=8,
                    help="answer this many prompts with --base here too (Hugging Face generate), and compare tokens "
                         "before writing; with --server, and with --decoder medusa on a quantized engine (0: no "
                         "check, and --base's weights are not loaded for it)")
     g.add_argument("--min-agreement", type=float, default=0.5,
                    help="the token check fails below this mean share of tokens agreeing before the first "
-                        "difference (default 0.5)")
+                        "difference")
 
 
 def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
