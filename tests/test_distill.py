@@ -3,6 +3,7 @@ first, resumable)."""
 
 import json
 import logging
+import re
 
 from medusa.cli import main
 from tests.test_train import write_chats
@@ -81,11 +82,15 @@ def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp
     assert main([*common, "--out-dir", str(tmp_path / "hf"), "--batch-size", "1"]) == 0
     assert main([*common, "--out-dir", str(tmp_path / "plain"), "--decoder", "medusa", "--engine", "eager"]) == 0
     caplog.set_level(logging.INFO, logger="train.splits")
+    caplog.set_level(logging.INFO, logger="train.distill")
     assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa", "--heads",
                  str(tmp_path / "heads"), "--engine", "static"]) == 0
     assert "the heads folder has no calibration.json" in caplog.text  # the heads were loaded
     reference = _records(tmp_path / "hf")
     assert all(reference.values()) and _records(tmp_path / "plain") == reference == _records(tmp_path / "medusa")
+    # one prompt a batch through the decoder (the time limit and the flush go prompt by prompt); HF's default: 16
+    planned = re.findall(r"distilling (\d+) prompts in (\d+) batches", caplog.text)
+    assert planned and all(prompts == batches for prompts, batches in planned)
     before = (tmp_path / "medusa" / "distilled_train.jsonl").read_text()
     assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa"]) == 0  # all done already
     assert (tmp_path / "medusa" / "distilled_train.jsonl").read_text() == before

@@ -134,7 +134,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="as in training (default: TrainConfig's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
-    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's)")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's; "
+                   "1 with --decoder medusa, which answers one prompt at a time)")
     p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
     p.add_argument("--prefix-lengths", type=int_list, default=None, metavar="N,N,...",
                    help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
@@ -263,7 +264,10 @@ def run_distill(args: argparse.Namespace) -> int:
     distill_splits(model, AutoTokenizer.from_pretrained(args.base), chosen,
                    max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
                    max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
-                   batch_size=train_default("distill_batch_size", args.batch_size), time_limit_s=args.time_limit_s,
+                   # one prompt a batch through the decoder (it answers one at a time): the time limit, the flush
+                   # and the dealing to processes then go prompt by prompt
+                   batch_size=args.batch_size or (1 if medusa_decoder else train_default("distill_batch_size", None)),
+                   time_limit_s=args.time_limit_s,
                    turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
                    prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS),
                    accelerator=state if several else None, answer=answer)
