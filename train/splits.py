@@ -197,6 +197,18 @@ def add_held_out_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON-lines file to write")
 
 
+def distill_settings(args: argparse.Namespace) -> dict:
+    """Which prompts ``medusa distill`` answers and how long: its flags, :class:`train.config.TrainConfig`'s defaults
+    where unset (keywords of :func:`train.distill.distill_splits`, :func:`train.distill.pending_prompts` and
+    :func:`train.distill_server.distill_through_server`)."""
+    from train.distill import DEFAULT_PREFIX_LENGTHS
+
+    return {"max_new_tokens": train_default("distill_max_new_tokens", args.max_new_tokens),
+            "max_prompt_tokens": train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
+            "turns": train_default("distill_turns", args.turns), "seed": train_default("seed", args.seed),
+            "prefix_lengths": tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS)}
+
+
 def run_distill(args: argparse.Namespace) -> int:
     """``medusa distill``: the chosen splits answered by the base, written to ``--out-dir``; one line per file.
 
@@ -216,7 +228,7 @@ def run_distill(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from medusa.build import DTYPES
-    from train.distill import DEFAULT_PREFIX_LENGTHS, decoder_answer, distill_splits
+    from train.distill import decoder_answer, distill_splits
     from train.setup import launched_on_cpu
 
     state = PartialState(cpu=launched_on_cpu())
@@ -253,24 +265,20 @@ def run_distill(args: argparse.Namespace) -> int:
     device = args.device or (state.device if several else "cuda" if torch.cuda.is_available() else "cpu")
     if args.server:
         return run_distill_through_server(args, chosen, device)
-    answer = model = None
+    tokenizer, answer, model = AutoTokenizer.from_pretrained(args.base), None, None
     if medusa_decoder:
         decoder = distilling_decoder(args, device)
-        checked_answers = check_decoder_answers(args, chosen, decoder_answer(decoder), device) if checked else {}
+        checked_answers = check_decoder_answers(args, tokenizer, chosen, decoder_answer(decoder), device) \
+            if checked else {}
         answer = decoder_answer(decoder, checked_answers)  # the checked answers are written, not made again
     else:
         model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
         model.eval()
-    distill_splits(model, AutoTokenizer.from_pretrained(args.base), chosen,
-                   max_new_tokens=train_default("distill_max_new_tokens", args.max_new_tokens),
-                   max_prompt_tokens=train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
-                   # one prompt a batch through the decoder (it answers one at a time): the time limit, the flush
-                   # and the dealing to processes then go prompt by prompt
-                   batch_size=args.batch_size or (1 if medusa_decoder else train_default("distill_batch_size", None)),
-                   time_limit_s=args.time_limit_s,
-                   turns=train_default("distill_turns", args.turns), seed=train_default("seed", args.seed),
-                   prefix_lengths=tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS),
-                   accelerator=state if several else None, answer=answer)
+    # one prompt a batch through the decoder (it answers one at a time): the time limit, the flush and the dealing
+    # to processes then go prompt by prompt
+    batch_size = args.batch_size or (1 if medusa_decoder else train_default("distill_batch_size"))
+    distill_splits(model, tokenizer, chosen, batch_size=batch_size, time_limit_s=args.time_limit_s,
+                   accelerator=state if several else None, answer=answer, **distill_settings(args))
     if several:
         # Left to interpreter teardown, gloo's threads can abort a process after its work is done.
         state.destroy_process_group()
@@ -298,28 +306,24 @@ def distilling_decoder(args: argparse.Namespace, device: str):
     return build_model(config, report=lambda text: logger.info("%s", text))
 
 
-def check_decoder_answers(args: argparse.Namespace, chosen: list, answer, device: str) -> dict:
+def check_decoder_answers(args: argparse.Namespace, tokenizer, chosen: list, answer, device: str) -> dict:
     """Before anything is written: the decoder's answers to the first ``--check-prompts`` pending prompts of the
     chosen splits, in order, against the base's own greedy tokens (:func:`train.distill_server.token_check`, which
     raises below ``--min-agreement``). Returns those answers by prompt ids, for the distillation to write as they
     are."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from medusa.base import stop_token_ids
     from medusa.build import DTYPES
-    from train.distill import DEFAULT_PREFIX_LENGTHS, pending_prompts
+    from train.distill import pending_prompts
     from train.distill_server import token_check
 
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
-    max_new = train_default("distill_max_new_tokens", args.max_new_tokens)
+    settings = distill_settings(args)
+    max_new = settings.pop("max_new_tokens")
     todo = []
     for split, path in chosen:
-        _, _, (pending, _, _) = pending_prompts(path, tokenizer, split,
-                                                train_default("distill_max_prompt_tokens", args.max_prompt_tokens),
-                                                train_default("distill_turns", args.turns),
-                                                train_default("seed", args.seed),
-                                                tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS))
+        _, _, (pending, _, _) = pending_prompts(path, tokenizer, split, **settings)
         todo += pending[: args.check_prompts - len(todo)]
         if len(todo) == args.check_prompts:
             break
@@ -347,7 +351,6 @@ def run_distill_through_server(args: argparse.Namespace, chosen: list, device: s
 
     from medusa.base import stop_token_ids
     from medusa.build import DTYPES
-    from train.distill import DEFAULT_PREFIX_LENGTHS
     from train.distill_server import ServerClient, ServerSettings, distill_through_server, read_api_key
 
     logging.getLogger("train.distill_server").setLevel(logging.INFO)
@@ -373,11 +376,8 @@ def run_distill_through_server(args: argparse.Namespace, chosen: list, device: s
                 continue
             with torch.inference_mode():
                 result = distill_through_server(
-                    client, tokenizer, split, path, train_default("distill_max_new_tokens", args.max_new_tokens),
-                    train_default("distill_max_prompt_tokens", args.max_prompt_tokens), left,
-                    train_default("distill_turns", args.turns), train_default("seed", args.seed),
-                    tuple(args.prefix_lengths or DEFAULT_PREFIX_LENGTHS), check_model, args.check_prompts,
-                    args.min_agreement)
+                    client, tokenizer, split, path, time_limit_s=left, check_model=check_model,
+                    check_prompts=args.check_prompts, min_agreement=args.min_agreement, **distill_settings(args))
             check_model = None  # checked once, on the first split's first answers
             for key in totals:
                 totals[key] += result[key]
