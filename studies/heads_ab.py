@@ -50,6 +50,24 @@ def parse_decoder(spec: str) -> tuple[str, str, dict]:
     return name, folder, options
 
 
+def new_totals() -> dict:
+    """One decoder's sums over a prompt set (:func:`tally`)."""
+    return {"tokens": 0, "decoded": 0, "copied": 0, "seconds": 0.0, "steps": 0, "parts": {}, "nodes": [],
+            "identical": 0}
+
+
+def tally(totals: dict, stats, seconds: float) -> None:
+    """Add one ``generate`` call (its :class:`medusa.decode.loop.GenerationStats` and wall ``seconds``)."""
+    totals["tokens"] += stats.new_tokens
+    totals["seconds"] += seconds
+    totals["steps"] += stats.decode_steps
+    totals["decoded"] += stats.decode_tokens
+    totals["copied"] += stats.copied_tokens
+    totals["nodes"] += stats.tree_nodes
+    for part, s in stats.step_s.items():
+        totals["parts"][part] = totals["parts"].get(part, 0.0) + s
+
+
 def build(args, folder: str | None, options: dict):
     """One decoder's model on the engine the arguments name."""
     from medusa.build import DecodeConfig, build_model
@@ -113,8 +131,7 @@ def main() -> int:
     result = {"engine": args.engine if args.quantize == "none" else f"int4 {args.int4_kernel}",
               "threads": args.threads, "decoders": {n: f for n, f, _ in specs}, "sets": {}}
     for set_name, prompts in sets.items():
-        totals = {name: {"tokens": 0, "decoded": 0, "copied": 0, "seconds": 0.0, "steps": 0, "parts": {},
-                         "nodes": [], "identical": 0} for name in models}
+        totals = {name: new_totals() for name in models}
         order = list(models)
         for i, ids in enumerate(prompts):
             outs = {}
@@ -122,15 +139,7 @@ def main() -> int:
             for name in order[shift:] + order[:shift]:
                 out, seconds, stats = run(name, ids)
                 outs[name] = out
-                t = totals[name]
-                t["tokens"] += stats.new_tokens
-                t["seconds"] += seconds
-                t["steps"] += stats.decode_steps
-                t["decoded"] += stats.decode_tokens
-                t["copied"] += stats.copied_tokens
-                t["nodes"] += stats.tree_nodes
-                for part, s in stats.step_s.items():
-                    t["parts"][part] = t["parts"].get(part, 0.0) + s
+                tally(totals[name], stats, seconds)
             for name in models:
                 totals[name]["identical"] += outs[name] == outs["plain"]
         plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]

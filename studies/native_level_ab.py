@@ -44,6 +44,7 @@ def main() -> None:
                              "from their wall time (PerStepDrafter(learn_level_cost=True))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from heads_ab import new_totals, tally
     from peer_bench import native_model
     from transformers import AutoTokenizer
 
@@ -70,22 +71,14 @@ def main() -> None:
 
     for name in models:
         run(name, prompts[0])  # warm-up
-    totals = {name: {"tokens": 0, "decoded": 0, "seconds": 0.0, "steps": 0, "parts": {}, "nodes": []}
-              for name in models}
+    totals = {name: new_totals() for name in models}
     identical = 0
     for i, ids in enumerate(prompts):
         outs = {}
         for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
             out, seconds, stats = run(name, ids)
             outs[name] = out
-            t = totals[name]
-            t["tokens"] += stats.new_tokens
-            t["seconds"] += seconds
-            t["steps"] += stats.decode_steps
-            t["decoded"] += stats.decode_tokens
-            t["nodes"] += stats.tree_nodes
-            for part, s in stats.step_s.items():
-                t["parts"][part] = t["parts"].get(part, 0.0) + s
+            tally(totals[name], stats, seconds)
         identical += outs["plain"] == outs["fused"] == outs[args.against]
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     print(f"# {args.kernel}, {len(prompts)} prompts of {Path(args.prompts).name}, {args.threads} threads\n")
