@@ -13,7 +13,8 @@ shared host) falls on every decoder alike. Reported per decoder:
 
 A decoder is ``NAME=HEADS_DIR`` (``NAME=none``: plain decoding, always added as ``plain``), with options after commas:
 ``lookup=N`` (the lookup chain's length; 0: the heads alone), ``products=projection`` (only the heads' shared
-projection through the engine's drafter products, the rest through ``nn.Linear``).
+projection through the engine's drafter products, the rest through ``nn.Linear``), ``corpus=auto|off|FILE`` (the
+per-step tree's lookup corpus, ``--lookup-corpus``).
 
     MEDUSA_CACHE_DIR=/tmp/bench6 python studies/heads_ab.py --threads 2 --limit 24 \\
         --decoder shipped=checkpoints/smollm2-135m-instruct-hydra --decoder prefix=outputs/hydra-prefix/heads \\
@@ -44,9 +45,9 @@ def parse_decoder(spec: str) -> tuple[str, str, dict]:
     if not name or not folder:
         raise SystemExit(f"--decoder wants NAME=HEADS_DIR[,key=value], got {spec!r}")
     options = dict(p.split("=", 1) for p in pairs)
-    unknown = set(options) - {"lookup", "products"}
+    unknown = set(options) - {"lookup", "products", "corpus"}
     if unknown:
-        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products)")
+        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products, corpus)")
     return name, folder, options
 
 
@@ -75,6 +76,8 @@ def build(args, folder: str | None, options: dict):
     drafter = {"heads": folder} if folder else {"drafter": "none"}
     if "lookup" in options:
         drafter["lookup"] = int(options["lookup"])
+    if "corpus" in options:
+        drafter["lookup_corpus"] = options["corpus"]
     if args.quantize == "int4":
         from peer_bench import default_gguf
 
