@@ -95,9 +95,6 @@ class DecodeConfig:
     """Prompt lookup: a chain of this many tokens copied from the context (``None``: the tree file's; 0: none)."""
     lookup_ngram: int | None = None
     """Longest context n-gram prompt lookup matches (``None``: the tree file's, else 3)."""
-    lookup_corpus: str = "auto"
-    """Per-step tree: the datastore its copied chain may also draw from (:mod:`medusa.drafters.corpus_lookup`):
-    ``auto``, the heads folder's ``lookup_corpus.npz`` where it has one; ``off``, none; or a corpus file."""
     adapter: str | None = None
     """Medusa-2 LoRA adapter folder (peft), merged into the base before decoding."""
     draft_model: str | None = None
@@ -198,25 +195,6 @@ class DecodeConfig:
             raise ValueError("--max-tree-nodes sizes the per-step tree, but --tree forces a fixed tree: drop one")
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
             raise ValueError(f"--max-tree-nodes must be >= 1, got {self.max_tree_nodes}")
-
-    def corpus_file(self) -> Path | None:
-        """The lookup corpus file the per-step tree draws from (:attr:`lookup_corpus`), or ``None``.
-
-        Raises:
-            FileNotFoundError: ``--lookup-corpus FILE`` names no file.
-        """
-        if self.lookup_corpus == "off" or self.heads is None:
-            return None
-        if self.lookup_corpus == "auto":
-            from medusa.drafters.corpus_lookup import CORPUS_FILE_NAME
-
-            path = Path(self.heads) / CORPUS_FILE_NAME
-            return path if path.is_file() else None
-        path = Path(self.lookup_corpus)
-        if not path.is_file():
-            raise FileNotFoundError(f"--lookup-corpus {self.lookup_corpus}: no such file (auto, off, or a corpus "
-                                    "file `medusa calibrate --lookup-corpus` wrote)")
-        return path
 
     def _check_draft_model(self) -> None:
         if self.draft_model is None:
@@ -348,9 +326,6 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                    "from the context, verified with the heads' tree (overrides the tree file's; 0: none)")
     p.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest context n-gram prompt lookup "
                    "matches (default: the tree file's, else 3; build-tree: 3)")
-    p.add_argument("--lookup-corpus", default=_DEFAULTS["lookup_corpus"], metavar="auto|off|FILE",
-                   help="per-step tree: a datastore of the base's own answers its copied chain may also draw from "
-                        "(retrieval drafting); auto: the heads folder's lookup_corpus.npz where it has one")
     p.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=["auto", *sorted(DTYPES)],
                    help="weights and compute dtype; auto: bfloat16 where the GPU supports it, or where this CPU has "
                         "AMX / AVX-512 BF16 and its measured profile says bfloat16 pays (its outputs can then differ "
@@ -477,12 +452,6 @@ def _build_heads(config: DecodeConfig, dtype, device, reason, measure_dtype: boo
         options = {"lookup_length": config.lookup} if config.lookup is not None else {}
         if config.max_tree_nodes is not None:
             options["max_nodes"] = config.max_tree_nodes
-        corpus = config.corpus_file()
-        if corpus is not None:
-            from medusa.drafters.corpus_lookup import load_corpus_for
-
-            options["corpus"] = load_corpus_for(corpus, model.heads.config.vocab_size)
-            say(f"lookup corpus: {corpus} ({len(options['corpus'])} tokens)")
         model.use_per_step_tree(calibration, measure=True, **options)  # checked against the folder's weights above
         say(f"per-step tree: up to {model.drafter.max_nodes} nodes (root included), from "
             f"{Path(config.heads) / 'calibration.json'} and this machine's profile")

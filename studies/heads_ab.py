@@ -13,8 +13,7 @@ shared host) falls on every decoder alike. Reported per decoder:
 
 A decoder is ``NAME=HEADS_DIR`` (``NAME=none``: plain decoding, always added as ``plain``), with options after commas:
 ``lookup=N`` (the lookup chain's length; 0: the heads alone), ``products=projection`` (only the heads' shared
-projection through the engine's drafter products, the rest through ``nn.Linear``), ``corpus=auto|off|FILE`` (the
-per-step tree's lookup corpus, ``--lookup-corpus``).
+projection through the engine's drafter products, the rest through ``nn.Linear``).
 
     MEDUSA_CACHE_DIR=/tmp/bench6 python studies/heads_ab.py --threads 2 --limit 24 \\
         --decoder shipped=checkpoints/smollm2-135m-instruct-hydra --decoder prefix=outputs/hydra-prefix/heads \\
@@ -45,9 +44,9 @@ def parse_decoder(spec: str) -> tuple[str, str, dict]:
     if not name or not folder:
         raise SystemExit(f"--decoder wants NAME=HEADS_DIR[,key=value], got {spec!r}")
     options = dict(p.split("=", 1) for p in pairs)
-    unknown = set(options) - {"lookup", "products", "corpus"}
+    unknown = set(options) - {"lookup", "products"}
     if unknown:
-        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products, corpus)")
+        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products)")
     return name, folder, options
 
 
@@ -76,8 +75,6 @@ def build(args, folder: str | None, options: dict):
     drafter = {"heads": folder} if folder else {"drafter": "none"}
     if "lookup" in options:
         drafter["lookup"] = int(options["lookup"])
-    if "corpus" in options:
-        drafter["lookup_corpus"] = options["corpus"]
     if args.quantize == "int4":
         from peer_bench import default_gguf
 

@@ -58,7 +58,6 @@ from medusa.drafters.calibration import (
     heads_identity,
     load_calibration,
 )
-from medusa.drafters.corpus_lookup import CORPUS_FILE_NAME, LookupCorpus, load_corpus_for
 from medusa.drafters.heads_drafter import HeadsState
 from medusa.drafters.prompt_lookup import lookup_match
 from medusa.profile import STEP_SIZES, heads_key, interpolate
@@ -267,13 +266,10 @@ class PerStepDrafter:
         max_parents: most nodes drafted from at one depth.
         learn_level_cost: greedy trees charge a head call what this drafter's own calls took
             (:attr:`level_learned_s`); off by default.
-        corpus: a measured :class:`medusa.drafters.corpus_lookup.LookupCorpus`: each row's copied chain comes from
-            it instead of the context when its calibrated first token is the likelier (retrieval drafting, REST).
 
     Raises:
         medusa.drafters.calibration.CalibrationMismatchError: the calibration is for other heads.
-        ValueError: ``max_nodes``, ``top_k`` or ``max_parents`` < 1, a lookup chain longer than calibrated, or a
-            corpus without its measured acceptance or with proposals shorter than the chain.
+        ValueError: ``max_nodes``, ``top_k`` or ``max_parents`` < 1, or a lookup chain longer than calibrated.
     """
 
     trainable = False
@@ -281,8 +277,7 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False,
-                 corpus: LookupCorpus | None = None):
+                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -296,14 +291,6 @@ class PerStepDrafter:
         if not 0 <= lookup_length <= calibration.lookup_length:
             raise ValueError(f"a prompt-lookup chain of {lookup_length} tokens, but the calibration measured "
                              f"{calibration.lookup_length} positions")
-        if corpus is not None and lookup_length:
-            if corpus.acceptance is None:
-                raise ValueError("the lookup corpus has no measured acceptance: measure it with `medusa calibrate "
-                                 "--lookup-corpus` before decoding with it")
-            if corpus.max_length < lookup_length:
-                raise ValueError(f"the lookup corpus proposes at most {corpus.max_length} tokens, the chain is "
-                                 f"{lookup_length} long")
-        self.corpus = corpus if lookup_length else None
         self.heads, self.calibration, self.cost = heads, calibration, cost
         self.lookup_length, self.top_k, self.max_parents = lookup_length, min(top_k, calibration.top_k), max_parents
         self.max_nodes = max_nodes
@@ -331,15 +318,13 @@ class PerStepDrafter:
         self._layouts: OrderedDict[tuple, TreeBuffers] = OrderedDict()
 
     @classmethod
-    def load(cls, heads_dir, heads, cost: StepCost, corpus: bool = True, **options) -> PerStepDrafter:
-        """The heads of ``heads_dir`` (already loaded: ``heads``) with the folder's ``calibration.json``, and its
-        lookup corpus (:data:`medusa.drafters.corpus_lookup.CORPUS_FILE_NAME`) where it has one and ``corpus``.
+    def load(cls, heads_dir, heads, cost: StepCost, **options) -> PerStepDrafter:
+        """The heads of ``heads_dir`` (already loaded: ``heads``) with the folder's ``calibration.json``.
 
         Raises:
             FileNotFoundError: the folder has no calibration.
             ValueError, medusa.drafters.calibration.CalibrationMismatchError: a damaged calibration, or one for other
-                heads (e.g. heads trained again after it was measured: their weights file differs); a damaged or
-                unmeasured corpus, or one of ids beyond the heads' vocabulary.
+                heads (e.g. heads trained again after it was measured: their weights file differs).
         """
         from medusa.io.checkpoint import HEADS_WEIGHTS_NAME
 
@@ -347,17 +332,13 @@ class PerStepDrafter:
         calibration = load_calibration(path)
         check_calibration(calibration, heads_identity(heads, Path(heads_dir) / HEADS_WEIGHTS_NAME),
                           f"calibration file {path}")
-        corpus_path = Path(heads_dir) / CORPUS_FILE_NAME
-        store = load_corpus_for(corpus_path, heads.config.vocab_size) if corpus and corpus_path.is_file() else None
-        return cls(heads, calibration, cost, corpus=store, **options)
+        return cls(heads, calibration, cost, **options)
 
     def settings(self) -> dict:
         """What the bench records about the drafter."""
         return {"drafter": self.name, "max_nodes": self.max_nodes, "lookup_length": self.lookup_length,
                 "top_k": self.top_k, "max_parents": self.max_parents, "buckets": self.cost.buckets,
-                "calibration": self.calibration.source,
-                "lookup_corpus": None if self.corpus is None else {"digest": self.corpus.digest,
-                                                                   "tokens": len(self.corpus)}}
+                "calibration": self.calibration.source}
 
     # -- per-sequence state (as the heads' drafter) -------------------------------------------------------------------
     def new_state(self) -> PerStepState:
@@ -440,18 +421,10 @@ class PerStepDrafter:
             by_ngram = self._tables["lookup", device]
             # (B, L) each position's acceptance given the one before, by the n-gram each row matched
             chain_conditional = conditional = [by_ngram[n] for _, n in drafts]
-            drafts = [t.tolist() for t, _ in drafts]
-            if self.corpus is not None:  # the corpus's chain where its first token is the likelier
-                by_match = [row[: self.lookup_length] for row in self.corpus.acceptance]
-                for b, seq in enumerate(sequences):
-                    tokens, m = self.corpus.match(seq[-self.corpus.max_ngram:].tolist(), self.lookup_length)
-                    if _expected_length(by_match[m]) > _expected_length(conditional[b]):
-                        drafts[b], conditional[b] = tokens, by_match[m]
-                chain_conditional = conditional
             if self.learn_acceptance:  # the first node by its seen scale, the later ones by theirs
                 conditional = [[min(1.0, v * s.seen_scale(CHAIN if j == 0 else CHAIN - 1)) for j, v in enumerate(row)]
                                for row, s in zip(conditional, states, strict=True)]
-            chain = (drafts,  # (B, L) tokens
+            chain = ([t.tolist() for t, _ in drafts],  # (B, L) tokens
                      [list(itertools.accumulate(row, operator.mul)) for row in conditional])  # (B, L) path values
         if self.learn_acceptance:  # the best a depth may give, after the rows' seen scales
             best_accept = [min(1.0, a * max(s.seen_scale(k) for s in states for k in (2 * d, 2 * d + 1)))
@@ -779,12 +752,6 @@ class _Growing:
                                if node in index],
                               [[row[r] for r in rows] for row in level.child_accept]))
         return tree, out
-
-
-def _expected_length(conditional: list[float]) -> float:
-    """Expected accepted tokens of a chain whose token j is right with probability ``conditional[j]`` given the
-    ones before it were."""
-    return sum(itertools.accumulate(conditional, operator.mul))
 
 
 def _path(parents: list[int], node: int) -> list[int]:
