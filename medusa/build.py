@@ -126,8 +126,9 @@ class DecodeConfig:
     """With ``quantize``: the lm_head's precision, ``fp32`` (the base's), ``bf16`` (a bf16 copy whose argmax is
     checked to be fp32's, :mod:`medusa.engines.checked_head`) or ``int4`` (codes like the linears; lossy)."""
     int4_kernel: str = "torch"
-    """With ``quantize="int4"``: ``torch`` (torch's int4 kernel, bf16 activations) or ``native`` (one C call a
-    forward, fp32 activations, one sequence at a time: :mod:`medusa.engines.native`)."""
+    """With ``quantize="int4"``: ``torch`` (torch's int4 kernel, bf16 activations), ``native`` (one C call a
+    forward of every row, fp32 activations: :mod:`medusa.engines.native`) or ``native-q8`` (the same, activations
+    rounded to int8 blocks)."""
     release_dense: bool = False
     """With ``quantize``: free the base's dense copies of the layers the engine runs quantized, once the model is
     built (:meth:`medusa.engines.quantized.QuantizedEngine.release_dense`), so the process holds the quantized
@@ -352,8 +353,8 @@ def add_decode_arguments(p: argparse.ArgumentParser, draft_model: bool = False) 
                         "or native-q8)")
     p.add_argument("--int4-kernel", choices=INT4_KERNELS, default="torch",
                    help="with --quantize int4: torch (torch's int4 kernel, bf16 activations, default); native (the "
-                        "whole forward in one C call, fp32 activations, compiled on first use with the system's C "
-                        "compiler; one sequence at a time); native-q8 (the same with activations rounded to int8 "
+                        "whole forward in one C call, every batched row in it, fp32 activations, compiled on first "
+                        "use with the system's C compiler); native-q8 (the same with activations rounded to int8 "
                         "blocks on AVX-512 VNNI, as llama.cpp: lossy, faster): docs/quantized.md")
     p.add_argument("--verify-logits", choices=tuple(VERIFY_LOGITS), default=_DEFAULTS["verify_logits"],
                    help="the verify's lm_head: all: one product over every tree node; path: one row at a time along "

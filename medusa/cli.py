@@ -432,9 +432,6 @@ def cmd_serve(args) -> int:
     from medusa.serve.run import serve
 
     config = ServeConfig.from_flags(args, args.served_model_name or Path(args.heads).resolve().name)
-    if getattr(args, "int4_kernel", "torch") != "torch":
-        raise ValueError(f"--int4-kernel {args.int4_kernel} decodes one sequence at a time and the server batches "
-                         "its requests: serve with --int4-kernel torch")
     model = _load(args)
     _stderr(f"serving {config.served_model_name} on http://{args.host}:{args.port}/v1")
     serve(model, config, args.host, args.port, args.drain_timeout_s, "info" if args.verbose else "warning")

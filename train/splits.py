@@ -135,7 +135,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: TrainConfig's)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default: TrainConfig's)")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: TrainConfig's; "
-                   "1 with --decoder medusa, which answers one prompt at a time)")
+                   "1 with --decoder medusa on an engine that decodes one prompt at a time)")
     p.add_argument("--time-limit-s", type=float, default=None, help="stop after the batch that crosses this budget")
     p.add_argument("--prefix-lengths", type=int_list, default=None, metavar="N,N,...",
                    help="documents: prefix lengths in tokens, one drawn per document (default: 16,32,64,128)")
@@ -143,8 +143,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when available)")
     g = p.add_argument_group("through this project's decoder, in process (--decoder medusa)")
     g.add_argument("--decoder", choices=["hf", "medusa"], default="hf",
-                   help="hf: Hugging Face generate, --batch-size prompts at once; medusa: this project's decoder, one "
-                        "prompt at a time: plain decoding, or Medusa decoding with --heads, through --engine or "
+                   help="hf: Hugging Face generate, --batch-size prompts at once; medusa: this project's decoder, "
+                        "--batch-size prompts at once where the engine batches (each gets its tokens alone), else one "
+                        "at a time: plain decoding, or Medusa decoding with --heads, through --engine or "
                         "--quantize (exact: the greedy tokens of the model that engine runs; on a quantized engine "
                         "the token check says how far they are the base's)")
     g.add_argument("--heads", default=None, help="with --decoder medusa: Medusa/Hydra heads folder (default: plain "
@@ -274,9 +275,10 @@ def run_distill(args: argparse.Namespace) -> int:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.base, dtype=getattr(torch, DTYPES[args.dtype])).to(device)
         model.eval()
-    # one prompt a batch through the decoder (it answers one at a time): the time limit, the flush and the dealing
-    # to processes then go prompt by prompt
-    batch_size = args.batch_size or (1 if medusa_decoder else train_default("distill_batch_size"))
+    # through a decoder whose engine cannot batch, one prompt a batch (it answers one at a time): the time limit, the
+    # flush and the dealing to processes then go prompt by prompt
+    one_at_a_time = medusa_decoder and not decoder.engine.supports_batch
+    batch_size = args.batch_size or (1 if one_at_a_time else train_default("distill_batch_size"))
     distill_splits(model, tokenizer, chosen, batch_size=batch_size, time_limit_s=args.time_limit_s,
                    accelerator=state if several else None, answer=answer, **distill_settings(args))
     if several:

@@ -152,6 +152,11 @@ def _library():
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int]
+    lib.medusa_q4_forward_rows.restype = ctypes.c_int
+    lib.medusa_q4_forward_rows.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q4_forward.restype = ctypes.c_int
     lib.medusa_q4_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -510,3 +515,62 @@ class NativeDecoder:
         last = len(self.stack.layers) - 1
         features = None if not layers else torch.cat([x if i == last else kept[i] for i in layers], -1)
         return x, features
+
+    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
+                     new_visible: torch.Tensor, cache, layers: tuple[int, ...] = ()):
+        """One forward of ``B`` rows of ``N`` new tokens in one C call, on a batched
+        :class:`medusa.engines.static_cache.SlotCache` (:func:`medusa.engines.static_cache.forward_rows`'s arguments
+        and results): row b's tokens are written at slots ``length .. length + N - 1`` of its own cache and attend to
+        its slots ``0 .. valid_len[b] - 1``, then to the step's tokens ``new_visible`` lets them see. A token's bits
+        do not depend on the other rows (every sum runs over its own values in slot order), so a row decodes as it
+        would alone.
+
+        Args:
+            input_ids: ``(B, N)`` long; positions: ``(B, N)`` long; valid_len: ``(B,)`` long, each at most the
+                cache's length; new_visible: ``(N, N)`` or ``(B, N, N)`` bool, each token seeing itself.
+
+        Returns:
+            ``(B, N, H)`` hidden states after the final norm; with ``layers``, ``(hidden, features (B, N,
+            len(layers) * H))``.
+
+        Raises:
+            medusa.engines.static_cache.CacheFullError: the step does not fit the cache.
+            ValueError: ``valid_len`` beyond the cache's length, or a token that does not see itself.
+            MemoryError: the C side could not allocate its scratch memory.
+        """
+        b, n = input_ids.shape
+        length = cache.length
+        cached = valid_len.to(torch.int64).contiguous()
+        if len(cached) != b or int(cached.max()) > length or int(cached.min()) < 0:
+            raise ValueError(f"valid_len {cached.tolist()} for {b} rows of a cache of length {length}")
+        seen = new_visible.to(torch.bool).expand(b, n, n).reshape(b * n, n)
+        if not bool(seen.diagonal(0).all() if b == 1 else seen.view(b, n, n).diagonal(0, 1, 2).all()):
+            raise ValueError("every new token must see itself (new_visible's diagonal)")
+        cache.begin_step(n)
+        x = self.stack.embed_tokens(input_ids).reshape(b * n, -1).float().contiguous()  # new: the C call writes it
+        cos, sin = self._rotary(x, positions.reshape(-1))
+        offsets = torch.zeros(b * n + 1, dtype=torch.int32)
+        torch.cumsum(seen.sum(1), 0, out=offsets[1:])
+        index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # each token's visible step tokens, in order
+        keys = [layer.keys.contiguous() for layer in cache.layers]
+        values = [layer.values.contiguous() for layer in cache.layers]
+        for layer, k, v in zip(cache.layers, keys, values, strict=True):
+            if k.dtype != torch.float32 or k.shape != (b, self.kv_heads, cache.capacity, self.head_dim):
+                raise ValueError(f"a batched cache of {b} rows holds keys of shape {tuple(k.shape)} and dtype "
+                                 f"{k.dtype}, expected {(b, self.kv_heads, cache.capacity, self.head_dim)} float32")
+            layer.keys, layer.values = k, v
+        kept = {i: torch.empty(b * n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
+        kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
+            *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
+        status = self.lib.medusa_q4_forward_rows(
+            ctypes.byref(self.model), x.data_ptr(), b * n, n, cos.data_ptr(), sin.data_ptr(), offsets.data_ptr(),
+            index.data_ptr(), cached.data_ptr(), length, cache.capacity, _pointers(keys), _pointers(values),
+            kept_ptrs, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {b} x {n} tokens")
+        cache.length += n
+        last = len(self.stack.layers) - 1
+        hidden = x.view(b, n, -1)
+        if not layers:
+            return hidden
+        return hidden, torch.cat([x if i == last else kept[i] for i in layers], -1).view(b, n, -1)

@@ -363,8 +363,8 @@ class QuantizedEngine(StaticEngine):
             (:func:`medusa.io.gguf_pack.gguf_codes`), and a layer whose tensor is not 4-bit stays dense.
         kernel: one of :data:`KERNELS`: ``"torch"``, torch's int4/int8 kernels with bfloat16 activations;
             ``"native"`` (int4 only), one sequence's forwards through :class:`medusa.engines.native.NativeDecoder`
-            (one C call a forward, fp32 activations; compiled on first use). Batched decoding runs torch's kernels
-            either way, so ``"native"`` decodes one sequence at a time.
+            (one C call a forward, fp32 activations; compiled on first use), batched decoding's forwards over
+            several rows included (:meth:`medusa.engines.native.NativeDecoder.forward_rows`).
 
     Raises:
         ValueError: the kernel cannot run for this model's device or in this torch (the message names what works);
@@ -390,8 +390,8 @@ class QuantizedEngine(StaticEngine):
         if kernel != "torch" and self.kind != "int4":
             raise ValueError(f"the native kernel runs int4 codes; the {self.kind} engine runs kernel 'torch'")
         self.kernel = kernel
-        if kernel != "torch":  # one sequence at a time, in one C call the profiler cannot see into
-            self.supports_batch = self.products_visible = False
+        if kernel != "torch":  # one C call a forward, which the profiler cannot see into
+            self.products_visible = False
         codes, keep_dense, self.gguf = {}, {}, None if gguf is None else str(gguf)
         if gguf is not None:
             if self.kind != "int4":
@@ -573,12 +573,23 @@ class QuantizedEngine(StaticEngine):
     def _batch_decoder(self) -> torch.nn.Module | None:
         return self.quantized.decoder
 
+    def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The engine's own lm_head for every count of rows (the base's transposed copy for one row would give
+        another lm_head's bits than the rows beside it get)."""
+        if self.quantized.lm_head is None and self.checked_head is None and self.gguf_head is None:
+            return super().batch_lm_logits(hidden)
+        return self.lm_logits(hidden)
+
     def forward_rows(self, *args, **kwargs):
-        if self.kernel != "torch":
-            raise ValueError("the native int4 decoder runs one sequence at a time: batched decoding (medusa serve, "
-                             "bench --batch-size) needs kernel 'torch'")
+        if self.kernel != "torch":  # one C call for every row (its bits are each row's own)
+            return super().forward_rows(*args, **kwargs)
         with row_invariant_steps():  # batched decoding steps (the prompts' own forwards run as usual)
             return super().forward_rows(*args, **kwargs)
+
+    def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
+        if self.kernel != "torch":
+            return self.lean.forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
+        return super()._forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
 
     def settings(self) -> dict:
         sources = set(self.quantized.source.values())

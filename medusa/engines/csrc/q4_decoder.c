@@ -528,13 +528,14 @@ static inline __m512 sum_lanes16(const __m512 a[16]) {
 }
 
 /* One (row, query head) of the attention, head size 16 dv (dv a compile-time constant where inlined below): the
- * query q against the visible slots (the first `length`, then the row's own `own` slots length + index[j]) of the
+ * query q against the visible slots (the first `length`, then the row's own `own` slots base + index[j]) of the
  * key and value rows kb, vb, into o (16 dv values). Scores 16 slots at a time (each a product of 16 dv terms, then
  * sum_lanes16), the softmax over 16-slot blocks, the weighted values in two accumulators (even and odd slots). Every
  * step is blocked by slot number, never by the rows of the forward, so a row's bits do not depend on the others. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *kb, const float *vb,
-                                                         int64_t length, const int32_t *index, int64_t own,
-                                                         float scaling, float *mine, float *o, const int dv) {
+                                                         int64_t length, int64_t base, const int32_t *index,
+                                                         int64_t own, float scaling, float *mine, float *o,
+                                                         const int dv) {
     const int64_t D = 16 * dv, seen = length + own;
     __m512 qv[8], topv = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < dv; j++) qv[j] = _mm512_loadu_ps(q + 16 * j);
@@ -547,7 +548,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                 acc[t] = _mm512_setzero_ps();
                 continue;
             }
-            const int64_t slot = s0 + t < length ? s0 + t : length + index[s0 + t - length];
+            const int64_t slot = s0 + t < length ? s0 + t : base + index[s0 + t - length];
             const float *k = kb + slot * D;
             __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
             for (int j = 1; j < dv; j++) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), a);
@@ -570,8 +571,8 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     for (int j = 0; j < dv; j++) even[j] = odd[j] = _mm512_setzero_ps();
     int64_t s = 0;
     for (; s + 1 < seen; s += 2) {
-        const int64_t a = s < length ? s : length + index[s - length];
-        const int64_t b = s + 1 < length ? s + 1 : length + index[s + 1 - length];
+        const int64_t a = s < length ? s : base + index[s - length];
+        const int64_t b = s + 1 < length ? s + 1 : base + index[s + 1 - length];
         const __m512 pa = _mm512_set1_ps(mine[s]), pb = _mm512_set1_ps(mine[s + 1]);
         for (int j = 0; j < dv; j++) {
             even[j] = _mm512_fmadd_ps(pa, _mm512_loadu_ps(vb + a * D + 16 * j), even[j]);
@@ -579,7 +580,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         }
     }
     if (s < seen) {
-        const int64_t a = s < length ? s : length + index[s - length];
+        const int64_t a = s < length ? s : base + index[s - length];
         const __m512 pa = _mm512_set1_ps(mine[s]);
         for (int j = 0; j < dv; j++) even[j] = _mm512_fmadd_ps(pa, _mm512_loadu_ps(vb + a * D + 16 * j), even[j]);
     }
@@ -616,24 +617,30 @@ typedef struct {
             q4_product(in, M, K, c[j], dd[j], mm[j], N, out, add);                                             \
     } while (0)
 
-/* One forward of M new tokens written at cache slots [length, length + M).
+/* One forward of B rows of N new tokens each (M = B N, row-major), each row's tokens written at slots
+ * [length, length + N) of its own cache.
  *
  * x (M, hidden): the tokens' embeddings in, the hidden states after the final norm out.
  * cos, sin (M, head_dim): the rotary tables at the tokens' positions.
- * capacity: the cache's slots per layer.
- * visible: CSR over the step's rows; row i attends to slots 0 .. length-1, then to the step's rows
- *   index[offsets[i] .. offsets[i+1]) (ascending, itself last), in that order.
- * keys, values: per layer (kv_heads, capacity, head_dim), written at the step's slots.
+ * cached (B): the slots 0 .. cached[b]-1 row b attends to before its step tokens (<= length: a shorter row's
+ *   slots between cached[b] and length are holes, never read).
+ * capacity: the cache's slots per row and layer.
+ * visible: CSR over the step's M tokens; token i of row b attends to slots 0 .. cached[b]-1, then to its row's step
+ *   tokens index[offsets[i] .. offsets[i+1]) (indices 0 .. N-1 within the row, ascending, itself last), in that
+ *   order.
+ * keys, values: per layer (B, kv_heads, capacity, head_dim), written at the step's slots.
  * kept: per layer, NULL or (M, hidden) receiving the residual stream after that layer.
- * Returns 0, or -1 when scratch memory could not be allocated (nothing written to x then).
+ * Every sum runs over one token's own values in an order set by slot numbers alone, so a token's bits do not depend
+ * on the other rows or tokens of the forward. Returns 0, or -1 when scratch memory could not be allocated (nothing
+ * written to x then).
  */
-int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float *cos, const float *sin,
-                      const int32_t *offsets, const int32_t *index, int64_t length, int64_t capacity,
-                      float *const *keys,
-                      float *const *values, float *const *kept, int threads) {
+int medusa_q4_forward_rows(const medusa_q4_model *w, float *x, int64_t M, int64_t N, const float *cos,
+                           const float *sin, const int32_t *offsets, const int32_t *index, const int64_t *cached,
+                           int64_t length, int64_t capacity, float *const *keys, float *const *values,
+                           float *const *kept, int threads) {
     const int64_t H = w->hidden, D = w->head_dim, Hq = w->q_heads, Hkv = w->kv_heads, I = w->intermediate;
     const int64_t QKV = (Hq + 2 * Hkv) * D, cap = capacity, group = Hq / Hkv;
-    const int64_t most_seen = length + M;
+    const int64_t most_seen = length + N;
     float *h = malloc(sizeof(float) * M * H), *qkv = malloc(sizeof(float) * M * QKV);
     float *att = malloc(sizeof(float) * M * Hq * D), *gu = malloc(sizeof(float) * M * 2 * I);
     float *act = malloc(sizeof(float) * M * I);
@@ -665,9 +672,11 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                             v[j + D / 2] = b * ci[j + D / 2] + a * si[j + D / 2];
                         }
                     }
+                    const int64_t row = i / N, slot = length + i % N;
                     for (int64_t head = 0; head < Hkv; head++) {
-                        memcpy(kc + (head * cap + length + i) * D, qkv + i * QKV + (Hq + head) * D, sizeof(float) * D);
-                        memcpy(vc + (head * cap + length + i) * D, qkv + i * QKV + (Hq + Hkv + head) * D,
+                        memcpy(kc + ((row * Hkv + head) * cap + slot) * D, qkv + i * QKV + (Hq + head) * D,
+                               sizeof(float) * D);
+                        memcpy(vc + ((row * Hkv + head) * cap + slot) * D, qkv + i * QKV + (Hq + Hkv + head) * D,
                                sizeof(float) * D);
                     }
                 }
@@ -678,11 +687,12 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                 for (int64_t t = 0; t < M * Hq; t++) {
                     int64_t kv = t / (M * group), i = t % (M * group) / group, head = kv * group + t % group;
                     const float *q = qkv + i * QKV + head * D;
-                    const float *kb = kc + kv * cap * D, *vb = vc + kv * cap * D;
-                    int64_t own = offsets[i + 1] - offsets[i], seen = length + own;
+                    const int64_t row = i / N, before = cached[row];
+                    const float *kb = kc + (row * Hkv + kv) * cap * D, *vb = vc + (row * Hkv + kv) * cap * D;
+                    int64_t own = offsets[i + 1] - offsets[i], seen = before + own;
 #if defined(__AVX512F__)
                     switch (D) {
-#define ATTEND(dv) attend(q, kb, vb, length, index + offsets[i], own, w->scaling, mine, \
+#define ATTEND(dv) attend(q, kb, vb, before, length, index + offsets[i], own, w->scaling, mine, \
                           att + i * Hq * D + head * D, dv); continue;
                     case 16: ATTEND(1)
                     case 32: ATTEND(2)
@@ -694,7 +704,7 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
 #endif
                     float top = -INFINITY;
                     for (int64_t s = 0; s < seen; s++) {
-                        int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                        int64_t slot = s < before ? s : length + index[offsets[i] + s - before];
                         float score = dot(q, kb + slot * D, D) * w->scaling;
                         mine[s] = score;
                         if (score > top) top = score;
@@ -715,7 +725,7 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                         __m512 acc[16];
                         for (int64_t j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
                         for (int64_t s = 0; s < seen; s++) {
-                            int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                            int64_t slot = s < before ? s : length + index[offsets[i] + s - before];
                             const float *v = vb + slot * D;
                             __m512 p = _mm512_set1_ps(mine[s]);
                             for (int64_t j = 0; j < D / 16; j++)
@@ -732,7 +742,7 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
                     }
                     for (int64_t j = 0; j < D; j++) o[j] = 0.0f;
                     for (int64_t s = 0; s < seen; s++) {
-                        int64_t slot = s < length ? s : length + index[offsets[i] + s - length];
+                        int64_t slot = s < before ? s : length + index[offsets[i] + s - before];
                         const float *v = vb + slot * D;
                         float p = mine[s];
                         for (int64_t j = 0; j < D; j++) o[j] += p * v[j];
@@ -759,6 +769,16 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
     }
     free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(xq); free(xs); free(xsum);
     return ok ? 0 : -1;
+}
+
+/* One forward of M new tokens of one sequence written at cache slots [length, length + M): medusa_q4_forward_rows
+ * with one row (the same arithmetic, so the same bits). visible: CSR over the M tokens as there; keys, values: per
+ * layer (kv_heads, capacity, head_dim). */
+int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float *cos, const float *sin,
+                      const int32_t *offsets, const int32_t *index, int64_t length, int64_t capacity,
+                      float *const *keys, float *const *values, float *const *kept, int threads) {
+    return medusa_q4_forward_rows(w, x, M, M, cos, sin, offsets, index, &length, length, capacity, keys, values,
+                                  kept, threads);
 }
 
 /* ---- one Hydra head level for P tree nodes in one call (drafting beside the native decoder) ----------------------
