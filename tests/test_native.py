@@ -199,6 +199,16 @@ def test_the_native_batched_forward_refuses_what_it_cannot_decode():
         engine.forward_rows(ids, positions, torch.tensor([5, 9]), torch.ones(1, 1, dtype=torch.bool), batch)
     with pytest.raises(ValueError, match="must see itself"):
         engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.zeros(1, 1, dtype=torch.bool), batch)
+    seen = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 2\) for token ids of shape \(2, 1\)"):
+        engine.forward_rows(ids, torch.tensor([[5, 6], [8, 9]]), torch.tensor([5, 8]), seen, batch)
+    with pytest.raises(ValueError, match="new_visible of shape"):
+        engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.ones(3, 2, 2, dtype=torch.bool), batch)
+    with pytest.raises(ValueError, match="B, N >= 1"):
+        engine.forward_rows(ids[:, :0], positions[:, :0], torch.tensor([5, 8]), seen[:0, :0], batch)
+    with pytest.raises(ValueError, match="got an empty one"):
+        engine.forward_rows(ids, positions, torch.tensor([0, 0]), seen, engine.new_cache(32))
+    assert batch.length == 8  # nothing refused was written
     hidden = engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.ones(1, 1, dtype=torch.bool), batch)
     assert hidden.shape == (2, 1, model_hidden(engine)) and batch.length == 9
 

@@ -538,13 +538,24 @@ class NativeDecoder:
             ValueError: ``valid_len`` beyond the cache's length, or a token that does not see itself.
             MemoryError: the C side could not allocate its scratch memory.
         """
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise ValueError(f"a batched forward takes (B, N) token ids with B, N >= 1, got shape "
+                             f"{tuple(input_ids.shape)}")
         b, n = input_ids.shape
+        if tuple(positions.shape) != (b, n):
+            raise ValueError(f"positions of shape {tuple(positions.shape)} for token ids of shape {(b, n)}")
+        if new_visible.shape[-2:] != (n, n) or new_visible.ndim not in (2, 3) or (
+                new_visible.ndim == 3 and new_visible.shape[0] not in (1, b)):
+            raise ValueError(f"new_visible of shape {tuple(new_visible.shape)}, expected {(n, n)} or {(b, n, n)}")
+        if any(layer.keys is None for layer in cache.layers):
+            raise ValueError("a batched forward runs on a cache of prefilled rows (Engine.stack_rows), got an empty "
+                             "one")
         length = cache.length
         cached = valid_len.to(torch.int64).contiguous()
         if len(cached) != b or int(cached.max()) > length or int(cached.min()) < 0:
             raise ValueError(f"valid_len {cached.tolist()} for {b} rows of a cache of length {length}")
         seen = new_visible.to(torch.bool).expand(b, n, n).reshape(b * n, n)
-        if not bool(seen.diagonal(0).all() if b == 1 else seen.view(b, n, n).diagonal(0, 1, 2).all()):
+        if not bool(seen.view(b, n, n).diagonal(0, 1, 2).all()):
             raise ValueError("every new token must see itself (new_visible's diagonal)")
         cache.begin_step(n)
         x = self.stack.embed_tokens(input_ids).reshape(b * n, -1).float().contiguous()  # new: the C call writes it
@@ -554,10 +565,12 @@ class NativeDecoder:
         index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # each token's visible step tokens, in order
         keys = [layer.keys.contiguous() for layer in cache.layers]
         values = [layer.values.contiguous() for layer in cache.layers]
+        expected = (b, self.kv_heads, cache.capacity, self.head_dim)
         for layer, k, v in zip(cache.layers, keys, values, strict=True):
-            if k.dtype != torch.float32 or k.shape != (b, self.kv_heads, cache.capacity, self.head_dim):
-                raise ValueError(f"a batched cache of {b} rows holds keys of shape {tuple(k.shape)} and dtype "
-                                 f"{k.dtype}, expected {(b, self.kv_heads, cache.capacity, self.head_dim)} float32")
+            for name, t in (("keys", k), ("values", v)):
+                if t.dtype != torch.float32 or t.shape != expected:
+                    raise ValueError(f"a batched cache of {b} rows holds {name} of shape {tuple(t.shape)} and dtype "
+                                     f"{t.dtype}, expected {expected} float32")
             layer.keys, layer.values = k, v
         kept = {i: torch.empty(b * n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
         kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
