@@ -227,3 +227,38 @@ def test_a_slot_cache_keeps_slots_already_in_place_without_copying_and_moves_the
     assert cache.length == 2
     assert torch.equal(cache.layers[1].keys[:, :, :2], keys[:, :, [0, 2]])
     assert torch.equal(cache.layers[1].values[:, :, :2], -keys[:, :, [0, 2]])
+
+
+@pytest.mark.parametrize("engine_name", ["eager", "onednn", "int4-native"])
+def test_near_tie_rows_read_the_same_greedy_token_whichever_product_scored_them(engine_name):
+    """Two tokens whose lm_head rows differ by rounding noise: a product over several rows or over one can round
+    their logits apart the wrong way (the control finds such a row), but after settling every path (several rows,
+    one row, the batched path's product) reads the exact argmax; rows far from a tie keep the product's bits."""
+    from medusa import engines
+
+    model = tiny_model("llama", hidden_size=256, intermediate_size=256, vocab_size=4096)
+    if engine_name == "int4-native":  # the native decoder beside the base's fp32 lm_head (its default)
+        from medusa.engines import native
+
+        if native.native_unavailable() is not None:
+            pytest.skip(native.native_unavailable())
+        engine = engines.make_engine("int4", model, kernel="native")
+    else:
+        engine = engines.make_engine(engine_name, model)
+    weight = model.get_output_embeddings().weight
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 256, generator=g)
+    with torch.no_grad():  # row 2k + 1 a rounding-noise copy of row 2k, aimed at by hidden row k
+        for k in range(64):
+            weight[2 * k] = hidden[k] / hidden[k].norm() * 4
+            weight[2 * k + 1] = weight[2 * k] * (1 + 1e-7 * torch.randn(256, generator=g))
+    exact = (hidden.double() @ weight.detach().double().T).argmax(-1)
+    raw = [kv_cache.lm_logits(model, hidden), kv_cache.lm_logits_rows(model, hidden),
+           torch.cat([kv_cache.lm_logits(model, h[None]) for h in hidden])]
+    assert any((r.argmax(-1) != exact).any() for r in raw)  # the control: unsettled, products miss some planted tie
+    for logits in (engine.lm_logits_rows(hidden), engine.batch_lm_logits(hidden),
+                   torch.cat([engine.lm_logits_rows(h[None]) for h in hidden]),
+                   torch.cat([engine.batch_lm_logits(h[None]) for h in hidden])):
+        assert torch.equal(logits.argmax(-1), exact)
+    far = weight[200:208].detach() * 3  # aimed at unplanted rows, far from any tie: the several-row bits stay
+    assert torch.equal(engine.batch_lm_logits(far), kv_cache.lm_logits(model, far))

@@ -347,7 +347,7 @@ def decoder_answer(decoder, known: dict[tuple[int, ...], list[int]] | None = Non
     any engine, a quantized one included), stopping where Hugging Face ``generate`` stops (the
     ``generation_config``'s EOS ids, whatever it says about sampling): the in-process path's answers. A batch's
     prompts are decoded together where the engine batches (:meth:`medusa.model.MedusaModel.generate_batch`: each
-    prompt gets the tokens it gets alone, up to a near-tie in an fp32 lm_head's last bits), else one at a time.
+    prompt gets the tokens it gets alone), else one at a time.
     Speculation is exact, so they are the greedy tokens of the model that engine runs: the base's own on an
     unquantized engine, and on a quantized one the quantized model's (``medusa distill``'s token check measures how
     far they are the base's). ``known``: answers already

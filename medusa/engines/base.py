@@ -141,6 +141,7 @@ class Engine(abc.ABC):
         self.sync_timing = False
         """Wait for the device at the end of each forward so :attr:`last_forward_s` is its true cost (CUDA)."""
         self._transposed = kv_cache.TransposedLMHead()  # this engine's (H, V) lm_head copy, made at first use
+        self._near_ties = kv_cache.NearTies()
         self.choice = None
         """How ``--engine auto`` came to this engine (:class:`medusa.profile.EngineChoice`), when it did."""
 
@@ -185,7 +186,17 @@ class Engine(abc.ABC):
         if self.sync_timing and cuda:
             torch.cuda.synchronize(self.model.device)
         self.last_forward_s = time.perf_counter() - start
-        return out
+        return self._settle_forward(out, logits_for)
+
+    def _settle_forward(self, out: tuple, logits_for) -> tuple:
+        """A forward's ``(logits, hidden, ...)`` with its logits' near-tie rows settled (:meth:`settle`)."""
+        if not isinstance(out, tuple) or len(out) < 2 or not isinstance(out[0], torch.Tensor):
+            return out  # a test double's forward
+        logits, hidden = out[0], out[1]
+        if not self._settles(logits):
+            return out
+        rows = hidden if logits_for is None else hidden[logits_for]
+        return (self.settle(rows, logits), *out[1:])
 
     def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache,
                          layers: tuple[int, ...], logits_for: torch.Tensor | slice | None = None
@@ -211,7 +222,7 @@ class Engine(abc.ABC):
         if self.sync_timing and cuda:
             torch.cuda.synchronize(self.model.device)
         self.last_forward_s = time.perf_counter() - start
-        return out
+        return self._settle_forward(out, logits_for)
 
     @abc.abstractmethod
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers: tuple[int, ...] = ()):
@@ -228,9 +239,31 @@ class Engine(abc.ABC):
         return kv_cache.lm_logits(self.model, hidden)
 
     def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """:meth:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)``, this engine's cheapest way (here a
-        transposed lm_head copy the engine keeps, :class:`medusa.engines.kv_cache.TransposedLMHead`)."""
+        """:meth:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)``, this engine's cheapest way
+        (:meth:`_lm_logits_rows`), its near-tie rows settled (:meth:`settle`)."""
+        logits = self._lm_logits_rows(hidden)
+        return self.settle(hidden, logits) if self._settles(logits) else logits
+
+    def _lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`lm_logits_rows` before settling: here a transposed lm_head copy the engine keeps
+        (:class:`medusa.engines.kv_cache.TransposedLMHead`)."""
         return self._transposed.logits(self.model, hidden)
+
+    head_row_invariant: bool = False
+    """The lm_head gives a row the same bits whatever rows are scored beside it (a quantized engine's own heads):
+    nothing to settle."""
+
+    def _settles(self, logits: torch.Tensor) -> bool:
+        """Whether these logits are settled: fp32 on a CPU (whose products' rounding the bound of :meth:`settle`
+        covers; not TF32 on a GPU), from a head that is not row-invariant."""
+        return (not self.head_row_invariant and logits.dtype == torch.float32 and logits.device.type == "cpu"
+                and logits.numel() > 0)
+
+    def settle(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` of rows ``hidden`` with each near-tie row replaced by its one-row product through the base's
+        lm_head, so that greedy decoding reads the same token from a row whichever product scored it (alone, in a
+        tree, in a batch): :class:`medusa.engines.kv_cache.NearTies`."""
+        return self._near_ties.settle(self.model, hidden, logits)
 
     def warm_up(self, step_sizes: list[int], needed: int = 32) -> dict[str, float]:
         """Prepare the steps of these sizes for a call needing ``needed`` cache positions (compile them, where the
@@ -309,8 +342,9 @@ class Engine(abc.ABC):
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of ``(M, H)`` rows picked from a batched forward along the rows' paths: one row through the
-        transposed copy, several through the base's lm_head."""
-        return self._transposed.logits(self.model, hidden) if len(hidden) == 1 else self.lm_logits(hidden)
+        transposed copy, several through the base's lm_head, their near-tie rows settled (:meth:`settle`)."""
+        logits = self._transposed.logits(self.model, hidden) if len(hidden) == 1 else self.lm_logits(hidden)
+        return self.settle(hidden, logits) if self._settles(logits) else logits
 
 
 ENGINES: dict[str, type[Engine]] = {}

@@ -241,6 +241,63 @@ class TransposedLMHead:
         return soft_cap(model, logits)
 
 
+class NearTies:
+    """Settles rows whose best fp32 logits are too close for a product's rounding to decide between them, so that
+    the token greedy decoding reads from a row does not depend on which product scored it: a CPU kernel sums a
+    product over several rows in another order than over one, so without this a prompt decoded in a tree or a batch
+    could read another token at a near-tie than decoded alone.
+
+    Any order of summing a fp32 product of length H is within ``gamma_H * sum |h_i w_i|`` of the exact value (Higham,
+    "Accuracy and Stability of Numerical Algorithms", section 3.1; ``gamma_H = H u / (1 - H u)``, ``u = 2^-24``), at
+    most ``t = gamma_H * ||h|| * max_v ||w_v||`` (Cauchy-Schwarz; a bias or soft-capping adds a rounding, and
+    soft-capping only narrows gaps: ``2 u |logit|`` more). So any token that is the argmax of some product, and the
+    exact argmax, has a logit within ``4 t`` of the best in every product. Where a row's second-best logit is that
+    close, the tokens that close (the candidates) are scored again exactly (float64 dot products of the row with
+    their lm_head rows): the candidates get those values (rounded to fp32), and the exact argmax stays the row's
+    unique best (a candidate rounded up to it is moved one fp32 step below). Every product then gives the row the
+    same argmax, the exact one; the other logits keep the product's bits.
+    """
+
+    def __init__(self):
+        self._weight = None  # a weak reference to the lm_head weight measured
+        self._version = None
+        self._row_norm = 0.0  # its largest row 2-norm (one token's)
+
+    def settle(self, model, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``(..., V)`` fp32 of rows ``hidden`` ``(..., H)`` with their near-tie rows settled (the same
+        tensor when there are none)."""
+        flat_h, flat = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
+        if flat.shape[0] == 0 or flat.shape[1] < 2:
+            return logits
+        head = model.get_output_embeddings()
+        weight = head.weight
+        if self._weight is None or self._weight() is not weight or self._version != weight_version(weight):
+            self._weight, self._version = weakref.ref(weight), weight_version(weight)
+            # fp32 norms, rounded up past their own error (a double copy would be the lm_head's size twice over)
+            self._row_norm = float(torch.linalg.vector_norm(weight.detach().float(), dim=1).max()) * (1 + 1e-4)
+        u = 2.0 ** -24
+        gamma = flat_h.shape[1] * u / (1 - flat_h.shape[1] * u)
+        top = flat.detach().topk(2, dim=-1).values.double()  # (M, 2)
+        bound = gamma * flat_h.detach().double().norm(dim=1) * self._row_norm + 2 * u * top[:, 0].abs()  # (M,)
+        near = ((top[:, 0] - top[:, 1]) <= 4 * bound).nonzero().flatten().tolist()
+        if not near:
+            return logits
+        out = flat.detach().clone()
+        bias = getattr(head, "bias", None)
+        for i in near:
+            candidates = (out[i] >= top[i, 0] - 4 * bound[i]).nonzero().flatten()  # (C,) ascending
+            exact = weight.detach()[candidates].double() @ flat_h[i].detach().double()  # (C,)
+            if bias is not None:
+                exact = exact + bias.detach()[candidates].double()
+            exact = soft_cap(model, exact)
+            best = int(exact.argmax())  # ties: the lower id
+            values = exact.float()
+            below = torch.nextafter(values[best], torch.tensor(float("-inf")))
+            values = torch.where((values >= values[best]) & (torch.arange(len(values)) != best), below, values)
+            out[i, candidates] = values
+        return out.view_as(logits)
+
+
 def lm_logits_rows(model, hidden: torch.Tensor, head: TransposedLMHead | None = None) -> torch.Tensor:
     """:func:`lm_logits` for one or a few rows ``(M, H)`` -> ``(M, V)`` through a transposed lm_head copy: the one
     ``head`` keeps (an engine's, :meth:`medusa.engines.Engine.lm_logits_rows`), else one made for this call."""

@@ -260,11 +260,11 @@ class OneDNNEngine(StaticEngine):
         _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache, self.mask,
                                                     self.packed.shadow_decoder(), slice(0, 0), layers)
         selected = hidden if logits_for is None else hidden[logits_for]
-        return self.lm_logits_rows(selected), hidden, *features
+        return self._lm_logits_rows(selected), hidden, *features  # settled by forward()
 
-    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._uses_packed():
-            return super().lm_logits_rows(hidden)
+            return super()._lm_logits_rows(hidden)
         return kv_cache.soft_cap(self.model, self.packed.lm_head_product(hidden))
 
     def _batch_decoder(self) -> torch.nn.Module | None:

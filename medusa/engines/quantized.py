@@ -546,13 +546,13 @@ class QuantizedEngine(StaticEngine):
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         if self.lean is not None:
             hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)
-            logits = self.lm_logits_rows(hidden if logits_for is None else hidden[logits_for])
+            logits = self._lm_logits_rows(hidden if logits_for is None else hidden[logits_for])  # forward() settles
             return (logits, hidden, features) if layers else (logits, hidden)
         with row_invariant_steps(cache.length > 0):
             _, hidden, *features = static_cache.forward(self.model, input_ids, positions, tree_mask, cache,
                                                         self.mask, self.quantized.decoder, slice(0, 0), layers)
         selected = hidden if logits_for is None else hidden[logits_for]
-        return self.lm_logits_rows(selected), hidden, *features
+        return self._lm_logits_rows(selected), hidden, *features  # settled by forward()
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gguf_head is not None:
@@ -565,9 +565,15 @@ class QuantizedEngine(StaticEngine):
             return super().lm_logits(hidden)
         return kv_cache.soft_cap(self.model, self.quantized.lm_head(hidden))
 
-    def lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized.lm_head is None and self.checked_head is None and self.gguf_head is None:
-            return super().lm_logits_rows(hidden)
+    @property
+    def head_row_invariant(self) -> bool:
+        """The engine's own lm_heads (int4 codes, the checked bf16 copy, the GGUF's Q8_0 blocks) score each row
+        alike, whatever rows are beside it."""
+        return not (self.quantized.lm_head is None and self.checked_head is None and self.gguf_head is None)
+
+    def _lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.head_row_invariant:
+            return super()._lm_logits_rows(hidden)
         return self.lm_logits(hidden)
 
     def _batch_decoder(self) -> torch.nn.Module | None:
@@ -576,7 +582,7 @@ class QuantizedEngine(StaticEngine):
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The engine's own lm_head for every count of rows (the base's transposed copy for one row would give
         another lm_head's bits than the rows beside it get)."""
-        if self.quantized.lm_head is None and self.checked_head is None and self.gguf_head is None:
+        if not self.head_row_invariant:
             return super().batch_lm_logits(hidden)
         return self.lm_logits(hidden)
 
