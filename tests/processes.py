@@ -33,7 +33,27 @@ def dump_worker_stacks(launcher_pid: int) -> None:
     psutil.wait_procs(workers, timeout=10)
 
 
+PORT_FLAGS = ("--master_port", "--main_process_port")
+"""The launchers' rendezvous-port flags (``torch.distributed.run``, ``accelerate launch``)."""
+
+
 def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 480) -> subprocess.CompletedProcess:
+    """:func:`run_launcher_once`, again on a fresh rendezvous port (at most twice more) when the port
+    :func:`free_port` found was taken by another process before the launcher bound it (tests run in parallel, and
+    other suites may run beside them)."""
+    for attempt in range(3):
+        try:
+            return run_launcher_once(cmd, cwd, env, timeout)
+        except AssertionError as error:
+            flag = next((i for i, arg in enumerate(cmd) if arg in PORT_FLAGS), None)
+            if attempt == 2 or flag is None or "address already in use" not in str(error).lower():
+                raise
+            cmd = [*cmd[: flag + 1], str(free_port()), *cmd[flag + 2:]]
+    raise AssertionError("unreachable")
+
+
+def run_launcher_once(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 480
+                      ) -> subprocess.CompletedProcess:
     """Run a launcher command (``accelerate launch``, ``torch.distributed.run``) to the end; asserts it succeeded
     (an ``AssertionError`` with the tail of its stderr when it failed or ran past ``timeout`` seconds).
 
