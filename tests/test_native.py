@@ -210,11 +210,7 @@ def test_the_native_batched_forward_refuses_what_it_cannot_decode():
         engine.forward_rows(ids, positions, torch.tensor([0, 0]), seen, engine.new_cache(32))
     assert batch.length == 8  # nothing refused was written
     hidden = engine.forward_rows(ids, positions, torch.tensor([5, 8]), torch.ones(1, 1, dtype=torch.bool), batch)
-    assert hidden.shape == (2, 1, model_hidden(engine)) and batch.length == 9
-
-
-def model_hidden(engine) -> int:
-    return engine.model.config.hidden_size
+    assert hidden.shape == (2, 1, engine.model.config.hidden_size) and batch.length == 9
 
 
 def test_q8_0_blocks_round_trip_and_the_drafter_products_compute_with_them():

@@ -190,8 +190,6 @@ class Engine(abc.ABC):
 
     def _settle_forward(self, out: tuple, logits_for) -> tuple:
         """A forward's ``(logits, hidden, ...)`` with its logits' near-tie rows settled (:meth:`settle`)."""
-        if not isinstance(out, tuple) or len(out) < 2 or not isinstance(out[0], torch.Tensor):
-            return out  # a test double's forward
         logits, hidden = out[0], out[1]
         if not self._settles(logits):
             return out
@@ -342,7 +340,10 @@ class Engine(abc.ABC):
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of ``(M, H)`` rows picked from a batched forward along the rows' paths: one row through the
-        transposed copy, several through the base's lm_head, their near-tie rows settled (:meth:`settle`)."""
+        transposed copy, several through the base's lm_head, their near-tie rows settled (:meth:`settle`); an engine
+        whose own lm_head is row-invariant scores every count of rows through it."""
+        if self.head_row_invariant:
+            return self.lm_logits(hidden)
         logits = self._transposed.logits(self.model, hidden) if len(hidden) == 1 else self.lm_logits(hidden)
         return self.settle(hidden, logits) if self._settles(logits) else logits
 

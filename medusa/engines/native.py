@@ -386,6 +386,14 @@ def q8_0_product(weight: torch.Tensor, int8_activations: bool):
     return head.logits
 
 
+def _visible(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C forward's CSR of which step tokens each token sees: ``seen`` ``(M, N)`` bool -> ``(offsets (M + 1,),
+    index (sum,))`` int32, token i's visible step tokens ``index[offsets[i]:offsets[i + 1]]`` in ascending order."""
+    offsets = torch.zeros(seen.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(seen.sum(1), 0, out=offsets[1:])
+    return offsets, seen.nonzero()[:, 1].to(torch.int32).contiguous()
+
+
 def _pointers(tensors: list[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
@@ -493,18 +501,13 @@ class NativeDecoder:
         cache.begin_step(n)
         x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), new: the C call overwrites it
         cos, sin = self._rotary(x, positions)
-        seen = tree_mask.to(torch.bool)
-        offsets = torch.zeros(n + 1, dtype=torch.int32)
-        torch.cumsum(seen.sum(1), 0, out=offsets[1:])
-        index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # (sum,) the step rows each row sees, in order
+        offsets, index = _visible(tree_mask)
         keys, values = self._buffers(cache)
         pointers = cache.__dict__.get("_native_pointers")
         if pointers is None or pointers[0] != (keys[0].data_ptr(), values[0].data_ptr()):
             pointers = ((keys[0].data_ptr(), values[0].data_ptr()), _pointers(keys), _pointers(values))
             cache.__dict__["_native_pointers"] = pointers  # made again if the buffers were replaced
-        kept = {i: torch.empty(n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
-        kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
-            *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
+        kept, kept_ptrs = self._kept(n, layers)
         status = self.lib.medusa_q4_forward(
             ctypes.byref(self.model), x.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), offsets.data_ptr(),
             index.data_ptr(), length, cache.capacity, pointers[1], pointers[2], kept_ptrs,
@@ -512,9 +515,19 @@ class NativeDecoder:
         if status != 0:
             raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {n} tokens")
         cache.length += n
+        return x, self._features(x, kept, layers)
+
+    def _kept(self, m: int, layers: tuple[int, ...]) -> tuple[dict, ctypes.Array]:
+        """``(M, H)`` buffers for the outputs of ``layers`` (the last layer's is the forward's own output), and the
+        per-layer pointer array the C forward takes (NULL where a layer's output is not kept)."""
+        count = len(self.stack.layers)
+        kept = {i: torch.empty(m, self.hidden) for i in layers if i != count - 1}
+        return kept, (ctypes.c_void_p * count)(*(kept[i].data_ptr() if i in kept else None for i in range(count)))
+
+    def _features(self, x: torch.Tensor, kept: dict, layers: tuple[int, ...]) -> torch.Tensor | None:
+        """``(M, len(layers) * H)`` the kept layers' outputs side by side (``None`` without ``layers``)."""
         last = len(self.stack.layers) - 1
-        features = None if not layers else torch.cat([x if i == last else kept[i] for i in layers], -1)
-        return x, features
+        return None if not layers else torch.cat([x if i == last else kept[i] for i in layers], -1)
 
     def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, valid_len: torch.Tensor,
                      new_visible: torch.Tensor, cache, layers: tuple[int, ...] = ()):
@@ -554,15 +567,13 @@ class NativeDecoder:
         cached = valid_len.to(torch.int64).contiguous()
         if len(cached) != b or int(cached.max()) > length or int(cached.min()) < 0:
             raise ValueError(f"valid_len {cached.tolist()} for {b} rows of a cache of length {length}")
-        seen = new_visible.to(torch.bool).expand(b, n, n).reshape(b * n, n)
-        if not bool(seen.view(b, n, n).diagonal(0, 1, 2).all()):
+        seen = new_visible.to(torch.bool).expand(b, n, n)
+        if not bool(seen.diagonal(0, 1, 2).all()):
             raise ValueError("every new token must see itself (new_visible's diagonal)")
         cache.begin_step(n)
         x = self.stack.embed_tokens(input_ids).reshape(b * n, -1).float().contiguous()  # new: the C call writes it
         cos, sin = self._rotary(x, positions.reshape(-1))
-        offsets = torch.zeros(b * n + 1, dtype=torch.int32)
-        torch.cumsum(seen.sum(1), 0, out=offsets[1:])
-        index = seen.nonzero()[:, 1].to(torch.int32).contiguous()  # each token's visible step tokens, in order
+        offsets, index = _visible(seen.reshape(b * n, n))
         keys = [layer.keys.contiguous() for layer in cache.layers]
         values = [layer.values.contiguous() for layer in cache.layers]
         expected = (b, self.kv_heads, cache.capacity, self.head_dim)
@@ -572,9 +583,7 @@ class NativeDecoder:
                     raise ValueError(f"a batched cache of {b} rows holds {name} of shape {tuple(t.shape)} and dtype "
                                      f"{t.dtype}, expected {expected} float32")
             layer.keys, layer.values = k, v
-        kept = {i: torch.empty(b * n, self.hidden) for i in layers if i != len(self.stack.layers) - 1}
-        kept_ptrs = (ctypes.c_void_p * len(self.stack.layers))(
-            *(kept[i].data_ptr() if i in kept else None for i in range(len(self.stack.layers))))
+        kept, kept_ptrs = self._kept(b * n, layers)
         status = self.lib.medusa_q4_forward_rows(
             ctypes.byref(self.model), x.data_ptr(), b * n, n, cos.data_ptr(), sin.data_ptr(), offsets.data_ptr(),
             index.data_ptr(), cached.data_ptr(), length, cache.capacity, _pointers(keys), _pointers(values),
@@ -582,8 +591,5 @@ class NativeDecoder:
         if status != 0:
             raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {b} x {n} tokens")
         cache.length += n
-        last = len(self.stack.layers) - 1
         hidden = x.view(b, n, -1)
-        if not layers:
-            return hidden
-        return hidden, torch.cat([x if i == last else kept[i] for i in layers], -1).view(b, n, -1)
+        return (hidden, self._features(x, kept, layers).view(b, n, -1)) if layers else hidden

@@ -579,13 +579,6 @@ class QuantizedEngine(StaticEngine):
     def _batch_decoder(self) -> torch.nn.Module | None:
         return self.quantized.decoder
 
-    def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The engine's own lm_head for every count of rows (the base's transposed copy for one row would give
-        another lm_head's bits than the rows beside it get)."""
-        if not self.head_row_invariant:
-            return super().batch_lm_logits(hidden)
-        return self.lm_logits(hidden)
-
     def forward_rows(self, *args, **kwargs):
         if self.kernel != "torch":  # one C call for every row (its bits are each row's own)
             return super().forward_rows(*args, **kwargs)
