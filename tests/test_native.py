@@ -277,6 +277,16 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
         with pytest.raises(ValueError, match="not an id of the"):
             heads.draft_ranked(0, hidden, torch.full((3, 1), heads.config.vocab_size), 4)
         assert heads.draft_ranked(0, hidden[0], torch.zeros(0, 1, dtype=torch.long), 4)[1].shape == (0, 4)
+        # the fused level is resolved once per head: a changed weight (or bias) is read again, not the stale copy
+        paths = paths[:, :1]
+        before = heads.draft_ranked(0, hidden, paths, 4)[0]
+        heads.inputs[0].bias.add_(1.0)
+        moved = heads.draft_ranked(0, hidden, paths, 4)[0]
+        heads.shared_weight_t.mul_(2.0)
+        scaled = heads.draft_ranked(0, hidden, paths, 4)[0]
+        unfused = heads.draft_logits(0, hidden, paths)
+        assert not torch.allclose(moved, before, atol=1e-3) and not torch.allclose(scaled, moved, atol=1e-3)
+        assert torch.allclose(scaled, unfused, atol=1e-4)
     from medusa.drafters.heads import MedusaHeadsConfig, build_heads
 
     weight = model.get_output_embeddings().weight.detach()

@@ -540,3 +540,22 @@ def test_the_node_overhead_is_learned_from_greedy_steps_and_left_out_of_sampled_
     sampler = SampleWithoutReplacement(lambda logits: logits, torch.Generator().manual_seed(0))
     size, row = propose(sampler, 1.0)
     assert size > 4 and row.step_started == 0.0  # not charged, not timed
+
+
+def test_the_charged_costs_follow_the_learned_overhead_and_the_extras_are_the_curves():
+    """The costs a greedy tree is grown on are made once, not every step, and made again when the learned per-node
+    overhead or head-call costs move; a remembered extra node's cost is the smooth curve's difference, each copy
+    its own (a copy charging more per node must not read the extras remembered without it)."""
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=3)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3))
+    first = drafter._charged_cost()
+    assert drafter._charged_cost() is first and first.node_s == 0.0
+    for n in (1, 3, 7):
+        assert first.extra(n, 2) == pytest.approx(first.verify(n + 1, 2, True) - first.verify(n, 2, True))
+    drafter.node_overhead_s = 0.003
+    second = drafter._charged_cost()
+    assert second is not first and second.node_s == 0.003
+    assert second.extra(3, 2) == pytest.approx(first.extra(3, 2) + 0.003 * 2)
+    drafter.level_learned_s = [0.001] * 3
+    assert drafter._charged_cost().level_s == [0.001] * 3 and second.level_s == [HEAD_CALL] * 3

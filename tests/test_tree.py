@@ -245,3 +245,26 @@ def test_accept_along_path_matches_accepting_on_all_nodes():
         assert walk.path_nodes.tolist() == full.path_nodes.tolist()
         assert int(walk.next_token) == int(full.next_token)
         assert asked == full.path_nodes.tolist()  # only the accepted path was scored
+
+
+def test_argmax_rows_is_torch_argmax_on_ties_nan_inf_and_strided_rows():
+    """The greedy paths' argmax (numpy's on CPU float32 logits) names the same index as ``torch.argmax`` wherever
+    the two could part: ties (the first wins), NaN (counted largest, the first), infinities, signed zeros, strided
+    and batched rows; other dtypes and autograd tensors go through torch. A control: the last of tied maxima would
+    be another index."""
+    from medusa.decode.greedy import argmax_rows
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 3.0, nan], [-inf, -inf, -inf, -inf], [1.0, inf, inf, 0.0],
+                         [-0.0, 0.0, -1.0, -2.0], [0.0, -0.0, 5.0, 5.0]])
+    assert argmax_rows(rows).tolist() == rows.argmax(-1).tolist() == [1, 1, 0, 1, 0, 2]
+    assert rows.shape[-1] - 1 - rows.flip(-1).argmax(-1)[0] != argmax_rows(rows)[0]  # last-of-ties differs
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(3, 5, 4099, generator=gen).round()  # many ties
+    for x in (wide, wide[1], wide[:, :, ::3], wide.transpose(0, 1), wide[0, 0]):
+        got = argmax_rows(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:-1] and torch.equal(got, x.argmax(-1))
+    for x in (wide.double(), wide.bfloat16(), wide.clone().requires_grad_()):
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+    with torch.inference_mode():
+        assert torch.equal(argmax_rows(wide * 1), wide.argmax(-1))

@@ -29,6 +29,7 @@ import torch
 from medusa.decode.greedy import (
     Acceptance,
     NextTokens,
+    argmax_rows,
     greedy_accept,
     greedy_accept_along_path,
     greedy_paths,
@@ -158,12 +159,12 @@ class GreedyAcceptance:
 
     @staticmethod
     def next_token(logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax()
+        return argmax_rows(logits)
 
     def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
         if predicted is not None:
             return greedy_accept(draft.tokens, predicted, draft.layout)
-        return greedy_accept_along_path(draft.tokens, lambda node: logits_at(node).argmax(), draft.layout)
+        return greedy_accept_along_path(draft.tokens, lambda node: argmax_rows(logits_at(node)), draft.layout)
 
     @staticmethod
     def accept_rows(tokens: torch.Tensor, layout: TreeBuffers, predicted: torch.Tensor | None,

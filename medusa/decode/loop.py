@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa.decode.acceptance import AcceptanceRule, acceptance_rule
-from medusa.decode.greedy import Acceptance
+from medusa.decode.greedy import Acceptance, argmax_rows
 from medusa.decode.logits_process import Decoding, resolve_decoding
 from medusa.decode.tree import Tree, TreeBuffers, tree_buffers
 from medusa.drafters import DraftTree
@@ -242,7 +242,7 @@ def _accept(engine, draft: DraftTree, logits: torch.Tensor | None, hidden: torch
         path = tokens[layout.node_paths[node, 1 : int(layout.depth[node]) + 1]]  # below the root, down to node
         return _processed(processors, torch.cat([sequence, path]), raw)
 
-    predicted = logits.argmax(dim=-1) if logits is not None and not processors else None  # (N,)
+    predicted = argmax_rows(logits) if logits is not None and not processors else None  # (N,)
     return rule.accept(draft, logits_at, predicted)
 
 
@@ -574,10 +574,10 @@ class RunningBatch:
         results: list[Acceptance | None] = [None] * batch
         if len(together) > 1:  # one set of tensor operations for all of them (medusa.decode.greedy)
             picked = torch.tensor(together, device=tokens.device)
-            predicted = None if logits is None else logits[picked].argmax(dim=-1)  # (R, N)
+            predicted = None if logits is None else argmax_rows(logits[picked])  # (R, N)
 
             def next_tokens_at(r: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-                return engine.batch_lm_logits(hidden[picked[r], nodes]).argmax(dim=-1)  # (R',)
+                return argmax_rows(engine.batch_lm_logits(hidden[picked[r], nodes]))  # (R',)
 
             accepted = rows[together[0]].rule.accept_rows(tokens[picked], layout, predicted, next_tokens_at)
             for b, result in zip(together, accepted, strict=True):

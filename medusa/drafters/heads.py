@@ -487,17 +487,39 @@ class HydraHeads(_HeadsBase):
         order. ``None`` where it cannot (no such products, ResBlocks after the input layer, another dtype, gradients
         on): the caller then takes those two steps. ``hidden`` ``(H,)`` or ``(P, H)``; ``path_tokens``
         ``(P, k + 1)``."""
-        bias = self.inputs[k].bias
-        if self.lm_heads is not None or len(self.blocks[k]) or bias is None or hidden.dtype != torch.float32:
-            return None
         rows = hidden.expand(len(path_tokens), -1)  # (P, H)
-        # the engine's products of the two weights, made once and again after a weight changed (_drafter_product)
-        first = self._drafter_product(f"input{k}", self.inputs[k].weight, rows)
-        projection = getattr(self._drafter_product("projection", self.shared_weight_t.T, rows), "__self__", None)
-        level = getattr(getattr(first, "__self__", None), "hydra_level", None)
-        if level is None or projection is None:
+        fused = self._fused_level(k, rows)
+        if fused is None:
             return None
-        return level(bias.detach(), projection, self.embed_weight, FLOAT32_EPS, rows, path_tokens, top_k)
+        level, bias, projection = fused
+        return level(bias, projection, self.embed_weight, FLOAT32_EPS, rows, path_tokens, top_k)
+
+    def _fused_level(self, k: int, rows: torch.Tensor):
+        """``(level call, bias, projection)`` for :meth:`draft_ranked` at head ``k``, or ``None`` where the level
+        cannot be fused. Resolved once per head, and again when a weight changed (its storage or version), the
+        engine's products or the hidden states' dtype did; gradients on or another device: ``None``
+        (:meth:`_drafter_product`)."""
+        if self.drafter_products is None or torch.is_grad_enabled() or rows.device.type != "cpu":
+            return None
+        layer = self.inputs[k]
+        weights = (layer.weight, self.shared_weight_t, layer.bias)
+        key = (id(self.drafter_products), rows.dtype,
+               *((w.data_ptr(), w._version) if w is not None else None for w in weights))
+        cache = self.__dict__.setdefault("_fused_levels", {})
+        hit = cache.get(k)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        fused = None
+        plain = self.lm_heads is None and not len(self.blocks[k])  # no own lm_heads, no ResBlocks after the input
+        if plain and layer.bias is not None and rows.dtype == torch.float32:
+            # the engine's products of the two weights, made once and again after a weight changed (_drafter_product)
+            first = self._drafter_product(f"input{k}", layer.weight, rows)
+            projection = getattr(self._drafter_product("projection", self.shared_weight_t.T, rows), "__self__", None)
+            level = getattr(getattr(first, "__self__", None), "hydra_level", None)
+            if level is not None and projection is not None:
+                fused = (level, layer.bias.detach(), projection)
+        cache[k] = (key, fused)
+        return fused
 
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``(..., T, K)``: ``[t, j]`` is the token at t + 1 + j, 0 past the end (no target exists there)."""

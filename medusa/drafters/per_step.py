@@ -151,11 +151,23 @@ class StepCost:
         bucket."""
         return self.forward((n if smooth else self.bucket(n)) * batch) + self.node_s * n * batch
 
+    def extra(self, n: int, batch: int = 1) -> float:
+        """Seconds one more node adds to a tree of ``n`` nodes along the smooth curve: ``verify(n + 1, batch, True) -
+        verify(n, batch, True)``, remembered (the tree's growth asks for it once per candidate)."""
+        memo = self.__dict__.get("_extra")
+        if memo is None:
+            memo = self.__dict__["_extra"] = {}
+        seconds = memo.get((n, batch))
+        if seconds is None:
+            seconds = memo[n, batch] = self.verify(n + 1, batch, True) - self.verify(n, batch, True)
+        return seconds
+
     def charging_nodes(self, node_s: float, level_s: list[float] | None = None) -> StepCost:
         """These costs with ``node_s`` seconds more per node of each row in every verify (the step's work outside
         the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`), and the
         head calls at ``level_s`` by depth where given (:attr:`PerStepDrafter.level_learned_s`)."""
         charged = copy.copy(self)  # shares the measured curve
+        charged.__dict__.pop("_extra", None)  # its own node_s: not this one's remembered extras
         charged.node_s = node_s
         if level_s is not None:
             charged.level_s = list(level_s)
@@ -405,7 +417,7 @@ class PerStepDrafter:
         timed = greedy and batch == 1  # a batch's rounds also run other requests' prefill: not a step's time alone
         if timed:
             self._time_last_step(states[0], start)
-        cost = self.cost.charging_nodes(self.node_overhead_s, self.level_learned_s) if greedy else self.cost
+        cost = self._charged_cost() if greedy else self.cost
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
@@ -435,7 +447,7 @@ class PerStepDrafter:
         while len(tree.parents) < self.max_nodes:
             n = len(tree.parents)
             rate = expected / seconds if step_rate else running
-            extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
+            extra = cost.extra(n, batch)
             candidates: list[_Candidate] = []
             level = None
             if depth < self.heads.config.num_heads:
@@ -472,7 +484,7 @@ class PerStepDrafter:
             kept_here: set[tuple[int, int]] = set()
             for c in candidates:
                 n = len(tree.parents)
-                extra = cost.verify(n + 1, batch, True) - cost.verify(n, batch, True)
+                extra = cost.extra(n, batch)
                 rate = expected / seconds if step_rate else running
                 prefix = c.rank <= 0 or (c.slot, c.rank - 1) in kept_here
                 if n < self.max_nodes and prefix and c.value * batch > rate * extra:
@@ -504,6 +516,16 @@ class PerStepDrafter:
         drafts = self._assemble(tree, levels, vocab, device)
         drafts[0].choose_s = time.perf_counter() - start - in_heads
         return drafts
+
+    def _charged_cost(self) -> StepCost:
+        """:attr:`cost` charging the learned per-node overhead and head-call costs (:meth:`StepCost.charging_nodes`),
+        made again only when what it charges changed (not every step)."""
+        key = (self.cost, self.node_overhead_s, None if self.level_learned_s is None else tuple(self.level_learned_s))
+        cached = self.__dict__.get("_charged")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_charged"] = (key, self.cost.charging_nodes(self.node_overhead_s,
+                                                                                 self.level_learned_s))
+        return cached[1]
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
                      samplers: list[DraftSampler], acceptance: torch.Tensor, inner_edges: torch.Tensor,
@@ -680,12 +702,18 @@ class PerStepDrafter:
         else:
             self._layouts.move_to_end(key)
         groups = []
+        indices = self._tables.setdefault(("draw indices", device), {})
         for level in levels:
             if level.kept:
-                nodes, slots, kept_ranks = (torch.tensor(col, dtype=torch.long, device=device)
-                                            for col in zip(*level.kept, strict=True))
-                groups.append((torch.tensor(level.parents, dtype=torch.long, device=device), nodes, slots,
-                               kept_ranks, level))
+                # (parents, nodes, slots, ranks) as tensors, remembered per level shape: a few shapes recur
+                key = (tuple(level.parents), tuple(level.kept))
+                made = indices.get(key)
+                if made is None:
+                    if len(indices) > 1024:
+                        indices.clear()
+                    made = indices[key] = tuple(torch.tensor(col, dtype=torch.long, device=device)
+                                                for col in (level.parents, *zip(*level.kept, strict=True)))
+                groups.append((*made, level))
         copied = torch.tensor(tree.lookup, dtype=torch.long, device=device) if tree.lookup else None
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device)  # (B, N)
         return [DraftTree(tokens[b], layout,
