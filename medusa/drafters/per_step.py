@@ -37,7 +37,6 @@ batch's forward; each row fills it with its own drafts and keeps its own accepta
 from __future__ import annotations
 
 import bisect
-import copy
 import itertools
 import logging
 import operator
@@ -166,7 +165,8 @@ class StepCost:
         """These costs with ``node_s`` seconds more per node of each row in every verify (the step's work outside
         the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`), and the
         head calls at ``level_s`` by depth where given (:attr:`PerStepDrafter.level_learned_s`)."""
-        charged = copy.copy(self)  # shares the measured curve
+        charged = object.__new__(StepCost)  # a copy sharing the measured curve and its table (made about every
+        charged.__dict__.update(self.__dict__)  # greedy step, as the learned overhead moves: copy.copy costs more)
         charged.__dict__.pop("_extra", None)  # its own node_s: not this one's remembered extras
         charged.node_s = node_s
         if level_s is not None:
