@@ -110,6 +110,7 @@ class MedusaModel(nn.Module):
             self.heads.drafter_products = self.engine.drafter_product
             self.heads.drafter_products_key = self.engine.drafter_products_key
             self.heads.__dict__.pop("_products", None)  # made by the previous engine
+            self.heads.__dict__.pop("_fused_levels", None)  # its fused levels too (they hold its products)
 
     def use_per_step_tree(self, calibration, profile=None, measure: bool = False, **options) -> None:
         """Decode with a tree grown each step from the heads' calibrated confidence and this machine's measured

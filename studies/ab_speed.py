@@ -47,6 +47,10 @@ def worker(args) -> None:
     if args.engines[0] in NATIVE:
         sys.path.insert(0, str(Path(os.environ["PYTHONPATH"]) / "scripts"))
         model = importlib.import_module("peer_bench").native_model(args.base, heads, args.engines[0], args.threads)
+    elif heads is None:  # plain decoding through the engine (as `medusa generate --drafter none`)
+        build = importlib.import_module("medusa.build")
+        model = build.build_model(build.DecodeConfig(base=args.base, drafter="none", engine=args.engines[0],
+                                                     threads=args.threads))
     else:
         model = MedusaModel.from_pretrained(args.base, heads, engine=args.engines[0])
     rows = max(args.batch, 1)

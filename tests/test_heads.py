@@ -189,7 +189,7 @@ def test_drafting_on_a_cpu_projects_through_a_packed_copy_equal_to_matmul_and_re
         heads.drafter_products = lambda weight, role: packed_product(weight) if role == "projection" else None
         packed = heads.project(0, feats)
         if onednn_unavailable_for("cpu", torch.float32) is None:
-            assert heads.__dict__["_products"]["projection"][1] is not None
+            assert heads.__dict__["_products"]["projection"][2] is not None
         assert torch.allclose(packed, reference, atol=1e-5) and packed.shape == (4, heads.head_vocab_size)
         assert torch.allclose(heads.project(0, feats[None]), reference[None], atol=1e-5)  # (1, 4, H) too
         heads.shared_weight_t.mul_(2)  # changed in place: packed again

@@ -243,7 +243,7 @@ def test_hydra_heads_draft_through_q8_0_products_beside_the_native_decoder(kerne
     medusa = MedusaModel(model, random_heads(model, head_type="hydra"), engine="int4", kernel=kernel, lm_head="bf16")
     assert greedy(medusa) == greedy(medusa, Tree.chain(0))
     made = medusa.heads.__dict__["_products"]
-    assert made["input0"][1] is not None and medusa.engine.smooth_step_cost
+    assert made["input0"][2] is not None and medusa.engine.smooth_step_cost
     assert heads_key(medusa.heads).endswith(":products=q8_0" + (":int8" if kernel == "native-q8" else "") + ":level")
     medusa.use_engine("int4", lm_head="bf16")  # torch's kernels: the packed projection, no Q8_0, measured sizes
     assert medusa.heads.drafter_products_key is None and "_products" not in medusa.heads.__dict__
@@ -271,8 +271,8 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
             assert torch.allclose(fused_logits, logits, atol=1e-5) and torch.equal(fused_ids, ids)
             assert torch.allclose(fused_probs, probs, atol=1e-6)
         with pytest.raises(ValueError, match="shapes do not fit"):
-            medusa.heads.__dict__["_products"]["input0"][1].__self__.hydra_level(
-                heads.inputs[0].bias, medusa.heads.__dict__["_products"]["projection"][1].__self__,
+            medusa.heads.__dict__["_products"]["input0"][2].__self__.hydra_level(
+                heads.inputs[0].bias, medusa.heads.__dict__["_products"]["projection"][2].__self__,
                 heads.embed_weight, 1e-6, hidden, torch.zeros(3, 2, dtype=torch.long), 4)  # head 0 reads 1 token
         with pytest.raises(ValueError, match="not an id of the"):
             heads.draft_ranked(0, hidden, torch.full((3, 1), heads.config.vocab_size), 4)
@@ -287,6 +287,14 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
         unfused = heads.draft_logits(0, hidden, paths)
         assert not torch.allclose(moved, before, atol=1e-3) and not torch.allclose(scaled, moved, atol=1e-3)
         assert torch.allclose(scaled, unfused, atol=1e-4)
+        # ... and another engine's products (or none) are never served from the previous engine's fused level
+        products = heads.drafter_products
+        heads.drafter_products = None
+        assert heads.draft_ranked(0, hidden, paths, 4) is None
+        heads.drafter_products = lambda weight, role: None  # an engine that offers no product
+        assert heads.draft_ranked(0, hidden, paths, 4) is None
+        heads.drafter_products = products
+        assert torch.equal(heads.draft_ranked(0, hidden, paths, 4)[0], scaled)
     from medusa.drafters.heads import MedusaHeadsConfig, build_heads
 
     weight = model.get_output_embeddings().weight.detach()

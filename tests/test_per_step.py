@@ -559,3 +559,14 @@ def test_the_charged_costs_follow_the_learned_overhead_and_the_extras_are_the_cu
     assert second.extra(3, 2) == pytest.approx(first.extra(3, 2) + 0.003 * 2)
     drafter.level_learned_s = [0.001] * 3
     assert drafter._charged_cost().level_s == [0.001] * 3 and second.level_s == [HEAD_CALL] * 3
+    drafter.level_learned_s = None
+    drafter.cost.level_s = [0.5] * 3  # a field rebound on the drafter's cost is read again
+    assert drafter._charged_cost().level_s == [0.5] * 3
+    second.node_s = 0.01  # a remembered extra follows its copy's charge
+    assert second.extra(3, 2) == pytest.approx(first.extra(3, 2) + 0.01 * 2)
+
+    class Flat(StepCost):
+        def forward(self, tokens: int) -> float:
+            return 0.05
+
+    assert type(Flat(COST, [HEAD_CALL]).charging_nodes(0.001)) is Flat  # a subclass's own curve is kept

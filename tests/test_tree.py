@@ -268,3 +268,5 @@ def test_argmax_rows_is_torch_argmax_on_ties_nan_inf_and_strided_rows():
         assert torch.equal(argmax_rows(x), x.argmax(-1))
     with torch.inference_mode():
         assert torch.equal(argmax_rows(wide * 1), wide.argmax(-1))
+    negated = torch._neg_view(wide)  # a lazily negated view: numpy cannot read it, torch answers
+    assert torch.equal(argmax_rows(negated), negated.argmax(-1))

@@ -280,9 +280,10 @@ class _HeadsBase(nn.Module):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype)
         made = self.__dict__.setdefault("_products", {})
-        if role not in made or made[role][0] != key:
-            made[role] = (key, self.drafter_products(weight, role))
-        return made[role][1]
+        hit = made.get(role)
+        if hit is None or hit[0] is not self.drafter_products or hit[1] != key:  # another engine's: made again
+            hit = made[role] = (self.drafter_products, key, self.drafter_products(weight, role))
+        return hit[2]
 
     def _linear(self, role: str, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``layer(x)``, through the engine's drafter product of its weight where one is offered (see
@@ -503,12 +504,11 @@ class HydraHeads(_HeadsBase):
             return None
         layer = self.inputs[k]
         weights = (layer.weight, self.shared_weight_t, layer.bias)
-        key = (id(self.drafter_products), rows.dtype,
-               *((w.data_ptr(), w._version) if w is not None else None for w in weights))
+        key = (rows.dtype, *((w.data_ptr(), w._version) if w is not None else None for w in weights))
         cache = self.__dict__.setdefault("_fused_levels", {})
         hit = cache.get(k)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        if hit is not None and hit[0] is self.drafter_products and hit[1] == key:  # the products object itself
+            return hit[2]
         fused = None
         plain = self.lm_heads is None and not len(self.blocks[k])  # no own lm_heads, no ResBlocks after the input
         if plain and layer.bias is not None and rows.dtype == torch.float32:
@@ -518,7 +518,7 @@ class HydraHeads(_HeadsBase):
             level = getattr(getattr(first, "__self__", None), "hydra_level", None)
             if level is not None and projection is not None:
                 fused = (level, layer.bias.detach(), projection)
-        cache[k] = (key, fused)
+        cache[k] = (self.drafter_products, key, fused)
         return fused
 
     def _following_tokens(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:

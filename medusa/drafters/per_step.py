@@ -156,16 +156,17 @@ class StepCost:
         memo = self.__dict__.get("_extra")
         if memo is None:
             memo = self.__dict__["_extra"] = {}
-        seconds = memo.get((n, batch))
+        key = (n, batch, self.node_s)  # node_s: a changed charge is not read from the remembered ones
+        seconds = memo.get(key)
         if seconds is None:
-            seconds = memo[n, batch] = self.verify(n + 1, batch, True) - self.verify(n, batch, True)
+            seconds = memo[key] = self.verify(n + 1, batch, True) - self.verify(n, batch, True)
         return seconds
 
     def charging_nodes(self, node_s: float, level_s: list[float] | None = None) -> StepCost:
         """These costs with ``node_s`` seconds more per node of each row in every verify (the step's work outside
         the forward and the head calls that grows with the tree: :attr:`PerStepDrafter.node_overhead_s`), and the
         head calls at ``level_s`` by depth where given (:attr:`PerStepDrafter.level_learned_s`)."""
-        charged = object.__new__(StepCost)  # a copy sharing the measured curve and its table (made about every
+        charged = object.__new__(type(self))  # a copy sharing the measured curve and its table (made about every
         charged.__dict__.update(self.__dict__)  # greedy step, as the learned overhead moves: copy.copy costs more)
         charged.__dict__.pop("_extra", None)  # its own node_s: not this one's remembered extras
         charged.node_s = node_s
@@ -520,7 +521,9 @@ class PerStepDrafter:
     def _charged_cost(self) -> StepCost:
         """:attr:`cost` charging the learned per-node overhead and head-call costs (:meth:`StepCost.charging_nodes`),
         made again only when what it charges changed (not every step)."""
-        key = (self.cost, self.node_overhead_s, None if self.level_learned_s is None else tuple(self.level_learned_s))
+        cost = self.cost  # its fields too: one rebound on the drafter's cost is read again, as every step did before
+        key = (cost, self.node_overhead_s, None if self.level_learned_s is None else tuple(self.level_learned_s),
+               cost.node_s, tuple(cost.level_s), cost.buckets)
         cached = self.__dict__.get("_charged")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_charged"] = (key, self.cost.charging_nodes(self.node_overhead_s,
