@@ -51,10 +51,15 @@ def read_messages(files=PROMPT_FILES) -> list[list[dict]]:
     return out
 
 
+TEMPERATURE = 0.0
+"""The load's sampling temperature (``--temperature``); 0: greedy."""
+
+
 def requests_for(messages: list, count: int, lengths: list[int]) -> list[dict]:
-    """Request i: prompt i, ``lengths[i % len]`` new tokens, streamed every third, greedy."""
-    return [{"messages": messages[i % len(messages)], "max_tokens": lengths[i % len(lengths)], "temperature": 0,
-             "stream": i % 3 == 0} for i in range(count)]
+    """Request i: prompt i, ``lengths[i % len]`` new tokens, streamed every third, greedy (or sampled at
+    :data:`TEMPERATURE` with seed i, so that request i draws the same text whenever it is served)."""
+    return [{"messages": messages[i % len(messages)], "max_tokens": lengths[i % len(lengths)], "stream": i % 3 == 0,
+             "temperature": TEMPERATURE} | ({"seed": i} if TEMPERATURE else {}) for i in range(count)]
 
 
 class ServerProcess:
@@ -234,10 +239,13 @@ def load(args, messages) -> dict:
 
 def same_answers(report: dict) -> dict:
     """Each request's greedy text against the same request served one at a time (the first mode, concurrency 1),
-    for the requests both ran."""
+    for the requests both ran; sampled (``--temperature``), against the same mode's own one-at-a-time answer (a
+    seed draws alike in one mode, not across the two: speculative sampling spends its random numbers otherwise)."""
     reference = {i: r["text"] for i, r in enumerate(report["reference"]) if r.get("status") == 200}
     out = {}
     for mode, entry in report["load"].items():
+        if report["args"].get("temperature"):
+            reference = {i: r["text"] for i, r in enumerate(entry["levels"][1]["results"]) if r.get("status") == 200}
         for c, level in entry["levels"].items():
             pairs = [(reference[i], r.get("text")) for i, r in enumerate(level["results"]) if i in reference]
             out[f"{mode} c={c}"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs)}
@@ -466,6 +474,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
                    help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the load's requests at this temperature, request i with seed i (0: greedy)")
     p.add_argument("--idle-s", type=float, default=5.0,
                    help="idle seconds before the second reading of the resident size after warm-up and after the load")
     p.add_argument("--drain-timeout-s", type=float, default=10)
@@ -478,6 +488,8 @@ def main() -> int:
     if args.tables:
         print(markdown(json.loads(Path(args.out).read_text())))
         return 0
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     messages = read_messages()
     report: dict = {"args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if "load" not in args.skip:

@@ -178,7 +178,9 @@ class TrainConfig:
     distill_batch_size: int = 16
     """Self-distillation: prompts generated together per process."""
     distill_time_limit_s: float | None = None
-    """Self-distillation: wall-clock budget per split and process in seconds; null for no limit."""
+    """Self-distillation: wall-clock budget per split and process in seconds, checked between batches (the batch that
+    crosses it finishes, so that no answer is cut short: one batch of ``distill_batch_size`` prompts may run past
+    it); null for no limit."""
     cache_hidden_states: bool = False
     """Keep each training example's base hidden states in memory (bf16, on CPU) after its first forward, so every
     later epoch runs the heads only. Costs sequence length x hidden size x 2 bytes per example."""
