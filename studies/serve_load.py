@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -100,6 +101,14 @@ class ServerProcess:
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
+
+    def steps_by_batch_size(self) -> dict:
+        """``{batch size: {"speculative": n, "plain": n}}`` of the batched steps so far (``/metrics``)."""
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+        out: dict = {}
+        for m in re.finditer(r'medusa_batched_steps_total\{batch_size="(\d+)",mode="(\w+)"\} (\d+)', text):
+            out.setdefault(int(m[1]), {})[m[2]] = int(m[3])
+        return dict(sorted(out.items()))
 
     def stop(self, timeout: float = 60) -> float:
         """SIGTERM, then wait; returns the seconds to exit (SIGKILL past ``timeout``)."""
@@ -227,6 +236,8 @@ def load(args, messages) -> dict:
                 entry["levels"][c] = summary(results, wall) | {"rss_after_mb": round(server.rss_mb(), 1),
                                                                "results": results}
                 print(f"{mode} c={c}: {json.dumps(summary(results, wall))}", flush=True)
+            entry["steps_by_batch_size"] = server.steps_by_batch_size()
+            print(f"{mode} steps by batch size: {entry['steps_by_batch_size']}", flush=True)
             entry["rss_after_load_mb"] = round(server.rss_mb(), 1)
             time.sleep(args.idle_s)
             entry["rss_after_load_idle_mb"] = round(server.rss_mb(), 1)
