@@ -360,13 +360,20 @@ def cmd_bench(args) -> int:
         result = run_bench(model, prompts, args.max_new_tokens, warmup=args.warmup, progress=progress,
                            use_chat_template=not args.no_chat_template, sampling=sampling_kwargs(args),
                            hf_prompt_lookup=args.hf_prompt_lookup, fixed_tree=fixed_tree)
-    result["prompts_file"], result["load"] = str(args.prompts), load
+    # The load again after the run: a machine that turned busy during it (another job started) is warned too.
+    after = machine_load(torch.get_num_threads())
+    result["prompts_file"], result["load"], result["load_after"] = str(args.prompts), load, after
     if original is not None and not args.batch_size:
         result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
         print(f"drift from {result['drift']['original']}: {report.drift_text(result['drift'])}")
     print(report.batch_bench_table(result) if args.batch_size else report.bench_text(result, reference, args.compare))
-    if load["warning"]:
-        _stderr(f"warning: measured on a busy machine ({load['warning'].split(':')[0]})")
+    busy = [f"{when}: {w['warning'].split(':')[0]}" for when, w in (("before", load), ("after", after))
+            if w["warning"]]
+    if busy:  # beside the table too (stdout), where a summary that shows the table shows it
+        line = (f"warning: measured on a busy machine ({'; '.join(busy)}): the tokens/s and speedups say little; "
+                f"run it again when the machine is idle")
+        print(line)
+        _stderr(line)
     _write_json(result, args.out)
     if args.plot and not args.batch_size:
         from medusa.tools.plots import plot_bench

@@ -125,6 +125,9 @@ def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "warning: load average 64.0" in captured.err and "timings are unreliable" in captured.err
     assert json.loads(out.read_text())["load"]["load_1min"] == 64.0
+    # beside the table too (stdout: what a summary showing the table shows), before and after the run
+    assert "warning: measured on a busy machine (before: load average 64.0" in captured.out
+    assert "; after: load average 64.0" in captured.out
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     assert main(["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts),
                  "--limit", "1", "--max-new-tokens", "8", "--compare", str(out)]) == 0
@@ -134,6 +137,26 @@ def test_bench_plot_and_load_warning(setup, tmp_path, monkeypatch, capsys):
     first = json.loads(out.read_text())["per_prompt"][0]
     same = next(line for line in lines if line.startswith("reference, same prompts only"))
     assert f"tau {first['tau']:.3f}, speedup {first['hf_s'] / first['medusa_s']:.3f}x (1 of its 2 prompts)" in same
+
+
+def test_bench_warns_of_a_machine_that_turned_busy_during_the_run(setup, tmp_path, monkeypatch, capsys):
+    """Idle when the bench starts, busy when it ends (another job started meanwhile): warned beside the table and on
+    stderr, and both loads recorded; idle throughout: no warning (the control)."""
+    root, base, prompts = setup
+    loads = iter([(0.0, 0.0, 0.0), (8.0, 2.0, 1.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)])
+    monkeypatch.setattr("medusa.tools.bench.load_average", lambda: next(loads))
+    monkeypatch.setattr("medusa.tools.bench.running_elsewhere", lambda: 7)
+    out = tmp_path / "bench.json"
+    args = ["bench", "--base", str(base), "--heads", str(root / "heads"), "--prompts", str(prompts), "--limit", "1",
+            "--max-new-tokens", "4", "--threads", "1", "--out", str(out)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "warning: measured on a busy machine (after: load average 8.0" in captured.out
+    assert "before:" not in captured.out and "after: load average 8.0" in captured.err
+    written = json.loads(out.read_text())
+    assert written["load"]["warning"] is None and written["load_after"]["load_1min"] == 8.0
+    assert main(args) == 0
+    assert "busy machine" not in capsys.readouterr().out
 
 
 def test_bench_plot_needs_out(setup, capsys):
