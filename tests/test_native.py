@@ -252,9 +252,9 @@ def test_hydra_heads_draft_through_q8_0_products_beside_the_native_decoder(kerne
 
 @pytest.mark.parametrize("kernel", ["native", "native-q8"])
 def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kernel):
-    """The fused level (input layer, SiLU, projection, softmax, top-k in one call) gives the candidates and
-    probabilities of the unfused path up to float summation order; a control: heads whose drafting cannot fuse
-    (ResBlocks after the input layer) say so with ``None``, and Medusa stays plain's with either."""
+    """The fused level (input layer, SiLU, the ResBlocks, projection, softmax, top-k in one call) gives the
+    candidates and probabilities of the unfused path up to float summation order; heads whose drafting cannot fuse
+    (no engine products) say so with ``None``, and Medusa stays plain's with either."""
     from medusa.drafters.base import TopK
 
     model = tiny_model("llama")
@@ -299,10 +299,26 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
 
     weight = model.get_output_embeddings().weight.detach()
     deeper = build_heads(MedusaHeadsConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=3,
-                                           head_type="hydra", num_layers=2), weight,
+                                           head_type="hydra", num_layers=3), weight,
                          model.get_input_embeddings().weight.detach())
+    with torch.no_grad():  # Hydra++'s deeper MLP, trained: ResBlocks that are not the identity
+        for param in deeper.parameters():
+            if param.requires_grad:
+                param.normal_(0.0, 0.05, generator=gen)
     medusa_deeper = MedusaModel(model, deeper, engine="int4", kernel=kernel, lm_head="bf16")
-    assert deeper.draft_ranked(0, hidden, paths[:, :1], 4) is None
+    with torch.inference_mode():
+        for k in range(deeper.config.num_heads):
+            hidden = torch.randn(3, deeper.config.hidden_size, generator=gen)
+            paths = torch.randint(0, deeper.config.vocab_size, (3, k + 1), generator=gen)
+            logits = deeper.draft_logits(k, hidden, paths)  # each ResBlock through its own Q8_0 product
+            ids, _, probs = TopK().draw_ranked(logits, 4)
+            fused_logits, fused_ids, fused_probs = deeper.draft_ranked(k, hidden, paths, 4)
+            assert torch.allclose(fused_logits, logits, atol=1e-5) and torch.equal(fused_ids, ids)
+            assert torch.allclose(fused_probs, probs, atol=1e-6)
+        assert len(deeper.__dict__["_fused_levels"][0][2][3]) == 2  # both ResBlocks went into the C call
+        with torch.enable_grad():  # training reads the ResBlocks as nn.Linear: the same features up to Q8_0 rounding
+            exact = deeper.project(0, deeper.features(0, hidden[:1], paths[:1, :1]))
+        assert torch.allclose(exact, deeper.draft_logits(0, hidden[:1], paths[:1, :1]), atol=0.05)
     assert greedy(medusa_deeper) == greedy(medusa_deeper, Tree.chain(0)) == greedy(medusa)
 
 

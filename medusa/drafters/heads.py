@@ -477,7 +477,10 @@ class HydraHeads(_HeadsBase):
                              f"{None if tokens is None else tokens.shape[-1]}")
         embeds = self.embed(tokens, hidden.dtype)  # (..., k+1, H)
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
-        return self.blocks[k](hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x)))  # (..., H)
+        feats = hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x))  # (..., H)
+        for j, block in enumerate(self.blocks[k]):  # ResBlock.forward, through the drafter products when drafting
+            feats = feats + nn.functional.silu(self._linear(f"block{k}.{j}", block.linear, feats))
+        return feats  # (..., H)
 
     def draft_ranked(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor,
                      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -485,39 +488,44 @@ class HydraHeads(_HeadsBase):
         products: :meth:`medusa.engines.native.NativeHead.hydra_level`): ``(logits (P, Vh), ids (P, top_k),
         probs (P, top_k))``, the ``top_k`` head-vocabulary ids by logit with their softmax probabilities, best first,
         as :meth:`draft_logits` then :meth:`medusa.drafters.base.TopK.draw_ranked` give them up to float summation
-        order. ``None`` where it cannot (no such products, ResBlocks after the input layer, another dtype, gradients
-        on): the caller then takes those two steps. ``hidden`` ``(H,)`` or ``(P, H)``; ``path_tokens``
+        order. ``None`` where it cannot (no such products, another dtype, gradients on): the caller then takes those
+        two steps. ``hidden`` ``(H,)`` or ``(P, H)``; ``path_tokens``
         ``(P, k + 1)``."""
         rows = hidden.expand(len(path_tokens), -1)  # (P, H)
         fused = self._fused_level(k, rows)
         if fused is None:
             return None
-        level, bias, projection = fused
-        return level(bias, projection, self.embed_weight, FLOAT32_EPS, rows, path_tokens, top_k)
+        level, bias, projection, blocks = fused
+        return level(bias, projection, self.embed_weight, FLOAT32_EPS, rows, path_tokens, top_k, blocks)
 
     def _fused_level(self, k: int, rows: torch.Tensor):
-        """``(level call, bias, projection)`` for :meth:`draft_ranked` at head ``k``, or ``None`` where the level
+        """``(level call, bias, projection, ResBlocks' (product, bias) pairs)`` for :meth:`draft_ranked` at head
+        ``k``, or ``None`` where the level
         cannot be fused. Resolved once per head, and again when a weight changed (its storage or version), the
         engine's products or the hidden states' dtype did; gradients on or another device: ``None``
         (:meth:`_drafter_product`)."""
         if self.drafter_products is None or torch.is_grad_enabled() or rows.device.type != "cpu":
             return None
         layer = self.inputs[k]
-        weights = (layer.weight, self.shared_weight_t, layer.bias)
+        linears = [block.linear for block in self.blocks[k]]
+        weights = (layer.weight, self.shared_weight_t, layer.bias,
+                   *(w for lin in linears for w in (lin.weight, lin.bias)))
         key = (rows.dtype, *((w.data_ptr(), w._version) if w is not None else None for w in weights))
         cache = self.__dict__.setdefault("_fused_levels", {})
         hit = cache.get(k)
         if hit is not None and hit[0] is self.drafter_products and hit[1] == key:  # the products object itself
             return hit[2]
         fused = None
-        plain = self.lm_heads is None and not len(self.blocks[k])  # no own lm_heads, no ResBlocks after the input
-        if plain and layer.bias is not None and rows.dtype == torch.float32:
-            # the engine's products of the two weights, made once and again after a weight changed (_drafter_product)
+        biased = layer.bias is not None and all(lin.bias is not None for lin in linears)
+        if self.lm_heads is None and biased and rows.dtype == torch.float32:  # the shared projection only
+            # the engine's products of the weights, made once and again after a weight changed (_drafter_product)
             first = self._drafter_product(f"input{k}", layer.weight, rows)
             projection = getattr(self._drafter_product("projection", self.shared_weight_t.T, rows), "__self__", None)
             level = getattr(getattr(first, "__self__", None), "hydra_level", None)
-            if level is not None and projection is not None:
-                fused = (level, layer.bias.detach(), projection)
+            blocks = tuple((getattr(self._drafter_product(f"block{k}.{j}", lin.weight, rows), "__self__", None),
+                            lin.bias.detach()) for j, lin in enumerate(linears))
+            if level is not None and projection is not None and all(w is not None for w, _ in blocks):
+                fused = (level, layer.bias.detach(), projection, blocks)
         cache[k] = (self.drafter_products, key, fused)
         return fused
 

@@ -148,8 +148,9 @@ def _library():
     lib.medusa_hydra_level.restype = ctypes.c_int
     lib.medusa_hydra_level.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                       ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q4_forward_rows.restype = ctypes.c_int
@@ -304,19 +305,22 @@ class NativeHead:
 
 
     def hydra_level(self, bias: torch.Tensor, projection: NativeHead, embed: torch.Tensor, eps: float,
-                    hidden: torch.Tensor, path_tokens: torch.Tensor,
-                    top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    hidden: torch.Tensor, path_tokens: torch.Tensor, top_k: int,
+                    blocks: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Hydra head level in one C call, this head being the level's input layer ``W_in`` ``(H, (T + 1) H)``
         (Ankner et al. 2024, section 3; ``csrc/q4_decoder.c``, ``medusa_hydra_level``): per node, the RMS-normalised
-        embeddings of its ``T`` path tokens beside its hidden state, ``f = h + silu(W_in x + b)``, the head
-        vocabulary's logits ``projection(f)``, and their ``top_k`` best ids with softmax probabilities. The same
-        products as the two separate calls (:meth:`logits`), for drafts only: the verify decides what is emitted.
+        embeddings of its ``T`` path tokens beside its hidden state, ``f = h + silu(W_in x + b)``, then each of
+        the head's ResBlocks in order (Hydra++'s deeper MLP, ``f = f + silu(W_j f + b_j)``), the head vocabulary's
+        logits ``projection(f)``, and their ``top_k`` best ids with softmax probabilities. The same products as the
+        separate calls (:meth:`logits`), for drafts only: the verify decides what is emitted.
 
         Args:
             bias: ``(H,)`` the input layer's bias; ``projection``: the head vocabulary's rows ``(Vh, H)``, with this
                 head's activation rounding; ``embed``: the base's input embeddings ``(V, H)``; ``eps``: the norm's.
             hidden: ``(P, H)`` each node's hidden state; ``path_tokens``: ``(P, T)`` long, ``T`` = hidden input
                 size / H - 1.
+            blocks: ``((W_j (H, H) as a NativeHead with this head's activation rounding, b_j (H,)), ...)``, the
+                ResBlocks after the input layer (none by default).
 
         Returns:
             ``(logits (P, Vh), ids (P, top_k) long, probs (P, top_k))``, best first.
@@ -331,11 +335,19 @@ class NativeHead:
         count, size = x.shape
         if (tokens.shape != (count, self.hidden // size - 1) or self.hidden % size or projection.hidden != size
                 or self.vocab != size or tuple(embed.shape[1:]) != (size,) or bias.shape != (size,)
-                or projection.int8_activations != self.int8_activations or not 0 < top_k <= projection.vocab):
+                or projection.int8_activations != self.int8_activations or not 0 < top_k <= projection.vocab
+                or any((w.vocab, w.hidden) != (size, size) or w.int8_activations != self.int8_activations
+                       or b.shape != (size,) for w, b in blocks)):
             raise ValueError(f"a Hydra level's shapes do not fit: hidden {tuple(x.shape)}, tokens "
                              f"{tuple(tokens.shape)}, input layer ({self.vocab}, {self.hidden}), projection "
-                             f"({projection.vocab}, {projection.hidden}), top_k {top_k}")
+                             f"({projection.vocab}, {projection.hidden}), top_k {top_k}, ResBlocks "
+                             f"{[((w.vocab, w.hidden), tuple(b.shape)) for w, b in blocks]}")
         embed, bias = embed.float().contiguous(), bias.float().contiguous()
+        block_bias = [b.float().contiguous() for _, b in blocks]  # kept alive through the call
+        pointers = ctypes.c_void_p * max(len(blocks), 1)
+        block_codes = pointers(*(w.codes.data_ptr() for w, _ in blocks))
+        block_d = pointers(*(w.d.data_ptr() for w, _ in blocks))
+        block_biases = pointers(*(b.data_ptr() for b in block_bias))
         logits = torch.empty(count, projection.vocab)
         ids = torch.empty(count, top_k, dtype=torch.int64)
         probs = torch.empty(count, top_k)
@@ -343,7 +355,8 @@ class NativeHead:
             return logits, ids, probs
         done = self.lib.medusa_hydra_level(
             x.data_ptr(), count, size, tokens.data_ptr(), tokens.shape[1], embed.data_ptr(), embed.shape[0], eps,
-            self.codes.data_ptr(), self.d.data_ptr(), bias.data_ptr(), projection.codes.data_ptr(),
+            self.codes.data_ptr(), self.d.data_ptr(), bias.data_ptr(), len(blocks), block_codes, block_d,
+            block_biases, projection.codes.data_ptr(),
             projection.d.data_ptr(), projection.vocab, int(self.int8_activations), logits.data_ptr(), top_k,
             ids.data_ptr(), probs.data_ptr(), torch.get_num_threads())
         if done == -2:

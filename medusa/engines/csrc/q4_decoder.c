@@ -784,23 +784,28 @@ int medusa_q4_forward(const medusa_q4_model *w, float *x, int64_t M, const float
 /* ---- one Hydra head level for P tree nodes in one call (drafting beside the native decoder) ----------------------
  * Hydra head k (Ankner et al. 2024, section 3) at node p reads [h_p ; n(e(t_p0)) ; ... ; n(e(t_pk))] (T = k + 1
  * path tokens, n the weightless RMS norm of the base's input embedding row, eps as given), then
- *   f = h + silu(W_in x + b),  logits = W_proj f  (the head vocabulary's Vh rows),
+ *   f = h + silu(W_in x + b),  then for each of its `blocks` ResBlocks in order  f = f + silu(W_j f + b_j),
+ *   logits = W_proj f  (the head vocabulary's Vh rows),
  * and each node's top_k head-vocabulary ids by logit with their softmax probabilities, best first (ties: the lower
  * id first). W_in (H, (T + 1) H) and W_proj (Vh, H) are Q8_0 blocks in the layout of medusa_q8_0_head (fp32
  * activations) or medusa_q8_0_head_q8 (int8 activations: int8_activations = 1), so the products are those of the
- * drafter products the heads use otherwise. Draft values only: the verify decides what is emitted.
+ * drafter products the heads use otherwise; so are the ResBlocks' W_j (H, H) (block_codes[j], block_d[j], with their
+ * biases block_bias[j] (H,)). Draft values only: the verify decides what is emitted.
  * hidden: (P, H); tokens: (P, T) int64; embed: (V, H) fp32; logits: (P, Vh) out; ids (P, top_k) int64 and probs
  * (P, top_k) fp32 out; V: the embedding table's rows. Returns 0; -1 when scratch memory could not be allocated
  * (outputs then undefined); -2 when a path token is not an embedding row, -3 when top_k is not in 1..Vh (nothing
  * written then). */
 int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t *tokens, int64_t T,
                        const float *embed, int64_t V, float eps, const void *in_codes, const float *in_d,
-                       const float *in_bias, const void *proj_codes, const float *proj_d, int64_t Vh,
-                       int int8_activations, float *logits, int64_t top_k, int64_t *ids, float *probs, int threads) {
+                       const float *in_bias, int64_t blocks, const void *const *block_codes,
+                       const float *const *block_d, const float *const *block_bias, const void *proj_codes,
+                       const float *proj_d, int64_t Vh, int int8_activations, float *logits, int64_t top_k,
+                       int64_t *ids, float *probs, int threads) {
     const int64_t K = (T + 1) * H;
     if (top_k < 1 || top_k > Vh) return -3;
     for (int64_t i = 0; i < P * T; i++)
         if (tokens[i] < 0 || tokens[i] >= V) return -2;
+    /* x: the input layer's rows, then (K >= 2 H) each ResBlock's product */
     float *x = malloc(sizeof(float) * P * K), *f = malloc(sizeof(float) * P * H);
     if (!x || !f) { free(x); free(f); return -1; }
     for (int64_t p = 0; p < P; p++) {
@@ -822,6 +827,16 @@ int medusa_hydra_level(const float *hidden, int64_t P, int64_t H, const int64_t 
             float g = f[p * H + j] + in_bias[j];
             f[p * H + j] = hidden[p * H + j] + g / (1.0f + expf(-g));
         }
+    for (int64_t b = 0; b < blocks; b++) {  /* Hydra++'s deeper MLP: f = f + silu(W_b f + b_b), in order */
+        failed = int8_activations ? medusa_q8_0_head_q8(f, P, H, (const uint8_t *)block_codes[b], block_d[b], H, x, threads)
+                                  : medusa_q8_0_head(f, P, H, (const int8_t *)block_codes[b], block_d[b], H, x, threads);
+        if (failed) { free(x); free(f); return -1; }
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t j = 0; j < H; j++) {
+                float g = x[p * H + j] + block_bias[b][j];
+                f[p * H + j] += g / (1.0f + expf(-g));
+            }
+    }
     failed = int8_activations ? medusa_q8_0_head_q8(f, P, H, (const uint8_t *)proj_codes, proj_d, Vh, logits, threads)
                               : medusa_q8_0_head(f, P, H, (const int8_t *)proj_codes, proj_d, Vh, logits, threads);
     if (failed) { free(x); free(f); return -1; }
