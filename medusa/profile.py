@@ -385,6 +385,8 @@ def heads_key(heads) -> str:
     where they are not matmul or a packed copy (what their cost depends on)."""
     c = heads.config
     products = getattr(heads, "drafter_products_key", None)  # the engine's drafter products, where they matter
+    if products and products.endswith(":level") and c.head_type == "hydra" and c.num_layers > 1:
+        products += "+blocks"  # the fused level took a head's ResBlocks in later: a cost measured before is stale
     return (f"{c.head_type}:{c.num_heads}x{c.num_layers}:hidden{c.hidden_size}:vocab{heads.head_vocab_size}"
             f":{next(heads.parameters()).dtype}".replace("torch.", "") + (f":products={products}" if products else ""))
 

@@ -316,10 +316,31 @@ def test_a_hydra_level_in_one_c_call_ranks_as_the_two_products_and_top_k_do(kern
             assert torch.allclose(fused_logits, logits, atol=1e-5) and torch.equal(fused_ids, ids)
             assert torch.allclose(fused_probs, probs, atol=1e-6)
         assert len(deeper.__dict__["_fused_levels"][0][2][3]) == 2  # both ResBlocks went into the C call
-        with torch.enable_grad():  # training reads the ResBlocks as nn.Linear: the same features up to Q8_0 rounding
+        with torch.enable_grad():  # training runs the ResBlock modules: the same features up to Q8_0 rounding
             exact = deeper.project(0, deeper.features(0, hidden[:1], paths[:1, :1]))
         assert torch.allclose(exact, deeper.draft_logits(0, hidden[:1], paths[:1, :1]), atol=0.05)
-    assert greedy(medusa_deeper) == greedy(medusa_deeper, Tree.chain(0)) == greedy(medusa)
+    from medusa.profile import heads_key
+
+    assert heads_key(deeper).endswith(":level+blocks") and heads_key(heads).endswith(":level")
+    # decoding through the per-step tree calls the fused level, ResBlocks and all, and stays plain decoding's tokens
+    from test_per_step import COST, HEAD_CALL, flat_calibration
+
+    from medusa.drafters.per_step import PerStepDrafter, StepCost
+
+    calls = []
+    level = type(deeper.__dict__["_fused_levels"][0][2][0].__self__).hydra_level
+
+    def spy(self, *args, **kwargs):
+        calls.append(len(args[7]))
+        return level(self, *args, **kwargs)
+
+    medusa_deeper.drafter = PerStepDrafter(deeper, flat_calibration(deeper, 0.9), StepCost(COST, [HEAD_CALL] * 3),
+                                           max_nodes=16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(deeper.__dict__["_fused_levels"][0][2][0].__self__), "hydra_level", spy)
+        deeper.__dict__.pop("_fused_levels")  # resolved again: through the spy
+        assert greedy(medusa_deeper) == greedy(medusa_deeper, Tree.chain(0)) == greedy(medusa)
+    assert calls and set(calls) == {2}
 
 
 def test_what_the_native_decoder_refuses_names_what_works(monkeypatch, tmp_path):

@@ -478,8 +478,12 @@ class HydraHeads(_HeadsBase):
         embeds = self.embed(tokens, hidden.dtype)  # (..., k+1, H)
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
         feats = hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x))  # (..., H)
-        for j, block in enumerate(self.blocks[k]):  # ResBlock.forward, through the drafter products when drafting
-            feats = feats + nn.functional.silu(self._linear(f"block{k}.{j}", block.linear, feats))
+        for j, block in enumerate(self.blocks[k]):
+            role = f"block{k}.{j}"
+            if self._drafter_product(role, block.linear.weight, feats) is None:
+                feats = block(feats)  # the module itself (training, hooks, subclasses)
+            else:  # drafting beside an engine's products: ResBlock.forward through them, as the fused level does
+                feats = feats + nn.functional.silu(self._linear(role, block.linear, feats))
         return feats  # (..., H)
 
     def draft_ranked(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor,

@@ -117,9 +117,10 @@ class Engine(abc.ABC):
     def drafter_product(self, weight: torch.Tensor, role: str):
         """The product the heads draft through for ``weight`` ``(N, K)``: ``rows (M, K) -> (M, N)``, or ``None``
         (``matmul`` / ``nn.Linear``, as here). ``role``: ``"projection"`` (the heads' shared lm_head rows),
-        ``"input{k}"`` (Hydra head k's input layer) or ``"block{k}.{j}"`` (its j-th ResBlock's linear). The engines that pack their own products offer a packed copy of
-        the projection (:func:`medusa.engines.onednn.packed_drafter_product`), so the choice follows the engine
-        (which ``auto`` makes from this machine's measured profile), never a guess about the CPU."""
+        ``"input{k}"`` (Hydra head k's input layer) or ``"block{k}.{j}"`` (its j-th ResBlock's linear). The engines
+        that pack their own products offer a packed copy of the projection
+        (:func:`medusa.engines.onednn.packed_drafter_product`), so the choice follows the engine (which ``auto``
+        makes from this machine's measured profile), never a guess about the CPU."""
         return None
     sdpa_backends: tuple | None = None
     """Scaled-dot-product attention kernels allowed around :meth:`forward` on CUDA (``None``: torch's choice)."""

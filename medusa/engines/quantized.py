@@ -505,10 +505,11 @@ class QuantizedEngine(StaticEngine):
         return "q8_0" + (":int8" if self.kernel == "native-q8" else "") + ":level"
 
     def drafter_product(self, weight: torch.Tensor, role: str):
-        """Beside the native decoder, every drafter product (the shared projection, the Hydra input layers and their ResBlocks) on
-        the weight rounded to Q8_0 blocks, in C (:func:`medusa.engines.native.q8_0_product`; int8 activations with
-        ``native-q8``): a quarter of the fp32 bytes a level, which is what drafting one level on a CPU costs. Lossy
-        in the drafts only (the verify decides what is emitted). Beside torch's kernels, the packed projection."""
+        """Beside the native decoder, every drafter product (the shared projection, the Hydra input layers and their
+        ResBlocks) on the weight rounded to Q8_0 blocks, in C (:func:`medusa.engines.native.q8_0_product`; int8
+        activations with ``native-q8``): a quarter of the fp32 bytes a level, which is what drafting one level on a
+        CPU costs. Lossy in the drafts only (the verify decides what is emitted). Beside torch's kernels, the packed
+        projection."""
         if self.kernel == "torch":
             from medusa.engines.onednn import packed_drafter_product
 
