@@ -479,11 +479,13 @@ class HydraHeads(_HeadsBase):
         x = torch.cat([hidden, embeds.flatten(-2)], dim=-1)  # (..., (k+2) H)
         feats = hidden + nn.functional.silu(self._linear(f"input{k}", self.inputs[k], x))  # (..., H)
         for j, block in enumerate(self.blocks[k]):
-            role = f"block{k}.{j}"
-            if self._drafter_product(role, block.linear.weight, feats) is None:
+            product = self._drafter_product(f"block{k}.{j}", block.linear.weight, feats)
+            if product is None:
                 feats = block(feats)  # the module itself (training, hooks, subclasses)
             else:  # drafting beside an engine's products: ResBlock.forward through them, as the fused level does
-                feats = feats + nn.functional.silu(self._linear(role, block.linear, feats))
+                out = product(feats.reshape(-1, feats.shape[-1])).view_as(feats)
+                out = out if block.linear.bias is None else out + block.linear.bias
+                feats = feats + nn.functional.silu(out)
         return feats  # (..., H)
 
     def draft_ranked(self, k: int, hidden: torch.Tensor, path_tokens: torch.Tensor,
