@@ -20,6 +20,18 @@ def test_generate_samples_reproducibly(setup, capsys):  # noqa: F811
     assert main(args + ["--acceptance", "typical"]) == 0
 
 
+def test_generate_with_coupled_sampling_prints_the_plain_samples_with_or_without_heads(setup, capsys):  # noqa: F811
+    root, base, _ = setup
+    common = ["generate", "--base", str(base), "--prompt", "hello world", "--max-new-tokens", "16", "--do-sample",
+              "--temperature", "0.9", "--top-k", "0", "--seed", "5", "--acceptance", "coupled"]
+    assert main(common + ["--heads", str(root / "heads")]) == 0
+    medusa = capsys.readouterr().out
+    assert main(common + ["--drafter", "none"]) == 0
+    assert capsys.readouterr().out == medusa
+    assert main(common[:-4] + ["--seed", "6", "--acceptance", "coupled", "--drafter", "none"]) == 0
+    assert capsys.readouterr().out != medusa
+
+
 def test_generate_refuses_bad_sampling_flags(setup, capsys):  # noqa: F811
     root, base, _ = setup
     common = ["generate", "--base", str(base), "--heads", str(root / "heads"), "--prompt", "hi"]

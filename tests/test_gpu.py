@@ -108,6 +108,23 @@ def test_batched_decoding_on_cuda_equals_the_base_row_by_row(arch):
         assert outs == references, (arch, name)
 
 
+def test_coupled_sampling_on_cuda_gives_the_plain_samples_through_any_tree():
+    """Seeded coupled sampling (the noise hashed on the CPU, the draws on the device): the same tokens with and
+    without drafts, on every engine that runs on CUDA."""
+    from medusa.model import MedusaModel
+
+    model = tiny_model("llama").to(DEVICE)
+    ids = ids_of(11)
+    settings = {"do_sample": True, "temperature": 0.9, "top_k": 0, "seed": 3, "acceptance": "coupled"}
+    medusa = MedusaModel(model, random_heads(model), Tree.chain(0), engine="eager")
+    reference, _ = medusa.generate(ids, 24, stop_token_ids=set(), **settings)
+    for name in ("eager", "static"):
+        medusa.use_engine(name)
+        for tree in TREES[1:]:
+            medusa.tree = tree
+            assert medusa.generate(ids, 24, stop_token_ids=set(), **settings)[0] == reference, (name, tree.name)
+
+
 def test_the_static_engine_narrows_attention_kernels_only_inside_its_forward_on_cuda():
     def flags():
         b = torch.backends.cuda

@@ -353,6 +353,42 @@ def test_sampling_and_greedy_requests_share_every_verify_forward_and_all_advance
         assert [t for e in events[i] if e[0] == "tokens" for t in e[1]] == alone, i
 
 
+def serve_events(scheduler: Scheduler, jobs: list) -> list[list[int]]:
+    """Run ``jobs`` through ``scheduler``'s rounds to the end; each job's streamed tokens."""
+    events = []
+    for job in jobs:
+        events.append([])
+        job.deliver = events[-1].append
+        scheduler.submit(job)
+    while scheduler.waiting or scheduler.jobs:
+        scheduler._admit()
+        scheduler._prefill()
+        if scheduler.jobs:
+            scheduler._batched_step()
+    return [[t for e in ev if e[0] == "tokens" for t in e[1]] for ev in events]
+
+
+def test_a_seeded_coupled_request_gets_the_same_tokens_whatever_the_load_or_speculation():
+    """With ``acceptance="coupled"`` a seeded request's tokens are its plain samples: served alone or beside other
+    requests, speculative or plain (rejection sampling's would follow the rows beside it)."""
+    from medusa.decode.logits_process import resolve_decoding
+
+    model = tiny_medusa()
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 300, (6 + 3 * i,), generator=g) for i in range(4)]
+    coupled = resolve_decoding(None, do_sample=True, temperature=0.9, top_k=0, seed=11, acceptance="coupled")
+    others = [resolve_decoding(None, do_sample=True, temperature=0.8, seed=i) for i in range(2)]
+    others.append(resolve_decoding(None))  # a greedy row
+
+    def job(i: int):
+        return Job(prompts[i], 20, coupled if i == 0 else others[i - 1], print)
+
+    alone_plain = serve_events(Scheduler(model, speculation="off"), [job(0)])[0]
+    alone = serve_events(Scheduler(model, speculation="on"), [job(0)])[0]
+    loaded = serve_events(Scheduler(model, speculation="on"), [job(i) for i in range(4)])[0]
+    assert len(alone_plain) == 20 and alone == alone_plain and loaded == alone_plain
+
+
 def test_a_long_prompt_joins_in_chunks_while_the_running_rows_step():
     """Chunked prefill: a 40-token prompt joins over 5 rounds of 8 tokens, the running request advancing every one
     of them, and both decode as their requests alone would; a cancelled joining request frees its slot."""

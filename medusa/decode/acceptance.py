@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from medusa.decode.greedy import (
@@ -39,8 +40,9 @@ from medusa.decode.tree import TreeBuffers
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
 from medusa.registry import claim
 
-__all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance", "acceptance_rule",
-           "register_acceptance", "residual", "sample", "sample_without_replacement", "sampling_rules"]
+__all__ = ["AcceptanceRule", "CoupledSampling", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance",
+           "acceptance_rule", "gumbel_noise", "register_acceptance", "residual", "sample",
+           "sample_without_replacement", "sampling_rules"]
 
 LogitsAt = Callable[[int], torch.Tensor]
 
@@ -337,6 +339,107 @@ class TypicalAcceptance(_SampledToken):
             path.append(node)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele, Lea and Flood 2014) on ``uint64`` arrays: a counter-based hash (the same
+    value for the same input on every machine, wrapping modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def gumbel_noise(seed: int, index: int, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise ``(n,)`` float64 for token ids ``ids`` ``(n,)`` at new-token ``index`` of the draw
+    stream ``seed``: a pure function of ``(seed, index, id)`` (a counter-based hash, not a generator's state), so
+    the noise at a position does not depend on how many draws came before it, on which ids are asked for, or on the
+    device.
+
+    Raises:
+        ValueError: ``seed`` or ``index`` outside ``[0, 2**63)``.
+    """
+    if not (0 <= seed < 2**63 and 0 <= index < 2**63):
+        raise ValueError(f"seed and index must lie in [0, 2**63), got seed={seed} index={index}")
+    key = _splitmix64(_splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(index))  # (1,)
+    hashed = _splitmix64(key ^ ids.detach().cpu().numpy().astype(np.uint64))  # (n,)
+    u = ((hashed >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # (n,) in (0, 1), never 0 or 1
+    return torch.from_numpy(-np.log(-np.log(u))).to(ids.device)
+
+
+class CoupledSampling:
+    """Lossless speculative sampling whose output is a function of the seed alone: every token is the base's own
+    Gumbel-max draw at its position, and a drafted node is accepted when it names that draw (the drafter-invariant
+    speculative decoding of Daliri, Musco and Suresh, "Coupling without communication and drafter-invariant
+    speculative decoding", 2024; the Gumbel-max trick: Gumbel 1954, Maddison et al. 2014).
+
+    The token at new-token index ``i`` is ``x_i = argmax_v (l_i(v) + g(seed, i, v))``, where ``l_i`` are the base's
+    processed logits there (temperature, top-k, top-p and every other setting, applied on the node's own prefix;
+    ``-inf`` outside the support) and ``g`` standard Gumbel noise from a counter-based hash of (seed, i, v)
+    (:func:`gumbel_noise`). By the Gumbel-max trick ``x_i`` is distributed as ``softmax(l_i)`` given the prefix, with
+    noise independent across positions, so the output is distributed exactly as the base's samples.
+
+    Verification (``accept``): from the root, at a node of depth d the rule computes ``x`` at index ``i + d`` from
+    the node's logits; the first child (copied children first, then drawn ones by rank) whose token is ``x`` is
+    accepted and the walk goes on there; when none is, ``x`` is the step's last (bonus) token. Every emitted token is
+    thus ``x`` at its index, computed from the same prefix as without drafts: **the tokens are the same for any
+    drafter, tree, batch or server load**, and equal to plain decoding's with this rule and seed (up to the float
+    rounding of the logits, as greedy decoding's equality is). Candidates are the drafter's top-k (:class:`TopK`);
+    at a parent the acceptance probability is the base's probability of the drafted children, what recursive
+    rejection sampling gives for deterministic drafts.
+
+    Args:
+        seed: the draw stream, in ``[0, 2**63)``.
+    """
+
+    name = "coupled"
+    lossless = True
+    sampler = TopK()
+    rows_at_once = False
+
+    def __init__(self, seed: int):
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"the coupled draw stream's seed must lie in [0, 2**63), got {seed}")
+        self.seed = seed
+        self.index = 0
+        """New-token index of the next token this rule chooses (0: the prefill token)."""
+
+    def draw_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """The base's token ``()`` at new-token ``index`` from its processed logits ``(V,)``: the Gumbel-max draw
+        over the finite logits (the first such id on a tie).
+
+        Raises:
+            ValueError: no logit is finite (nothing can be drawn).
+        """
+        support = torch.isfinite(logits).nonzero()[:, 0]  # (n,)
+        if len(support) == 0:
+            raise ValueError("coupled sampling: every logit is -inf or NaN after the logits processors")
+        scores = logits[support].double() + gumbel_noise(self.seed, index, support)  # (n,)
+        return support[int(scores.argmax())]
+
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        token = self.draw_at(logits, self.index)
+        self.index += 1
+        return token
+
+    def accept(self, draft: DraftTree, logits_at: LogitsAt, predicted: torch.Tensor | None = None) -> Acceptance:
+        walk = _Walk(draft)
+        node, path = 0, [0]
+        while True:
+            x = self.draw_at(logits_at(node), self.index + len(path) - 1)
+            kids = list(walk.copied.get(node, ()))
+            kids += [c for _, _, group in walk.groups.get(node, ()) for _, c in group]
+            child = next((c for c in kids if int(draft.tokens[c]) == int(x)), None)
+            if child is None:
+                self.index += len(path)
+                nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
+                return Acceptance(len(path) - 1, nodes, x)
+            node = child
+            path.append(node)
+
+
 @register_acceptance("greedy")
 def _greedy(decoding, vocab_size: int, generator) -> GreedyAcceptance:
     return GreedyAcceptance()
@@ -350,3 +453,8 @@ def _rejection(decoding, vocab_size: int, generator) -> RejectionSampling:
 @register_acceptance("typical")
 def _typical(decoding, vocab_size: int, generator) -> TypicalAcceptance:
     return TypicalAcceptance(decoding.typical_epsilon, decoding.typical_delta, generator)
+
+
+@register_acceptance("coupled")
+def _coupled(decoding, vocab_size: int, generator) -> CoupledSampling:
+    return CoupledSampling(int(torch.randint(0, 2**62, (), generator=generator, device=generator.device)))

@@ -78,8 +78,9 @@ class Decoding:
     seed: int | None = None
     """Seed of the decode call's own random generator; ``None`` draws a fresh one."""
     acceptance: str = "rejection"
-    """With sampling: "rejection" (lossless recursive rejection sampling) or "typical" (Medusa's typical acceptance,
-    lossy, faster)."""
+    """With sampling: "rejection" (lossless recursive rejection sampling), "coupled" (lossless, and the tokens a
+    function of the seed alone, whatever the drafter, tree or batch: :class:`medusa.decode.acceptance.CoupledSampling`)
+    or "typical" (Medusa's typical acceptance, lossy, faster)."""
     typical_epsilon: float = 0.3
     """Typical acceptance: hard threshold epsilon on p(x)."""
     typical_delta: float = 0.09

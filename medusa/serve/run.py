@@ -69,7 +69,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: each batched step speculative or plain, whichever measured faster at that batch "
                         "size; on: always speculative; off: plain decoding only")
     p.add_argument("--acceptance", default=default["acceptance"],
-                   help="sampling requests: 'rejection' (lossless) or 'typical' (Medusa's typical acceptance, lossy)")
+                   help="sampling requests: 'rejection' (lossless), 'coupled' (lossless; a seeded request's "
+                        "tokens the same whatever the load) or 'typical' (Medusa's typical acceptance, lossy)")
 
 
 def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,
