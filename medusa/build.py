@@ -374,7 +374,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--seed", type=int, help="seed of the decode call's generator (same seed, same tokens)")
     g.add_argument("--acceptance", default="rejection", help="with sampling: 'rejection' (lossless), 'coupled' "
-                   "(lossless; the same seed gives the same tokens whatever the heads, tree or batch), 'typical' "
+                   "(lossless; the same seed gives the same tokens whatever the heads, tree or batch, up to float "
+                   "rounding), 'typical' "
                    "(Medusa's typical acceptance, lossy), or a rule registered with medusa.register_acceptance")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_decoding import WIDE_TREE, random_heads
@@ -29,7 +30,7 @@ from test_sampling import (
 from test_sampling import base_logits as base_logits  # noqa: F401 (the module fixture)
 from tiny import tiny_model
 
-from medusa.decode.acceptance import CoupledSampling, gumbel_noise
+from medusa.decode.acceptance import CoupledSampling, _open_unit, coupled_stream_seed, gumbel_noise
 from medusa.decode.logits_process import resolve_decoding
 from medusa.decode.loop import RunningBatch
 from medusa.decode.tree import Tree, tree_buffers
@@ -55,6 +56,19 @@ def test_gumbel_noise_is_a_function_of_seed_index_and_id_alone():
             gumbel_noise(seed, index, some)
 
 
+def test_the_uniforms_stay_inside_the_open_unit_interval_at_the_extreme_hashes():
+    u = _open_unit(np.array([0, 1, 2**63, 2**64 - 1], dtype=np.uint64))
+    assert (u > 0).all() and (u < 1).all()
+    assert np.isfinite(-np.log(-np.log(u))).all()  # the Gumbel noise of the largest hash is finite, not +inf
+
+
+def test_a_seeds_stream_is_a_hash_of_the_seed_itself():
+    streams = {coupled_stream_seed(s) for s in range(1000)}
+    assert len(streams) == 1000 and all(0 <= x < 2**63 for x in streams)
+    assert coupled_stream_seed(-1) == coupled_stream_seed(2**64 - 1) != coupled_stream_seed(1)
+    assert coupled_stream_seed(7) == coupled_stream_seed(7 + 2**64)
+
+
 def test_a_draw_is_the_argmax_of_the_noisy_finite_logits():
     rule = CoupledSampling(seed=9)
     logits = torch.full((V,), -math.inf)
@@ -65,6 +79,13 @@ def test_a_draw_is_the_argmax_of_the_noisy_finite_logits():
     assert rule.index == 0  # draw_at does not move the stream
     with pytest.raises(ValueError, match="every logit is -inf"):
         rule.draw_at(torch.full((V,), -math.inf), 0)
+    # overflowed logits (a tiny temperature): the mass is on the +inf ones, equally
+    overflowed = torch.zeros(V)
+    overflowed[[4, 9]] = math.inf
+    draws = {int(CoupledSampling(seed).draw_at(overflowed, 0)) for seed in range(40)}
+    assert draws == {4, 9}
+    with pytest.raises(ValueError, match="NaN"):
+        rule.draw_at(torch.tensor([0.0, math.nan] + [1.0] * (V - 2)), 0)
 
 
 def plain_draws(tables, seed: int, first_index: int) -> list[int]:
@@ -117,12 +138,40 @@ def test_coupled_sampling_is_exact(base_logits):  # noqa: F811
     assert chi_square_p(samples, tables) > 0.01
 
 
-def test_control_a_stream_reused_across_steps_is_caught(base_logits):  # noqa: F811
-    """Control: with one seed for every step (the noise no longer independent between samples) the same law test
-    fails, so it would catch a rule whose noise repeats."""
-    tables = processed(SETTINGS["t1.0"], base_logits)
-    samples = torch.tensor([plain_draws(tables, 0, 1) for _ in range(2000)])
+class OneIndex(CoupledSampling):
+    """The broken rule: every position drawn with the noise of one index (the tokens of a sample correlated)."""
+
+    def draw_at(self, logits, index):
+        return super().draw_at(logits, 1)
+
+
+def test_control_a_rule_drawing_every_position_at_one_index_is_caught(base_logits):  # noqa: F811
+    """Control: the same law test fails for a rule whose positions share their noise."""
+    tables = processed(SETTINGS["top-p0.9"], base_logits)
+    heads = make_heads("base", base_logits)
+    samples = torch.empty(4000, 3, dtype=torch.long)
+    for seed in range(len(samples)):
+        rule = OneIndex(seed)
+        emitted, _ = coupled_step(rule, heads, tables)
+        while len(emitted) < 3:
+            emitted.append(int(rule.draw_at(tables[len(emitted)][tuple(emitted)], rule.index)))
+            rule.index += 1
+        samples[seed] = torch.tensor(emitted[:3])
     assert chi_square_p(samples, tables) < 1e-6
+
+
+def test_every_emitted_token_is_the_draw_at_its_own_index():
+    """End to end through a wide tree with a lookup chain: token i of the output is the Gumbel-max draw at index
+    i from the base's own logits after tokens 0 .. i-1 (so no index is reused or skipped, with drafts or without)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(4))
+    medusa = MedusaModel(model, random_heads(model), WIDE_TREE.with_lookup(4), engine="eager")
+    out, stats = medusa.generate(ids, 30, stop_token_ids=set(), seed=21, **SAMPLING)
+    assert stats.decode_steps < 30  # some steps accepted drafts
+    rule = CoupledSampling(coupled_stream_seed(21))
+    with torch.no_grad():
+        logits = model(torch.cat([ids, torch.tensor(out)])[None]).logits[0, len(ids) - 1 : -1]  # (30, V)
+    assert out == [int(rule.draw_at(row / SAMPLING["temperature"], i)) for i, row in enumerate(logits)]
 
 
 SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "acceptance": "coupled"}

@@ -360,7 +360,7 @@ def serve_events(scheduler: Scheduler, jobs: list) -> list[list[int]]:
         events.append([])
         job.deliver = events[-1].append
         scheduler.submit(job)
-    while scheduler.waiting or scheduler.jobs:
+    while scheduler.waiting or scheduler.joining or scheduler.jobs:
         scheduler._admit()
         scheduler._prefill()
         if scheduler.jobs:
@@ -387,6 +387,31 @@ def test_a_seeded_coupled_request_gets_the_same_tokens_whatever_the_load_or_spec
     alone = serve_events(Scheduler(model, speculation="on"), [job(0)])[0]
     loaded = serve_events(Scheduler(model, speculation="on"), [job(i) for i in range(4)])[0]
     assert len(alone_plain) == 20 and alone == alone_plain and loaded == alone_plain
+
+
+def test_where_a_prompt_is_cut_into_chunks_does_not_depend_on_the_requests_beside_it():
+    """A 20-token prompt is prefilled in chunks of 8, 8 and 4 whether it joins alone or after a 3-token prompt
+    that takes part of a round's budget (a chunk boundary changes the logits' rounding)."""
+    from medusa.decode.logits_process import resolve_decoding
+
+    model = tiny_medusa()
+    g = torch.Generator().manual_seed(8)
+    short, long = torch.randint(3, 300, (3,), generator=g), torch.randint(3, 300, (20,), generator=g)
+    chunks = {}
+    for name, prompts in (("alone", [long]), ("beside", [short, long])):
+        scheduler = Scheduler(model, speculation="on", prefill_chunk=8)
+        prefill = scheduler.batch.prefill
+        cuts = []
+
+        def spy(joining, tokens, prefill=prefill, cuts=cuts):
+            if len(joining.prompt) == 20:
+                cuts.append(tokens)
+            return prefill(joining, tokens)
+
+        scheduler.batch.prefill = spy
+        serve_events(scheduler, [Job(p, 4, resolve_decoding(None), print) for p in prompts])
+        chunks[name] = cuts
+    assert chunks["alone"] == chunks["beside"] == [8, 8, 4]
 
 
 def test_a_long_prompt_joins_in_chunks_while_the_running_rows_step():

@@ -40,9 +40,9 @@ from medusa.decode.tree import TreeBuffers
 from medusa.drafters.base import DraftSampler, DraftTree, SampleWithoutReplacement, TopK, sample_without_replacement
 from medusa.registry import claim
 
-__all__ = ["AcceptanceRule", "CoupledSampling", "GreedyAcceptance", "RejectionSampling", "TypicalAcceptance",
-           "acceptance_rule", "gumbel_noise", "register_acceptance", "residual", "sample",
-           "sample_without_replacement", "sampling_rules"]
+__all__ = ["AcceptanceRule", "CoupledSampling", "GreedyAcceptance", "RejectionSampling",
+           "TypicalAcceptance", "acceptance_rule", "coupled_stream_seed", "gumbel_noise", "register_acceptance",
+           "residual", "sample", "sample_without_replacement", "sampling_rules"]
 
 LogitsAt = Callable[[int], torch.Tensor]
 
@@ -365,8 +365,21 @@ def gumbel_noise(seed: int, index: int, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"seed and index must lie in [0, 2**63), got seed={seed} index={index}")
     key = _splitmix64(_splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(index))  # (1,)
     hashed = _splitmix64(key ^ ids.detach().cpu().numpy().astype(np.uint64))  # (n,)
-    u = ((hashed >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # (n,) in (0, 1), never 0 or 1
-    return torch.from_numpy(-np.log(-np.log(u))).to(ids.device)
+    return torch.from_numpy(-np.log(-np.log(_open_unit(hashed)))).to(ids.device)
+
+
+def _open_unit(hashed: np.ndarray) -> np.ndarray:
+    """``uint64`` hashes -> float64 uniforms in the open interval (0, 1): the top 52 bits plus one half, times
+    2**-52 (exact in float64: the largest is 1 - 2**-53, the smallest 2**-53; with 53 bits the half would round
+    away at the top and give exactly 1, whose Gumbel noise is +inf)."""
+    return ((hashed >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0**-52
+
+
+def coupled_stream_seed(seed: int) -> int:
+    """The coupled draw stream of a request's ``seed`` (any integer, taken modulo 2**64): a hash of the seed
+    itself, in ``[0, 2**63)``, so the same seed gives the same stream on every device (a random generator's first
+    draw would differ between the CPU's and CUDA's generators)."""
+    return int(_splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0] >> np.uint64(1))
 
 
 class CoupledSampling:
@@ -388,10 +401,12 @@ class CoupledSampling:
     drafter, tree, batch or server load**, and equal to plain decoding's with this rule and seed (up to the float
     rounding of the logits, as greedy decoding's equality is). Candidates are the drafter's top-k (:class:`TopK`);
     at a parent the acceptance probability is the base's probability of the drafted children, what recursive
-    rejection sampling gives for deterministic drafts.
+    rejection sampling gives for deterministic drafts. (Drafting the candidates with the same noise, the top-k of
+    the heads' warped logits plus ``g`` at the children's index, accepted less with the shipped heads:
+    docs/sampling.md.)
 
     Args:
-        seed: the draw stream, in ``[0, 2**63)``.
+        seed: the draw stream, in ``[0, 2**63)`` (a request's seed goes through :func:`coupled_stream_seed`).
     """
 
     name = "coupled"
@@ -408,14 +423,21 @@ class CoupledSampling:
 
     def draw_at(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """The base's token ``()`` at new-token ``index`` from its processed logits ``(V,)``: the Gumbel-max draw
-        over the finite logits (the first such id on a tie).
+        over the logits above ``-inf`` (the first such id on a tie). Where some logits are ``+inf`` (a temperature
+        so small that the logits overflowed), the distribution is uniform over those, and the draw is among them.
 
         Raises:
-            ValueError: no logit is finite (nothing can be drawn).
+            ValueError: a logit is NaN, or every logit is ``-inf`` (nothing can be drawn).
         """
+        if torch.isnan(logits).any():
+            raise ValueError("coupled sampling: the base's processed logits hold NaN")
+        top = torch.isposinf(logits)
+        if top.any():  # softmax puts all the mass on the +inf logits, equally
+            support = top.nonzero()[:, 0]  # (n,)
+            return support[int(gumbel_noise(self.seed, index, support).argmax())]
         support = torch.isfinite(logits).nonzero()[:, 0]  # (n,)
         if len(support) == 0:
-            raise ValueError("coupled sampling: every logit is -inf or NaN after the logits processors")
+            raise ValueError("coupled sampling: every logit is -inf after the logits processors")
         scores = logits[support].double() + gumbel_noise(self.seed, index, support)  # (n,)
         return support[int(scores.argmax())]
 
@@ -457,4 +479,8 @@ def _typical(decoding, vocab_size: int, generator) -> TypicalAcceptance:
 
 @register_acceptance("coupled")
 def _coupled(decoding, vocab_size: int, generator) -> CoupledSampling:
-    return CoupledSampling(int(torch.randint(0, 2**62, (), generator=generator, device=generator.device)))
+    if decoding.seed is not None:
+        seed = coupled_stream_seed(decoding.seed)
+    else:  # a fresh stream
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+    return CoupledSampling(seed)

@@ -72,8 +72,8 @@ class ServeConfig:
     """One of :data:`medusa.serve.scheduler.SPECULATION`."""
     acceptance: str = "rejection"
     """How sampling requests accept drafts: ``rejection`` (lossless), ``coupled`` (lossless, and a seeded request's
-    tokens the same whatever the requests beside it) or ``typical`` (Medusa's typical acceptance, lossy), or a rule
-    registered with :func:`medusa.register_acceptance`."""
+    tokens the same whatever the requests beside it, up to float rounding) or ``typical`` (Medusa's typical
+    acceptance, lossy), or a rule registered with :func:`medusa.register_acceptance`."""
 
     @classmethod
     def from_flags(cls, args, served_model_name: str, environ: dict | None = None) -> ServeConfig:

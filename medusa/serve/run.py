@@ -70,7 +70,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "size; on: always speculative; off: plain decoding only")
     p.add_argument("--acceptance", default=default["acceptance"],
                    help="sampling requests: 'rejection' (lossless), 'coupled' (lossless; a seeded request's "
-                        "tokens the same whatever the load) or 'typical' (Medusa's typical acceptance, lossy)")
+                        "tokens the same whatever the load, up to float rounding) or 'typical' (Medusa's typical "
+                        "acceptance, lossy)")
 
 
 def make_uvicorn_server(server: Server, host: str = LOOPBACK, port: int = PORT,

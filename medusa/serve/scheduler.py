@@ -329,8 +329,11 @@ class Scheduler:
                 self.joining.append((job, joining))
 
     def _prefill(self) -> None:
-        """Prefill ``prefill_chunk`` prompt tokens of the joining jobs, the oldest first (a prompt within the
-        budget joins in one forward, as alone); a job whose last chunk ran joins the batch."""
+        """Prefill up to ``prefill_chunk`` prompt tokens of the joining jobs, the oldest first, in whole chunks of
+        each prompt's own: ``prefill_chunk`` tokens, then the rest (a prompt within the budget joins in one forward,
+        as alone). Where a prompt is cut so depends on the prompt alone, never on the requests beside it (a chunk
+        boundary changes the logits' rounding); a chunk that does not fit what is left of the round's budget waits
+        for the next round. A job whose last chunk ran joins the batch."""
         budget = self.prefill_chunk
         while budget > 0 and self.joining:
             job, joining = self.joining[0]
@@ -338,7 +341,9 @@ class Scheduler:
                 self._pop_joining()
                 job.deliver(("error", "the request was cancelled", 499))
                 continue
-            tokens = min(budget, joining.left)
+            tokens = min(self.prefill_chunk, joining.left)
+            if tokens > budget:
+                break
             budget -= tokens
             try:
                 step = self.batch.prefill(joining, tokens)
