@@ -24,6 +24,8 @@ echo "   per token, and the engine --engine auto picks from it"
 medusa profile --base "$BASE" --heads "$SHIPPED" --plot "$OUT/profile.png"
 
 echo "== generation with the quickstart heads"
+echo "   (the reference base is a 4-bit model dequantized: its greedy answers are thin and often repeat; the heads"
+echo "    change the speed, never the words: both generations below print the base's own greedy text)"
 medusa generate --base "$BASE" --heads "$OUT/heads" --prompt "Give me three tips for learning Python." --stats
 
 echo "== generation with the shipped heads, a per-step tree from their calibration (the base's own greedy text)"
