@@ -27,6 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "studies"))
 
 
 def main() -> int:
@@ -46,6 +47,7 @@ def main() -> int:
     parser.add_argument("--out", help="JSON of the totals per decoder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from heads_ab import new_totals, tally
     from transformers import AutoTokenizer
 
     from medusa.build import DecodeConfig, build_model
@@ -67,21 +69,14 @@ def main() -> int:
 
     for _, kind, rule in decoders:
         run(kind, rule, prompts[0], 0)  # warm-up, untimed
-    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "decoded": 0, "copied": 0, "nodes": [], "identical": 0}
-              for name, _, _ in decoders}
+    totals = {name: new_totals() for name, _, _ in decoders}
     for i, ids in enumerate(prompts):
         outs = {}
         shift = i % len(decoders)
         for name, kind, rule in decoders[shift:] + decoders[:shift]:
             out, seconds, stats = run(kind, rule, ids, seed=i)
             outs[name] = out
-            t = totals[name]
-            t["tokens"] += stats.new_tokens
-            t["seconds"] += seconds
-            t["steps"] += stats.decode_steps
-            t["decoded"] += stats.decode_tokens
-            t["copied"] += stats.copied_tokens
-            t["nodes"] += stats.tree_nodes
+            tally(totals[name], stats, seconds)
         for name, _, rule in decoders:
             totals[name]["identical"] += outs[name] == outs[f"plain-{rule}"]
     print(f"\n# {medusa.engine.name}, {len(prompts)} prompts of {Path(args.prompts).stem}, {args.threads} threads, "

@@ -21,6 +21,7 @@ base ids by ``Draws.vocab``; q is zero outside it); copied nodes are determinist
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -146,6 +147,10 @@ class _Walk:
             for slot, node in enumerate(draws.parents.tolist()):
                 if slot in kids:
                     self.groups.setdefault(node, []).append((g, slot, sorted(kids[slot])))
+
+    def children(self, node: int) -> list[int]:
+        """``node``'s children in the order the walk tries them: the copied ones, then each group's by rank."""
+        return [*self.copied.get(node, ()), *(c for _, _, group in self.groups.get(node, ()) for _, c in group)]
 
 
 class GreedyAcceptance:
@@ -329,9 +334,8 @@ class TypicalAcceptance(_SampledToken):
             p = torch.softmax(logits_at(node).float(), dim=-1)  # (V,)
             entropy = torch.special.entr(p).sum()
             threshold = torch.clamp(self.delta * torch.exp(-entropy), max=self.epsilon)
-            kids = list(walk.copied.get(node, ()))  # the copied tokens first, as in greedy acceptance
-            kids += [c for _, _, group in walk.groups.get(node, ()) for _, c in group]
-            child = next((c for c in kids if p[draft.tokens[c]] > threshold), None)
+            # the copied tokens first, as in greedy acceptance
+            child = next((c for c in walk.children(node) if p[draft.tokens[c]] > threshold), None)
             if child is None:
                 nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
                 return Acceptance(len(path) - 1, nodes, sample(p, self.generator))
@@ -429,15 +433,15 @@ class CoupledSampling:
         Raises:
             ValueError: a logit is NaN, or every logit is ``-inf`` (nothing can be drawn).
         """
-        if torch.isnan(logits).any():
+        top = float(logits.max())  # NaN when any logit is
+        if math.isnan(top):
             raise ValueError("coupled sampling: the base's processed logits hold NaN")
-        top = torch.isposinf(logits)
-        if top.any():  # softmax puts all the mass on the +inf logits, equally
-            support = top.nonzero()[:, 0]  # (n,)
-            return support[int(gumbel_noise(self.seed, index, support).argmax())]
-        support = torch.isfinite(logits).nonzero()[:, 0]  # (n,)
-        if len(support) == 0:
+        if top == -math.inf:
             raise ValueError("coupled sampling: every logit is -inf after the logits processors")
+        if top == math.inf:  # softmax puts all the mass on the +inf logits, equally
+            support = (logits == top).nonzero()[:, 0]  # (n,)
+            return support[int(gumbel_noise(self.seed, index, support).argmax())]
+        support = (logits > -math.inf).nonzero()[:, 0]  # (n,)
         scores = logits[support].double() + gumbel_noise(self.seed, index, support)  # (n,)
         return support[int(scores.argmax())]
 
@@ -451,9 +455,7 @@ class CoupledSampling:
         node, path = 0, [0]
         while True:
             x = self.draw_at(logits_at(node), self.index + len(path) - 1)
-            kids = list(walk.copied.get(node, ()))
-            kids += [c for _, _, group in walk.groups.get(node, ()) for _, c in group]
-            child = next((c for c in kids if int(draft.tokens[c]) == int(x)), None)
+            child = next((c for c in walk.children(node) if int(draft.tokens[c]) == int(x)), None)
             if child is None:
                 self.index += len(path)
                 nodes = torch.tensor(path, dtype=torch.long, device=draft.tokens.device)
