@@ -138,13 +138,15 @@ def cache_dir() -> Path:
 
 
 def profile_path(key: dict, folder: str | Path | None = None) -> Path:
-    """The file of the profile for ``key``'s model, dtype and device (one per such triple: a stored profile for another
-    CPU, thread count or library version is found there and measured again)."""
+    """The file of the profile for ``key``'s model, dtype, device and torch thread count (one per such tuple, so a
+    run with ``--threads 1`` keeps its own profile beside the 2-thread one instead of measuring over it; a stored
+    profile for another CPU or library version is found there and measured again)."""
     identity = json.dumps(key["model"], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     arch = re.sub(r"[^A-Za-z0-9]+", "-", key["model"].get("architecture", "model")).strip("-").lower()
     device = re.sub(r"[^A-Za-z0-9]+", "-", key["device"]).strip("-").lower()
-    return Path(folder or cache_dir()) / "profiles" / f"{arch}-{digest}-{key['dtype']}-{device}.json"
+    threads = int(key.get("torch_threads") or 0)
+    return Path(folder or cache_dir()) / "profiles" / f"{arch}-{digest}-{key['dtype']}-{device}-t{threads}.json"
 
 
 # -- the profile ----------------------------------------------------------------------------------------------------

@@ -123,6 +123,25 @@ def test_a_profile_whose_key_does_not_match_is_measured_again_naming_the_mismatc
     assert profile.choose_engine(15).engine == "onednn"
 
 
+def test_a_run_at_another_thread_count_keeps_its_own_profile_and_leaves_the_other_as_it_was(tmp_path, fast_measure):
+    model = tiny_model("llama")
+    threads = torch.get_num_threads()
+    other = 1 if threads != 1 else 2
+    measure.load_profile(model, folder=tmp_path)
+    first = prof.profile_path(prof.profile_key(model), tmp_path)
+    before = first.read_bytes()
+    try:
+        torch.set_num_threads(other)
+        measure.load_profile(model, folder=tmp_path)
+        second = prof.profile_path(prof.profile_key(model), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(fast_measure) == 2 and second != first and first.read_bytes() == before
+    assert json.loads(second.read_text())["key"]["torch_threads"] == other
+    measure.load_profile(model, folder=tmp_path)  # back at the first count: read back, not measured again
+    assert len(fast_measure) == 2 and sorted(_files_under(tmp_path)) == sorted([first, second])
+
+
 def _stored(engines: str = "", hf: str = "0.05", drafters: str = "{}") -> str:
     good = json.dumps({str(n): 0.01 * n for n in prof.STEP_SIZES})
     engines = engines or f'{{"static": {{"forward_s": {good}, "plain_token_s": 0.05}}}}'
