@@ -179,3 +179,17 @@ def test_the_worked_examples_decode_several_rows_in_one_forward(doc_plugins, fol
 
 if __name__ == "__main__":
     print(mermaid(package_graph()))  # noqa: T201
+
+
+def test_every_source_file_the_docs_name_exists():
+    """A module moved by a refactor leaves its old path in prose; the old import path still works (``medusa._moved``),
+    so nothing else would notice. Every `medusa/...`, `train/...`, `scripts/...`, `studies/...` and `tests/...` file
+    named in backticks in the README, docs/ and the model cards must exist (``tests/T.py`` is bad-inputs.md's
+    placeholder for a test file)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "checkpoints").glob("*/README.md"))]
+    pattern = re.compile(r"`((?:medusa|train|scripts|studies|tests)/[\w/]+\.(?:py|c|sh|yaml))")
+    missing = [f"{page.relative_to(ROOT)}:{number}: {path}" for page in pages
+               for number, line in enumerate(page.read_text().splitlines(), 1)
+               for path in pattern.findall(line) if path != "tests/T.py" and not (ROOT / path).exists()]
+    assert missing == []

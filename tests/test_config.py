@@ -75,6 +75,22 @@ def test_shipped_configs_load(path):
     assert cfg.base
 
 
+@pytest.mark.parametrize("path", [p for p in sorted(CONFIGS.glob("*.yaml")) if load_config(p).init_heads],
+                         ids=lambda p: p.name)
+def test_a_config_starting_from_committed_heads_fits_them(path):
+    """A config whose ``init_heads`` is a committed heads folder must match that folder's head type, count and
+    layers (the check :func:`train.setup.check_init_heads` makes at the start of the run), so that swapping the
+    shipped heads cannot leave a documented recipe that fails at its first step."""
+    from medusa.io.checkpoint import read_heads_config
+    from train.setup import check_init_heads
+
+    cfg = load_config(path)
+    folder = CONFIGS.parent / cfg.init_heads
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"{cfg.init_heads} is not committed (made by an earlier run)")
+    check_init_heads(cfg, read_heads_config(folder))
+
+
 def test_shipped_configs_exist():
     assert {"smollm2-135m-medusa.yaml", "quickstart.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}
 
