@@ -1,6 +1,9 @@
 """Load and fault run of ``medusa serve`` on loopback: N concurrent clients, mixed lengths, some streaming; Medusa
 (``--speculation auto``) against plain decoding (``--speculation off``), each behind its own server process of the
 same build; then the faults of issue 22 against a fresh server. Bounded in count and time; talks to 127.0.0.1 only.
+With ``--rounds R`` both servers run at once and take turns level by level, R rounds each in rotating order, so that
+the machine's drift over the minutes of a run falls on both (the runs before 2026-12-07 ran one server, then the
+other: their Medusa / plain ratios at 16 and 64 clients, where both servers step plain, moved between 0.82 and 1.14).
 
     OMP_NUM_THREADS=1 taskset -c 1 python studies/serve_load.py --base models/smollm2-135m-instruct \\
         --heads checkpoints/smollm2-135m-instruct-hydra --threads 1 --concurrency 1 4 16 --out load.json
@@ -213,39 +216,83 @@ def summary(results: list[dict], wall: float) -> dict:
             "mean_tau": round(statistics.mean(taus), 3) if taus else None}
 
 
+def warm(server: ServerProcess, args, messages) -> dict:
+    """Warm-up at the largest concurrency and the longest answers, so that the memory after it holds the allocator's
+    working set for the biggest batch: what grows after that is a leak, not the first large batch."""
+    top = max(args.concurrency)
+    run_level(server.url, requests_for(messages, top, [max(args.lengths)]), top, args.request_timeout_s)
+    entry = {"rss_after_warmup_mb": round(server.rss_mb(), 1), "levels": {}}
+    time.sleep(args.idle_s)  # the server hands its free memory back when idle (--idle-release-s)
+    entry["rss_after_warmup_idle_mb"] = round(server.rss_mb(), 1)
+    return entry
+
+
+def level_requests(args, messages, c: int) -> list[dict]:
+    count = max(args.min_requests, args.requests_per_client * c)
+    if c == 1:  # the first mode's answers, one at a time, are the reference
+        count = max(count, args.reference_requests)
+    return requests_for(messages, count, args.lengths)
+
+
+def finish(server: ServerProcess, entry: dict, mode: str, args) -> None:
+    entry["steps_by_batch_size"] = server.steps_by_batch_size()
+    print(f"{mode} steps by batch size: {entry['steps_by_batch_size']}", flush=True)
+    entry["rss_after_load_mb"] = round(server.rss_mb(), 1)
+    time.sleep(args.idle_s)
+    entry["rss_after_load_idle_mb"] = round(server.rss_mb(), 1)
+    entry["health"] = server.health()
+
+
 def load(args, messages) -> dict:
-    out = {}
-    for mode in args.modes:
-        speculation = {"medusa": "auto", "plain": "off"}[mode]
-        server = ServerProcess(args, speculation)
-        try:
-            # Warm-up at the largest concurrency and the longest answers, so that the memory after it holds the
-            # allocator's working set for the biggest batch: what grows after that is a leak, not the first large
-            # batch.
-            top = max(args.concurrency)
-            run_level(server.url, requests_for(messages, top, [max(args.lengths)]), top, args.request_timeout_s)
-            entry = {"rss_after_warmup_mb": round(server.rss_mb(), 1), "levels": {}}
-            time.sleep(args.idle_s)  # the server hands its free memory back when idle (--idle-release-s)
-            entry["rss_after_warmup_idle_mb"] = round(server.rss_mb(), 1)
-            for c in args.concurrency:
-                count = max(args.min_requests, args.requests_per_client * c)
-                if c == 1:  # the Medusa answers, one at a time, are the reference
-                    count = max(count, args.reference_requests)
-                reqs = requests_for(messages, count, args.lengths)
-                results, wall = run_level(server.url, reqs, c, args.request_timeout_s)
-                entry["levels"][c] = summary(results, wall) | {"rss_after_mb": round(server.rss_mb(), 1),
-                                                               "results": results}
-                print(f"{mode} c={c}: {json.dumps(summary(results, wall))}", flush=True)
-            entry["steps_by_batch_size"] = server.steps_by_batch_size()
-            print(f"{mode} steps by batch size: {entry['steps_by_batch_size']}", flush=True)
-            entry["rss_after_load_mb"] = round(server.rss_mb(), 1)
-            time.sleep(args.idle_s)
-            entry["rss_after_load_idle_mb"] = round(server.rss_mb(), 1)
-            entry["health"] = server.health()
-        finally:
-            entry["exit_s"] = round(server.stop(), 2)
-        out[mode] = entry
+    """Each mode's server through every level. Without ``--rounds``: one server after the other, each through all
+    levels. With ``--rounds R``: both servers up at once (each idle while the other works), every level run R times
+    per server, the servers alternating within a level and the order rotating from round to round, so the machine's
+    drift falls on both alike; a level's tokens/s is its tokens over its seconds summed over the rounds, each round's
+    kept in ``round_tokens_per_s``, and its answers compared are the first round's."""
+    if not args.rounds:
+        return {mode: sequential(args, messages, mode) for mode in args.modes}
+    servers = {mode: ServerProcess(args, {"medusa": "auto", "plain": "off"}[mode]) for mode in args.modes}
+    out: dict = {}
+    try:
+        for mode, server in servers.items():
+            out[mode] = warm(server, args, messages)
+        for c in args.concurrency:
+            reqs = level_requests(args, messages, c)
+            runs: dict = {mode: [] for mode in servers}
+            for r in range(args.rounds):
+                order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
+                for mode in order:
+                    runs[mode].append(run_level(servers[mode].url, reqs, c, args.request_timeout_s))
+            for mode, mode_runs in runs.items():
+                every = summary([x for results, _ in mode_runs for x in results], sum(w for _, w in mode_runs))
+                out[mode]["levels"][c] = every | {
+                    "rss_after_mb": round(servers[mode].rss_mb(), 1), "results": mode_runs[0][0],
+                    "round_tokens_per_s": [summary(results, wall)["tokens_per_s"] for results, wall in mode_runs]}
+                print(f"{mode} c={c}: {json.dumps(every)} rounds {out[mode]['levels'][c]['round_tokens_per_s']}",
+                      flush=True)
+        for mode, server in servers.items():
+            finish(server, out[mode], mode, args)
+    finally:
+        for mode, server in servers.items():
+            out.setdefault(mode, {})["exit_s"] = round(server.stop(), 2)
     return out
+
+
+def sequential(args, messages, mode: str) -> dict:
+    """One server through every level (the runs before ``--rounds``)."""
+    server = ServerProcess(args, {"medusa": "auto", "plain": "off"}[mode])
+    entry: dict = {}
+    try:
+        entry = warm(server, args, messages)
+        for c in args.concurrency:
+            results, wall = run_level(server.url, level_requests(args, messages, c), c, args.request_timeout_s)
+            entry["levels"][c] = summary(results, wall) | {"rss_after_mb": round(server.rss_mb(), 1),
+                                                           "results": results}
+            print(f"{mode} c={c}: {json.dumps(summary(results, wall))}", flush=True)
+        finish(server, entry, mode, args)
+    finally:
+        entry["exit_s"] = round(server.stop(), 2)
+    return entry
 
 
 def same_answers(report: dict) -> dict:
@@ -435,7 +482,12 @@ def markdown(report: dict) -> str:
         m, p = load["medusa"]["levels"], load["plain"]["levels"]
         first = next(iter(m))
         for c in m:
-            lines.append(f"| {c} | {m[c]['tokens_per_s'] / p[c]['tokens_per_s']:.3f} | "
+            rounds = ""
+            if "round_tokens_per_s" in m[c]:  # --rounds: each round's ratio and their median
+                ratios = [a / b for a, b in zip(m[c]["round_tokens_per_s"], p[c]["round_tokens_per_s"], strict=True)]
+                rounds = (f" (rounds {', '.join(f'{x:.3f}' for x in ratios)}; median "
+                          f"{statistics.median(ratios):.3f})")
+            lines.append(f"| {c} | {m[c]['tokens_per_s'] / p[c]['tokens_per_s']:.3f}{rounds} | "
                          f"{m[c]['tokens_per_s'] / m[first]['tokens_per_s']:.2f}x, "
                          f"{p[c]['tokens_per_s'] / p[first]['tokens_per_s']:.2f}x |")
     for mode, entry in load.items():
@@ -485,6 +537,9 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
                    help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="run both servers at once and each level this many times per server, alternating between "
+                        "them in rotating order (0: one server after the other, as the runs before 2026-12-07)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the load's requests at this temperature, request i with seed i (0: greedy)")
     p.add_argument("--idle-s", type=float, default=5.0,
