@@ -248,33 +248,47 @@ def load(args, messages) -> dict:
     levels. With ``--rounds R``: both servers up at once (each idle while the other works), every level run R times
     per server, the servers alternating within a level and the order rotating from round to round, so the machine's
     drift falls on both alike; a level's tokens/s is its tokens over its seconds summed over the rounds, each round's
-    kept in ``round_tokens_per_s``, and its answers compared are the first round's."""
+    kept in ``round_tokens_per_s``; every round's answers are compared (``more_rounds_results``)."""
     if not args.rounds:
         return {mode: sequential(args, messages, mode) for mode in args.modes}
-    servers = {mode: ServerProcess(args, {"medusa": "auto", "plain": "off"}[mode]) for mode in args.modes}
+    servers: dict = {}
     out: dict = {}
     try:
+        for mode in args.modes:  # inside the try: a server that fails to start stops the ones already up
+            servers[mode] = ServerProcess(args, {"medusa": "auto", "plain": "off"}[mode])
         for mode, server in servers.items():
             out[mode] = warm(server, args, messages)
         for c in args.concurrency:
             reqs = level_requests(args, messages, c)
             runs: dict = {mode: [] for mode in servers}
+            rss: dict = {}
             for r in range(args.rounds):
                 order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
                 for mode in order:
                     runs[mode].append(run_level(servers[mode].url, reqs, c, args.request_timeout_s))
+                    rss[mode] = round(servers[mode].rss_mb(), 1)  # right after its own turn, before it idles
             for mode, mode_runs in runs.items():
                 every = summary([x for results, _ in mode_runs for x in results], sum(w for _, w in mode_runs))
                 out[mode]["levels"][c] = every | {
-                    "rss_after_mb": round(servers[mode].rss_mb(), 1), "results": mode_runs[0][0],
+                    "rss_after_mb": rss[mode], "results": mode_runs[0][0],
+                    "more_rounds_results": [results for results, _ in mode_runs[1:]],
                     "round_tokens_per_s": [summary(results, wall)["tokens_per_s"] for results, wall in mode_runs]}
                 print(f"{mode} c={c}: {json.dumps(every)} rounds {out[mode]['levels'][c]['round_tokens_per_s']}",
                       flush=True)
+        for mode, server in servers.items():  # both read busy, then both after one idle spell
+            out[mode]["steps_by_batch_size"] = server.steps_by_batch_size()
+            out[mode]["rss_after_load_mb"] = round(server.rss_mb(), 1)
+        time.sleep(args.idle_s)
         for mode, server in servers.items():
-            finish(server, out[mode], mode, args)
+            out[mode]["rss_after_load_idle_mb"] = round(server.rss_mb(), 1)
+            out[mode]["health"] = server.health()
+            print(f"{mode} steps by batch size: {out[mode]['steps_by_batch_size']}", flush=True)
     finally:
         for mode, server in servers.items():
-            out.setdefault(mode, {})["exit_s"] = round(server.stop(), 2)
+            try:
+                out.setdefault(mode, {})["exit_s"] = round(server.stop(), 2)
+            except Exception as e:  # noqa: BLE001 - the next server must be stopped too
+                out.setdefault(mode, {})["exit_error"] = repr(e)
     return out
 
 
@@ -305,7 +319,9 @@ def same_answers(report: dict) -> dict:
         if report["args"].get("temperature"):
             reference = {i: r["text"] for i, r in enumerate(entry["levels"][1]["results"]) if r.get("status") == 200}
         for c, level in entry["levels"].items():
-            pairs = [(reference[i], r.get("text")) for i, r in enumerate(level["results"]) if i in reference]
+            rounds = [level["results"], *level.get("more_rounds_results", [])]
+            pairs = [(reference[i], r.get("text")) for results in rounds for i, r in enumerate(results)
+                     if i in reference]
             out[f"{mode} c={c}"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs)}
     return out
 
@@ -537,7 +553,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["medusa", "plain"], choices=["medusa", "plain"],
                    help="servers run, in this order: medusa (--speculation auto) and plain (--speculation off)")
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 48, 96], help="max_tokens, cycled")
-    p.add_argument("--rounds", type=int, default=0,
+    p.add_argument("--rounds", type=lambda v: int(v) if int(v) >= 0 else p.error(f"--rounds must be >= 0, got {v}"),
+                   default=0,
                    help="run both servers at once and each level this many times per server, alternating between "
                         "them in rotating order (0: one server after the other, as the runs before 2026-12-07)")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -184,12 +184,15 @@ if __name__ == "__main__":
 def test_every_source_file_the_docs_name_exists():
     """A module moved by a refactor leaves its old path in prose; the old import path still works (``medusa._moved``),
     so nothing else would notice. Every `medusa/...`, `train/...`, `scripts/...`, `studies/...` and `tests/...` file
-    named in backticks in the README, docs/ and the model cards must exist (``tests/T.py`` is bad-inputs.md's
-    placeholder for a test file)."""
+    named in backticks in the README, docs/ and the model cards must exist, and so must every committed config,
+    prompt set, result and card they name (``tests/T.py`` is bad-inputs.md's placeholder for a test file)."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "checkpoints").glob("*/README.md"))]
-    pattern = re.compile(r"`((?:medusa|train|scripts|studies|tests)/[\w/]+\.(?:py|c|sh|yaml))")
-    missing = [f"{page.relative_to(ROOT)}:{number}: {path}" for page in pages
-               for number, line in enumerate(page.read_text().splitlines(), 1)
-               for path in pattern.findall(line) if path != "tests/T.py" and not (ROOT / path).exists()]
-    assert missing == []
+    span = re.compile(r"`([^`\n]+)`")
+    pattern = re.compile(r"(?<![\w/.-])((?:medusa|train|scripts|studies|tests|configs|benchmarks|checkpoints|datasets"
+                         r"|docs)/[\w./-]*?\.(?:py|c|sh|yaml|jsonl|json|md|png|xz|txt|safetensors))(?![\w.-])")
+    named = [(f"{page.relative_to(ROOT)}:{number}", path) for page in pages
+             for number, line in enumerate(page.read_text().splitlines(), 1)
+             for code in span.findall(line) for path in pattern.findall(code)]
+    assert len({path for _, path in named}) > 100  # the pattern finds what the pages name
+    assert [f"{where}: {path}" for where, path in named if path != "tests/T.py" and not (ROOT / path).exists()] == []
