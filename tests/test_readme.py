@@ -18,7 +18,7 @@ from medusa.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 WORDS = "the quick brown fox jumps over the lazy dog hello world how are you today Medusa heads predict tokens".split()
-NEEDS_REFERENCE = ("medusa prepare-model", "medusa train --config configs/smollm2-135m-hydra-4k.yaml")
+NEEDS_REFERENCE = ("medusa prepare-model", "medusa train --config configs/smollm2-135m-hydra-2layer-all.yaml")
 TINY_FLAGS = {
     "train": "--num-heads 3 --head-vocab-size 64 --max-seq-len 64 --batch-size 4 --max-steps 4 --eval-every 2 "
              "--warmup-steps 1 --learning-rate 0.01 --held-out-fraction 0.25 --distill-max-new-tokens 12 "
