@@ -184,6 +184,95 @@ def test_batched_per_step_trees_equal_one_prompt_at_a_time():
     assert taus[3] > taus[1] and taus[0] > taus[1]  # each row kept its own acceptance
 
 
+@pytest.mark.parametrize("engine", ["eager", "onednn", "int4"])
+def test_greedy_rows_get_trees_of_their_own_shapes_of_one_size_and_stay_exact(engine):
+    """Batched greedy rows each get a tree of their own shape (a row whose heads are right drafts deep, one whose
+    heads are always wrong is padded to the batch's size), all of one size, verified in one forward under per-row
+    tree attention masks: every row's tokens are still the ones it gets alone through the same engine, and the
+    row whose heads are right drafts deeper than the rows whose heads are wrong (on one shared shape, as deep)."""
+    from medusa.decode.batch import BatchStats
+
+    model = tiny_model("llama")
+    options = {"kernel": "native-q8", "lm_head": "bf16"} if engine == "int4" else {}
+    prompts = prompts_of([12, 4, 20, 9], seed=2)
+    plain = PerStepDrafter(random_heads(model), flat_calibration(random_heads(model), 0.0),
+                           StepCost(COST, [HEAD_CALL] * 3))
+    references = [decode(model, plain, p, 32, make_engine(engine, model, **options))[0] for p in prompts]
+    if engine != "int4":
+        assert references == [hf_greedy(model, p, 32) for p in prompts]
+    ranks = [[0, 0, 0], [None, None, None], [0, None, None], [None, None, None]]
+    oracles = [OracleHeads(model, p.tolist() + r, rk, model.config.vocab_size)
+               for p, r, rk in zip(prompts, references, ranks, strict=True)]
+    heads = BatchOracle(oracles)
+    depths = {}
+    for row_trees in (True, False):
+        drafter = PerStepDrafter(heads, flat_calibration(heads, 0.6), StepCost(COST, [HEAD_CALL] * 3),
+                                 row_trees=row_trees)
+        shapes, propose_rows = [], drafter.propose_rows
+
+        def spied(*args, propose_rows=propose_rows, shapes=shapes):
+            drafts = propose_rows(*args)
+            shapes.append([tuple(d.layout.parents.tolist()) for d in drafts])
+            return drafts
+
+        drafter.propose_rows = spied
+        stats, out = BatchStats(), [[] for _ in prompts]
+        for step in batch_decode_steps(model, drafter, prompts, 32, stats=stats,
+                                       engine=make_engine(engine, model, **options)):
+            for i, s in step:
+                out[i] += s.tokens
+        assert out == references, row_trees
+        assert shapes and all(len({len(p) for p in step}) == 1 for step in shapes)  # one size a step
+        mixed = sum(len(set(step)) > 1 for step in shapes)
+        assert (mixed > 0) == row_trees, (row_trees, shapes[:3])
+        depths[row_trees] = [sum(_depth(step[b]) for step in shapes if len(step) == 4) for b in range(4)]
+    assert depths[True][0] > depths[True][1] and depths[True][0] > depths[True][3]  # the right row drafts deeper
+    assert len(set(depths[False])) == 1
+
+
+def _depth(parents: tuple[int, ...]) -> int:
+    """The depth of a tree given by its nodes' parents (the root's -1)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_trees_of_their_own_shapes_share_one_head_call_per_depth(head_type, monkeypatch):
+    """Greedy rows growing trees of their own shapes still draft in one head call per depth (each row's parents
+    side by side), with the candidates each row's own call gives; their tokens stay the base's greedy ones."""
+    from medusa.decode.loop import RunningBatch
+    from medusa.drafters.base import TopK
+
+    model = tiny_model("llama")
+    heads = random_heads(model, head_type=head_type)
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
+    prompts = prompts_of([12, 4, 20], seed=2)
+    batch = RunningBatch(model, drafter, make_engine("eager", model))
+    for i, p in enumerate(prompts):
+        batch.join(i, p, 24)
+    rows = batch.rows
+    args = ([r.state for r in rows], torch.stack([r.root for r in rows]), [r.sequence for r in rows])
+    calls, draft_logits = [], type(heads).draft_logits
+
+    def counted(self, k, hidden, paths):
+        calls.append((k, len(hidden)))
+        return draft_logits(self, k, hidden, paths)
+
+    monkeypatch.setattr(type(heads), "draft_logits", counted)
+    with torch.inference_mode():
+        pooled = drafter.propose_rows(*args, TopK(greedy=True))
+    assert calls and len({k for k, _ in calls}) == len(calls)  # one call per depth
+    assert max(n for _, n in calls) > 1  # several rows' parents in one call
+    calls.clear()
+    drafter._rows_together = False  # heads that cannot draft rows together: one call per row and depth
+    with torch.inference_mode():
+        alone = drafter.propose_rows(*args, TopK(greedy=True))
+    assert len(calls) > len({k for k, _ in calls})
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(pooled, alone, strict=True))
+
+
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_greedy_rows_share_one_head_call_per_level_and_draft_what_each_would_alone(head_type, monkeypatch):
     """Rows that all decode greedily are drafted in one head call per depth, with the candidates each row's own
@@ -193,7 +282,7 @@ def test_greedy_rows_share_one_head_call_per_level_and_draft_what_each_would_alo
 
     model = tiny_model("llama")
     heads = random_heads(model, head_type=head_type)
-    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3))
+    drafter = PerStepDrafter(heads, flat_calibration(heads, 0.9), StepCost(COST, [HEAD_CALL] * 3), row_trees=False)
     prompts = prompts_of([12, 4, 20], seed=2)
     references = [hf_greedy(model, p, 24) for p in prompts]
     batch = RunningBatch(model, drafter, make_engine("eager", model))

@@ -81,7 +81,7 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
         drafter: proposes each row's tree (:class:`medusa.drafters.base.Drafter`); one state per row. All rows of a
-            step must get trees of one layout (one forward holds them all).
+            step must get trees of one size (one forward holds them all).
         prompts: ``B`` prompts, each ``(T_b,)`` long ids, any lengths.
         max_new_tokens: generation budget of each row.
         stop_token_ids: a row stops after emitting one of these (included in its output).
@@ -98,7 +98,7 @@ def batch_decode_steps(model, drafter, prompts: list[torch.Tensor], max_new_toke
 
     Raises:
         ValueError: an empty batch or prompt (named), a prompt that does not fit the context, an engine without
-            batched decoding, or rows drafted with different tree layouts in one step.
+            batched decoding, or rows drafted with trees of different sizes in one step.
     """
     stats = stats if stats is not None else BatchStats()
     check_prompts(prompts)

@@ -352,8 +352,9 @@ class RunningBatch:
     Args:
         model: the base ``*ForCausalLM`` (eval mode).
         drafter: proposes each row's tree (:class:`medusa.drafters.base.Drafter`); one state per row. All rows of a
-            step must get trees of one layout (one forward holds them all): a fixed tree, or a drafter that proposes
-            for all rows at once (:class:`medusa.drafters.base.RowsDrafter`).
+            step must get trees of one size (one forward holds them all, each row under its own tree attention
+            mask): a fixed tree, or a drafter that proposes for all rows at once
+            (:class:`medusa.drafters.base.RowsDrafter`).
         engine: where the cache lives and how a forward runs (:class:`medusa.engines.Engine`); ``None``: the eager
             engine. Several rows need its ``supports_batch``.
         scores_all_nodes: score every node with the lm_head in one product (``True``) or only the nodes along each
@@ -481,8 +482,8 @@ class RunningBatch:
         decoding step; the drafter's state still sees the accepted token), whatever the drafter would propose.
 
         Raises:
-            ValueError: no row is running, a tree larger than the drafter declared, or rows drafted with different
-                tree layouts.
+            ValueError: no row is running, a tree larger than the drafter declared, or rows drafted with trees of
+                different sizes.
         """
         return self._step(plain)
 
@@ -528,7 +529,7 @@ class RunningBatch:
 
     def _propose(self, plain: bool) -> list[DraftTree]:
         """Each row's tree: the root alone (``plain``), the drafter's for one row, or for all rows at once (a
-        :class:`medusa.drafters.base.RowsDrafter`: one shape for all), else row by row; each drawn with its row's
+        :class:`medusa.drafters.base.RowsDrafter`: trees of one size), else row by row; each drawn with its row's
         rule's sampler."""
         rows, drafter = self.rows, self.drafter
         if plain:
@@ -543,13 +544,12 @@ class RunningBatch:
                                           [r.sequence for r in rows], sampler)
         else:
             drafts = [drafter.propose(r.state, r.root, r.sequence, r.rule.sampler) for r in rows]
-        layout = drafts[0].layout
+        nodes = len(drafts[0].tokens)
         for b, draft in enumerate(drafts):
             check_draft(drafter, draft)
-            if draft.layout is not layout and not same_shape(draft.layout, layout):
-                raise ValueError(f"batched decoding verifies all rows' trees in one forward, so they need one shape "
-                                 f"per step: row {b}'s tree differs from row 0's (parents "
-                                 f"{draft.layout.parents.tolist()} vs {layout.parents.tolist()})")
+            if len(draft.tokens) != nodes:
+                raise ValueError(f"batched decoding verifies all rows' trees in one forward, so they need one size "
+                                 f"per step: row {b}'s tree has {len(draft.tokens)} nodes, row 0's {nodes}")
         return drafts
 
     def _verify(self, drafts: list[DraftTree]) -> tuple[list[Acceptance], list[torch.Tensor]]:
@@ -561,25 +561,35 @@ class RunningBatch:
             result, states = verify(engine, drafts[0], row.length, self.cache, row.rule, row.processors,
                                     row.sequence, self.all_nodes, layers)
             return [result], [states]
-        layout = drafts[0].layout
+        layouts = _row_layouts(drafts)  # one per row, the same object where rows share a shape
         tokens = torch.stack([d.tokens for d in drafts])  # (B, N)
         valid_len = torch.tensor([r.length for r in rows], dtype=torch.long, device=tokens.device)  # (B,)
-        positions = valid_len[:, None] + layout.depth[None, :]  # (B, N)
-        out = engine.forward_rows(tokens, positions, valid_len, layout.ancestor_mask, self.cache, layers)
+        if all(layout is layouts[0] for layout in layouts):
+            depth, visible = layouts[0].depth[None, :], layouts[0].ancestor_mask  # (1, N), (N, N)
+        else:  # each row under its own tree attention mask
+            depth = torch.stack([layout.depth for layout in layouts])  # (B, N)
+            visible = torch.stack([layout.ancestor_mask for layout in layouts])  # (B, N, N)
+        positions = valid_len[:, None] + depth  # (B, N)
+        out = engine.forward_rows(tokens, positions, valid_len, visible, self.cache, layers)
         hidden, states = (out, out) if not layers else (out[0], torch.cat(out, dim=-1))  # (B, N, H), (B, N, ...)
         batch, n = tokens.shape
         # The engine's cheapest product over many rows (the onednn engine's packed lm_head).
         logits = engine.lm_logits_rows(hidden.flatten(0, 1)).view(batch, n, -1) if self.all_nodes else None
-        together = [b for b, r in enumerate(rows) if r.rule.rows_at_once and not r.processors]
+        groups: dict[int, list[int]] = {}  # rows accepted together, by tree shape
+        for b, r in enumerate(rows):
+            if r.rule.rows_at_once and not r.processors:
+                groups.setdefault(id(layouts[b]), []).append(b)
         results: list[Acceptance | None] = [None] * batch
-        if len(together) > 1:  # one set of tensor operations for all of them (medusa.decode.greedy)
+        # One set of tensor operations for the rows of a shape (medusa.decode.greedy).
+        for together in (g for g in groups.values() if len(g) > 1):
             picked = torch.tensor(together, device=tokens.device)
             predicted = None if logits is None else argmax_rows(logits[picked])  # (R, N)
 
-            def next_tokens_at(r: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+            def next_tokens_at(r: torch.Tensor, nodes: torch.Tensor, picked=picked) -> torch.Tensor:
                 return argmax_rows(engine.batch_lm_logits(hidden[picked[r], nodes]))  # (R',)
 
-            accepted = rows[together[0]].rule.accept_rows(tokens[picked], layout, predicted, next_tokens_at)
+            accepted = rows[together[0]].rule.accept_rows(tokens[picked], layouts[together[0]], predicted,
+                                                          next_tokens_at)
             for b, result in zip(together, accepted, strict=True):
                 results[b] = result
         for b, row in enumerate(rows):
@@ -587,6 +597,20 @@ class RunningBatch:
                 results[b] = _accept(engine, drafts[b], None if logits is None else logits[b], hidden[b], row.rule,
                                      row.processors, row.sequence)
         return results, list(states)
+
+
+def _row_layouts(drafts: list[DraftTree]) -> list[TreeBuffers]:
+    """Each draft's layout, rows of the same shape given the same object (the first row's of that shape)."""
+    seen: list[TreeBuffers] = []
+    out = []
+    for draft in drafts:
+        layout = draft.layout
+        match = next((s for s in seen if s is layout or same_shape(s, layout)), None)
+        if match is None:
+            seen.append(layout)
+            match = layout
+        out.append(match)
+    return out
 
 
 def same_shape(a: TreeBuffers, b: TreeBuffers) -> bool:

@@ -218,13 +218,14 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class RowsDrafter(Protocol):
-    """A drafter that proposes one tree shape for a batch of rows at once (batched decoding verifies every row's
-    tree in one forward, so a step's rows share one layout): the per-step tree (:mod:`medusa.drafters.per_step`)
-    chooses that shape from all rows' drafts. Other drafters propose row by row."""
+    """A drafter that proposes trees for a batch of rows at once (batched decoding verifies every row's tree in one
+    forward, so a step's trees have one size; each row's may have its own shape): the per-step tree
+    (:mod:`medusa.drafters.per_step`) chooses the size, and the shapes, from all rows' drafts. Other drafters propose
+    row by row."""
 
     def propose_rows(self, states: list, roots: torch.Tensor, sequences: list[torch.Tensor],
                      sampler: DraftSampler | list[DraftSampler]) -> list[DraftTree]:
-        """``B`` trees of one layout, below ``roots`` ``(B,)``; ``sequences[b]`` ``(S_b,)`` as in
+        """``B`` trees of one size, below ``roots`` ``(B,)``; ``sequences[b]`` ``(S_b,)`` as in
         :meth:`Drafter.propose`; ``sampler``: one for every row, or one per row (each row's acceptance rule's)."""
         ...
 

@@ -29,9 +29,14 @@ The tree's size then settles on a bucket: the sizes an engine pads to (``step_bu
 compilation per size), or else the sizes the machine profile measured, whose cost is known rather than interpolated
 (a forward's cost jumps between sizes, by kernel choice). It is filled up to the bucket above with the best
 candidates left over, as leaves, or, with deterministic drafts, pruned to the bucket below (its least likely nodes,
-leaves first), whichever the measured costs say gives more tokens per second. Batched decoding
-(:meth:`PerStepDrafter.propose_rows`) grows one tree shape for all rows from the rows' mean values and the cost of the
-batch's forward; each row fills it with its own drafts and keeps its own acceptance.
+leaves first), whichever the measured costs say gives more tokens per second.
+
+Batched decoding (:meth:`PerStepDrafter.propose_rows`) verifies every row's tree in one forward, so the rows' trees
+have one size. Rows that all decode greedily each get a tree of their own shape (each under its own tree attention
+mask): grown from the row's own values and its share of the batch's forward, then brought to the size that gives the
+whole step the most expected tokens per second (pruned or filled). When a row samples, one shape is grown from the
+rows' mean values and the cost of the batch's forward (pruning, which per-row sizes need, is never offered to sampled
+drafts); each row fills it with its own drafts and keeps its own acceptance.
 """
 
 from __future__ import annotations
@@ -279,6 +284,8 @@ class PerStepDrafter:
         max_parents: most nodes drafted from at one depth.
         learn_level_cost: greedy trees charge a head call what this drafter's own calls took
             (:attr:`level_learned_s`); off by default.
+        row_trees: in batched decoding, rows that all decode greedily get trees of their own shapes, of one size
+            (:meth:`_propose_each_row`); ``False``: one shape for all rows, from their mean values.
 
     Raises:
         medusa.drafters.calibration.CalibrationMismatchError: the calibration is for other heads.
@@ -290,7 +297,8 @@ class PerStepDrafter:
 
     def __init__(self, heads, calibration: Calibration, cost: StepCost, lookup_length: int | None = None,
                  max_nodes: int = DEFAULT_MAX_NODES, top_k: int = 4, max_parents: int = 2,
-                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False):
+                 objective: str = "step", learn_acceptance: bool = True, learn_level_cost: bool = False,
+                 row_trees: bool = True):
         check_calibration(calibration, heads_identity(heads))
         if calibration.num_heads != heads.config.num_heads:
             raise CalibrationMismatchError(f"the calibration's tables hold {calibration.num_heads} depths, the heads "
@@ -325,6 +333,9 @@ class PerStepDrafter:
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
         self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
+        self.row_trees = row_trees
+        """Rows that all decode greedily get trees of their own shapes (:meth:`_propose_each_row`), else one shape
+        for all rows."""
         self.typical_nodes = min(16, max_nodes)
         """The step size an engine is chosen for (``--engine auto``)."""
         self._tables: dict = {}  # per device: the calibration's tables, as tensors and as lists
@@ -395,7 +406,9 @@ class PerStepDrafter:
 
     def propose_rows(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
                      sampler: DraftSampler | list[DraftSampler]) -> list[DraftTree]:
-        """One tree shape for ``B`` rows, each filled with its own drafts (see module docstring).
+        """Trees of one size for ``B`` rows (see module docstring): rows that all decode greedily each get a tree of
+        their own shape (:attr:`row_trees`, :meth:`_propose_each_row`), otherwise one shape grown from the rows'
+        mean values, each row filling it with its own drafts.
 
         Args:
             states: each row's drafting state.
@@ -405,26 +418,170 @@ class PerStepDrafter:
                 one per row (rows that sample, each with its own generator, beside greedy rows).
 
         Returns:
-            ``B`` :class:`medusa.drafters.base.DraftTree` s of one layout; the first carries the time spent choosing
-            the tree (``choose_s``, head calls excluded).
+            ``B`` :class:`medusa.drafters.base.DraftTree` s with the same number of nodes (one layout, or with
+            :attr:`row_trees` one per row); the first carries the time spent choosing the trees (``choose_s``, head
+            calls excluded).
         """
         start = time.perf_counter()
-        in_heads = 0.0
         device, batch = roots.device, len(roots)
         samplers = sampler if isinstance(sampler, list) else [sampler] * batch
-        inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
-        tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
         greedy = all(getattr(s, "greedy", False) for s in samplers)
         timed = greedy and batch == 1  # a batch's rounds also run other requests' prefill: not a step's time alone
         if timed:
             self._time_last_step(states[0], start)
         cost = self._charged_cost() if greedy else self.cost
+        if greedy and batch > 1 and self.row_trees:
+            drafts, in_heads = self._propose_each_row(states, roots, sequences, samplers, cost)
+        else:
+            grown = self._grow(states, roots, sequences, samplers, cost, greedy, timed)
+            seconds = grown.seconds
+            for state in states:
+                state.last_seconds = seconds
+                if timed:
+                    state.step_started, state.step_nodes = start, len(grown.tree.parents) * batch
+                    state.step_model_s = grown.draft_s + self.cost.verify(len(grown.tree.parents), batch)
+            self._record_nodes(states, grown)
+            drafts = self._assemble(grown.tree, grown.levels, self._device_tables(device)[3], device)
+            in_heads = grown.in_heads
+        drafts[0].choose_s = time.perf_counter() - start - in_heads
+        return drafts
+
+    def _propose_each_row(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
+                          samplers: list[DraftSampler], cost: StepCost) -> tuple[list[DraftTree], float]:
+        """Greedy rows, each with a tree of its own shape, all of one size (one forward verifies them, each row
+        under its own tree attention mask): each row's tree is grown alone from its own values, charged its share
+        of the batch's forward (:class:`_RowShare`: a node of every row costs ``extra(n, B)``, so one row's node
+        ``extra(n, B) / B``) and its own head calls; then the batch's size is the one of the rows' sizes that gives
+        the most expected tokens per second of the whole step, each row pruned to it (its least likely nodes, leaves
+        first) or filled up to it (its best candidates left over, then, when none is left, copies of its root as
+        leaves: valid drafts the base may even accept). A confident row drafts deep where an unsure one would have
+        spent the same nodes on a shape chosen from the mean of both. Returns ``(drafts, seconds in head calls)``."""
+        batch, device = len(states), roots.device
+        grown = self._grow_rows(states, roots, sequences, samplers, cost)
+        draft_s = sum(g.draft_s for g in grown)
+        sizes = sorted({len(g.tree.parents) for g in grown})
+        running = sum(s.tokens for s in states) / (sum(s.seconds for s in states) / batch)
+        plans = {size: [self._resize_plan(g, size) for g in grown] for size in sizes}
+
+        def score(size: int) -> float:
+            gain = sum(plan[0] for plan in plans[size])
+            seconds = draft_s + cost.verify(size, batch)
+            return gain / seconds if self.objective == "step" else gain - running * seconds
+
+        size = max(sizes, key=score)
+        seconds = draft_s + cost.verify(size, batch)
+        vocab = self._device_tables(device)[3]
+        drafts = []
+        for g, (_, action) in zip(grown, plans[size], strict=True):
+            if action[0] == "prune":
+                g.tree, g.levels = g.tree.without(action[1], g.levels)
+            else:
+                for c, depth, level in action[1]:
+                    g.tree.add(c, depth, level, g.chain)
+                g.tree.pad(size)
+            drafts.extend(self._assemble(g.tree, g.levels, vocab, device))
+        for state, g in zip(states, grown, strict=True):
+            state.last_seconds = seconds
+            self._record_nodes([state], g)
+        return drafts, sum(g.in_heads for g in grown)
+
+    @staticmethod
+    def _resize_plan(grown: _Grown, size: int):
+        """How a row's grown tree comes to ``size`` nodes: ``(expected tokens, ("prune", removed nodes))`` or
+        ``(expected tokens, ("fill", candidates to add))`` (any nodes still missing are copies of the root, worth
+        nothing)."""
+        tree, n = grown.tree, len(grown.tree.parents)
+        if n > size:
+            removed, lost = _prunable(tree, n - size)
+            return grown.expected - lost, ("prune", removed)
+        fills = PerStepDrafter._plan_fill(tree, grown.leftovers, size - n)
+        return grown.expected + sum(c.value for c, _, _ in fills), ("fill", fills)
+
+    def _record_nodes(self, states: list[PerStepState], grown: _Grown) -> None:
+        """Remember each row's drafted nodes and their calibrated acceptance, for its seen acceptance
+        (:meth:`_see`)."""
+        if not self.learn_acceptance:
+            return
+        tree, levels = grown.tree, grown.levels
+        for b, state in enumerate(states):
+            state.last_nodes = [(node, tree.parents[node], 2 * (tree.depths[node] - 1) + (rank > 0),
+                                 level.child_accept[b][slot][rank])
+                                for level in levels for node, slot, rank in level.kept]
+            state.last_nodes += [(node, tree.parents[node], CHAIN - min(j, 1), grown.chain_conditional[b][j])
+                                 for j, node in enumerate(tree.lookup)]
+
+    def _grow(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
+              samplers: list[DraftSampler], cost: StepCost, greedy: bool, timed: bool) -> _Grown:
+        """Grow one tree shape for ``states``' rows from their mean values against ``cost``, one depth at a time,
+        then settle its size on a bucket (see module docstring)."""
+        growing = self._growth(states, roots, sequences, samplers, cost, timed)
+        request = _advance(growing, None)
+        while not isinstance(request, _Grown):
+            depth, states, tree, chosen, samplers = request
+            start = time.perf_counter()
+            level = self._draft_level(depth, states, tree, chosen, samplers, together=greedy and self._rows_together)
+            request = _advance(growing, (level, time.perf_counter() - start))
+        return request
+
+    def _grow_rows(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
+                   samplers: list[DraftSampler], cost: StepCost) -> list[_Grown]:
+        """Grow one tree for each greedy row alone, charged its share of the batch's costs (:class:`_RowShare`):
+        the rows' growths run side by side, and the rows wanting the same depth's head call share one call (each
+        row's candidates are its own top ranks, whatever rows sit beside it)."""
+        share = _RowShare(cost, len(states))
+        growths = [self._growth([state], roots[b : b + 1], [sequences[b]], [samplers[b]], share, False, len(states))
+                   for b, state in enumerate(states)]
+        results = [_advance(g, None) for g in growths]  # each a head call's request, or the grown tree
+        while not all(isinstance(r, _Grown) for r in results):
+            depth = min(r[0] for r in results if not isinstance(r, _Grown))
+            rows = [b for b, r in enumerate(results) if not isinstance(r, _Grown) and r[0] == depth]
+            start = time.perf_counter()
+            levels = self._draft_levels_pooled(depth, [results[b] for b in rows])
+            spent = (time.perf_counter() - start) / len(rows)
+            for b, level in zip(rows, levels, strict=True):
+                results[b] = _advance(growths[b], (level, spent))
+        return results
+
+    def _draft_levels_pooled(self, depth: int, requests: list) -> list[_Level]:
+        """Head ``depth`` for several one-row growths (their ``(depth, [state], tree, chosen, [sampler])``
+        requests) in one head call: each row's parents' paths side by side, each row's candidates its own top
+        ranks (greedy: the sampler is top-k)."""
+        if len(requests) == 1 or not self._rows_together:
+            return [self._draft_level(*request) for request in requests]
+        paths = [self._path_tokens(tree, chosen)[0] for _, _, tree, chosen, _ in requests]  # (P_b, depth + 1) each
+        widths = [len(p) for p in paths]
+        hidden = torch.cat([states[0].hidden.expand(w, -1) for (_, states, _, _, _), w in
+                            zip(requests, widths, strict=True)])  # (sum P_b, H)
+        logits, cands, _, ranked = self._draw(depth, hidden, torch.cat(paths).to(hidden.device), requests[0][4][0])
+        out, first = [], 0
+        for request, w in zip(requests, widths, strict=True):
+            drawn = [(logits[first : first + w], cands[first : first + w], None, ranked[first : first + w])]
+            out.append(self._draft_level(*request, drawn=drawn))
+            first += w
+        return out
+
+    @staticmethod
+    def _path_tokens(tree: _Growing, chosen: list[int]) -> torch.Tensor:
+        """``(B, P, depth + 1)`` long: each row's tokens from the root down to each chosen node."""
+        paths = [_path(tree.parents, node) for node in chosen]
+        return torch.tensor([[[row[i] for i in path] for path in paths] for row in tree.tokens], dtype=torch.long)
+
+    def _growth(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
+                samplers: list[DraftSampler], cost, timed: bool, share: int = 1):
+        """The growth of one tree shape (:meth:`_grow`) as a generator: it yields each head call it wants,
+        ``(depth, states, tree, chosen nodes, samplers)``, is sent ``(the _Level, seconds it took)``, and returns the
+        :class:`_Grown`. ``cost``: a :class:`StepCost`, or a row's :class:`_RowShare` of a batch of ``share`` rows
+        (the running rate is then the batch's)."""
+        in_heads = 0.0
+        device, batch = roots.device, len(roots)
+        inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
+        tree = _Growing([-1], [0], [-1], [[int(r)] for r in roots.tolist()], [[1.0] for _ in range(batch)])
         seconds = cost.verify(1, batch)
         draft_s = 0.0  # the head calls' share of ``seconds``
         expected = float(batch)  # a plain step: one token per row
         for state in states:
-            state.seconds = state.seconds or seconds
-        running = sum(s.tokens for s in states) / (sum(s.seconds for s in states) / batch)
+            state.seconds = state.seconds or seconds * share
+        running = sum(s.tokens for s in states) / (sum(s.seconds for s in states) / batch / share)
         step_rate = self.objective == "step"
         chain = chain_conditional = None
         if self.lookup_length:
@@ -463,10 +620,7 @@ class PerStepDrafter:
                 if best > rate * (extra + call):  # its best candidate could pay for the head call and itself
                     seconds += call
                     draft_s += call
-                    heads_start = time.perf_counter()
-                    level = self._draft_level(depth, states, tree, chosen, samplers, acceptance, inner_edges, vocab,
-                                              together=greedy and self._rows_together)
-                    spent = time.perf_counter() - heads_start
+                    level, spent = yield depth, states, tree, chosen, samplers  # the head call (_grow drives)
                     in_heads += spent
                     if timed and self.learn_level_cost:
                         self._learn_level(depth, spent)
@@ -499,24 +653,11 @@ class PerStepDrafter:
                 break
             depth += 1
         if cost.buckets is not None:
-            tree, levels, expected = self._settle(tree, levels, leftovers, chain, expected, draft_s, batch,
-                                                  all(isinstance(s, TopK) for s in samplers),
-                                                  None if step_rate else running, cost)
+            tree, levels, expected, leftovers = self._settle(tree, levels, leftovers, chain, expected, draft_s,
+                                                             batch, all(isinstance(s, TopK) for s in samplers),
+                                                             None if step_rate else running, cost)
             seconds = draft_s + cost.verify(len(tree.parents), batch)
-        for b, state in enumerate(states):
-            state.last_seconds = seconds
-            if timed:
-                state.step_started, state.step_nodes = start, len(tree.parents) * batch
-                state.step_model_s = draft_s + self.cost.verify(len(tree.parents), batch)
-            if self.learn_acceptance:
-                state.last_nodes = [(node, tree.parents[node], 2 * (tree.depths[node] - 1) + (rank > 0),
-                                     level.child_accept[b][slot][rank])
-                                    for level in levels for node, slot, rank in level.kept]
-                state.last_nodes += [(node, tree.parents[node], CHAIN - min(j, 1), chain_conditional[b][j])
-                                     for j, node in enumerate(tree.lookup)]
-        drafts = self._assemble(tree, levels, vocab, device)
-        drafts[0].choose_s = time.perf_counter() - start - in_heads
-        return drafts
+        return _Grown(tree, levels, leftovers, chain, chain_conditional, expected, seconds, draft_s, in_heads)
 
     def _charged_cost(self) -> StepCost:
         """:attr:`cost` charging the learned per-node overhead and head-call costs (:meth:`StepCost.charging_nodes`),
@@ -531,27 +672,17 @@ class PerStepDrafter:
         return cached[1]
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
-                     samplers: list[DraftSampler], acceptance: torch.Tensor, inner_edges: torch.Tensor,
-                     vocab: torch.Tensor, together: bool = False) -> _Level:
+                     samplers: list[DraftSampler], together: bool = False, drawn: list | None = None) -> _Level:
         """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
         draw). ``together`` (every row decodes greedily, and the heads draft rows together): one head call and one
         draw for all rows (each row's top candidates are its own, whatever rows sit beside it, and greedy output
         never depends on the drafts); otherwise each row gets the call a single sequence would make, so a seeded
-        sampling row draws as ``generate`` does."""
-        paths = [_path(tree.parents, node) for node in chosen]
-        path_tokens = torch.tensor([[[row[i] for i in path] for path in paths] for row in tree.tokens],
-                                   dtype=torch.long, device=vocab.device)  # (B, P, depth + 1)
-        batch, width = path_tokens.shape[:2]
-        if batch > 1 and together:
-            hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
-            logits_all, c_all, _, ranked_all = self._draw(depth, hidden, path_tokens.flatten(0, 1), samplers[0])
-            drawn = [(logits_all.view(batch, width, -1)[b], c_all.view(batch, width, -1)[b], None,
-                      ranked_all.view(batch, width, -1)[b]) for b in range(batch)]
-        else:
-            drawn = []
-            for b, state in enumerate(states):
-                drawn.append(self._draw(depth, state.hidden, path_tokens[b], samplers[b]))  # (P, Vh), (P, k) ...
+        sampling row draws as ``generate`` does. ``drawn``: what each row's call gave, made by the caller
+        (:meth:`_draft_levels_pooled`)."""
+        inner_edges, acceptance, _, vocab, _ = self._device_tables(states[0].hidden.device)
+        if drawn is None:
+            drawn = self._draw_rows(depth, states, tree, chosen, samplers, together)
         # A few values a row (P x k): Python lists cost less than a dozen small tensor calls here.
         edges, table, vocab_ids = self._list_tables(inner_edges, acceptance, vocab)
         logits, cands, qs, values, base_ids, calibrated = [], [], [], [], [], []
@@ -571,6 +702,21 @@ class PerStepDrafter:
             base_ids.append([[vocab_ids[i] for i in row] for row in c.tolist()])
             calibrated.append(accept)
         return _Level(chosen, logits, cands, qs, values, base_ids, child_accept=calibrated)
+
+    def _draw_rows(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
+                   samplers: list[DraftSampler], together: bool) -> list[tuple]:
+        """Each row's head call at ``chosen`` and its draw (``together``: one call for all rows, as
+        :meth:`_draft_level` says): per row ``(logits (P, Vh), candidates (P, k), q or None, ranked probabilities
+        (P, k))``."""
+        path_tokens = self._path_tokens(tree, chosen).to(states[0].hidden.device)  # (B, P, depth + 1)
+        batch, width = path_tokens.shape[:2]
+        if batch > 1 and together:
+            hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
+            logits_all, c_all, _, ranked_all = self._draw(depth, hidden, path_tokens.flatten(0, 1), samplers[0])
+            return [(logits_all.view(batch, width, -1)[b], c_all.view(batch, width, -1)[b], None,
+                     ranked_all.view(batch, width, -1)[b]) for b in range(batch)]
+        return [self._draw(depth, state.hidden, path_tokens[b], samplers[b])  # (P, Vh), (P, k) ...
+                for b, state in enumerate(states)]
 
     def _list_tables(self, inner_edges: torch.Tensor, acceptance: torch.Tensor, vocab: torch.Tensor):
         """The calibration's inner bin edges, acceptance table ``(depths, bins)`` and head-to-base ids as Python lists
@@ -628,7 +774,8 @@ class PerStepDrafter:
         """Settle the grown tree's size on a bucket: filled up to the bucket above with the best candidates left
         over (as leaves), or, with deterministic drafts (top-k: greedy, typical), pruned to the bucket below (its
         least likely nodes, leaves first), whichever gives more expected tokens per second at the buckets' measured
-        cost (``rate``: against the running rate instead). Returns ``(tree, levels, expected tokens)``.
+        cost (``rate``: against the running rate instead). Returns ``(tree, levels, expected tokens, leftovers)``:
+        the candidates still left over (none after pruning).
 
         Pruning is not offered for sampled drafts: whether a drawn candidate is kept must not depend on what was
         drawn below it, which pruning by value would do (see module docstring); filling only adds leaves, whose keep
@@ -641,10 +788,7 @@ class PerStepDrafter:
         options = [(expected + sum(c.value for c, _, _ in fills) * batch, n + len(fills), "fill")]
         below = max((b for b in cost.buckets if b < n), default=None) if may_prune and cost.bucket(n) != n else None
         if below is not None:
-            order = sorted(range(1, n), key=lambda i: (sum(row[i] for row in tree.values), -tree.depths[i],
-                                                       -tree.ranks[i], -i))
-            removed = order[: n - below]
-            lost = sum(row[i] for row in tree.values for i in removed)
+            removed, lost = _prunable(tree, n - below)
             options.append((expected - lost, below, "prune"))
 
         def score(option) -> float:
@@ -656,8 +800,9 @@ class PerStepDrafter:
         if best[2] == "fill":
             for c, depth, level in fills:
                 tree.add(c, depth, level, chain)
-            return tree, levels, best[0]
-        return (*tree.without(set(removed), levels), best[0])
+            used = {id(item) for item in fills}
+            return tree, levels, best[0], [item for item in leftovers if id(item) not in used]
+        return (*tree.without(removed, levels), best[0], [])  # the leftovers' parents are renumbered: none kept
 
     @staticmethod
     def _plan_fill(tree: _Growing, leftovers, room: int) -> list:
@@ -754,6 +899,17 @@ class _Growing:
                 self.values[b].append(level.child_values[b][c.slot][c.rank])
             level.kept.append((node, c.slot, c.rank))
 
+    def pad(self, size: int) -> None:
+        """Add copies of the root as its last children until the tree has ``size`` nodes (one row's tree brought to
+        its batch's size when no candidate is left: a valid draft, worth nothing to the tree's choice)."""
+        while len(self.parents) < size:
+            self.parents.append(0)
+            self.depths.append(1)
+            self.ranks.append(PAD_RANK)
+            for row_tokens, row_values in zip(self.tokens, self.values, strict=True):
+                row_tokens.append(row_tokens[0])
+                row_values.append(0.0)
+
     def without(self, removed: set[int], levels: list[_Level]) -> tuple[_Growing, list[_Level]]:
         """The tree without the nodes ``removed`` (leaves of what stays), and its head calls renumbered (a parent
         that is gone takes its rows of the call with it)."""
@@ -783,6 +939,68 @@ class _Growing:
                                if node in index],
                               [[row[r] for r in rows] for row in level.child_accept]))
         return tree, out
+
+
+@dataclass
+class _Grown:
+    """A grown tree and what its growth left: its head calls, the candidates not made nodes (``(candidate, depth,
+    head call)``), the lookup chain's tokens and values, the expected tokens and seconds of its step."""
+
+    tree: _Growing
+    levels: list[_Level]
+    leftovers: list
+    chain: tuple | None
+    chain_conditional: list | None
+    expected: float
+    seconds: float
+    draft_s: float
+    in_heads: float
+
+
+class _RowShare:
+    """One row's share of a step's costs when ``batch`` rows of ``n`` nodes each are verified in one forward and each
+    row is drafted on its own: a tree of ``n`` nodes costs ``verify(n, batch) / batch``, a node
+    ``extra(n, batch) / batch``, a head call one row's (:class:`StepCost`'s interface, for one row)."""
+
+    def __init__(self, cost: StepCost, batch: int):
+        self.cost, self.batch = cost, batch
+        self.buckets, self.level_s = cost.buckets, cost.level_s
+
+    def bucket(self, n: int) -> int:
+        return self.cost.bucket(n)
+
+    def verify(self, n: int, batch: int = 1, smooth: bool = False) -> float:
+        return self.cost.verify(n, self.batch, smooth) * batch / self.batch
+
+    def extra(self, n: int, batch: int = 1) -> float:
+        return self.cost.extra(n, self.batch) * batch / self.batch
+
+    def level(self, depth: int, batch: int = 1) -> float:
+        return self.cost.level(depth, batch)
+
+
+PAD_RANK = 1 << 20
+"""The rank of a root copy padding a row's tree to its batch's size (:meth:`_Growing.pad`): after every drafted
+child of the root."""
+
+
+def _prunable(tree: _Growing, count: int) -> tuple[set[int], float]:
+    """The ``count`` least likely nodes of ``tree`` (by their value summed over rows; on ties the deeper, the later
+    rank, the later node first), and their summed value. A node's value is at most its parent's, so what stays is a
+    tree (leaves go first)."""
+    order = sorted(range(1, len(tree.parents)), key=lambda i: (sum(row[i] for row in tree.values), -tree.depths[i],
+                                                               -tree.ranks[i], -i))
+    removed = order[:count]
+    return set(removed), sum(row[i] for row in tree.values for i in removed)
+
+
+def _advance(growth, sent):
+    """Run a tree's growth (:meth:`PerStepDrafter._growth`) to its next head call's request, sending it ``sent``
+    (``None`` to start it): the request, or the :class:`_Grown` once it is done."""
+    try:
+        return growth.send(sent)
+    except StopIteration as done:
+        return done.value
 
 
 def _path(parents: list[int], node: int) -> list[int]:
