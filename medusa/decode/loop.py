@@ -600,12 +600,13 @@ class RunningBatch:
 
 
 def _row_layouts(drafts: list[DraftTree]) -> list[TreeBuffers]:
-    """Each draft's layout, rows of the same shape given the same object (the first row's of that shape)."""
+    """Each draft's layout, rows of the same shape given the same object (the first row's of that shape; the same
+    children lists are the same parents)."""
     seen: list[TreeBuffers] = []
     out = []
     for draft in drafts:
         layout = draft.layout
-        match = next((s for s in seen if s is layout or same_shape(s, layout)), None)
+        match = next((s for s in seen if s is layout or s.children == layout.children), None)  # no device sync
         if match is None:
             seen.append(layout)
             match = layout

@@ -517,9 +517,10 @@ class PerStepDrafter:
         growing = self._growth(states, roots, sequences, samplers, cost, timed)
         request = _advance(growing, None)
         while not isinstance(request, _Grown):
-            depth, states, tree, chosen, samplers = request
+            depth, states, tree, chosen, samplers, device = request
             start = time.perf_counter()
-            level = self._draft_level(depth, states, tree, chosen, samplers, together=greedy and self._rows_together)
+            level = self._draft_level(depth, states, tree, chosen, samplers, device,
+                                      together=greedy and self._rows_together)
             request = _advance(growing, (level, time.perf_counter() - start))
         return request
 
@@ -543,16 +544,16 @@ class PerStepDrafter:
         return results
 
     def _draft_levels_pooled(self, depth: int, requests: list) -> list[_Level]:
-        """Head ``depth`` for several one-row growths (their ``(depth, [state], tree, chosen, [sampler])``
+        """Head ``depth`` for several one-row growths (their ``(depth, [state], tree, chosen, [sampler], device)``
         requests) in one head call: each row's parents' paths side by side, each row's candidates its own top
         ranks (greedy: the sampler is top-k)."""
         if len(requests) == 1 or not self._rows_together:
             return [self._draft_level(*request) for request in requests]
-        paths = [self._path_tokens(tree, chosen)[0] for _, _, tree, chosen, _ in requests]  # (P_b, depth + 1) each
+        paths = [self._path_tokens(tree, chosen)[0] for _, _, tree, chosen, _, _ in requests]  # (P_b, depth + 1)
         widths = [len(p) for p in paths]
-        hidden = torch.cat([states[0].hidden.expand(w, -1) for (_, states, _, _, _), w in
+        hidden = torch.cat([states[0].hidden.expand(w, -1) for (_, states, _, _, _, _), w in
                             zip(requests, widths, strict=True)])  # (sum P_b, H)
-        logits, cands, _, ranked = self._draw(depth, hidden, torch.cat(paths).to(hidden.device), requests[0][4][0])
+        logits, cands, _, ranked = self._draw(depth, hidden, torch.cat(paths).to(requests[0][5]), requests[0][4][0])
         out, first = [], 0
         for request, w in zip(requests, widths, strict=True):
             drawn = [(logits[first : first + w], cands[first : first + w], None, ranked[first : first + w])]
@@ -569,9 +570,9 @@ class PerStepDrafter:
     def _growth(self, states: list[PerStepState], roots: torch.Tensor, sequences: list[torch.Tensor],
                 samplers: list[DraftSampler], cost, timed: bool, share: int = 1):
         """The growth of one tree shape (:meth:`_grow`) as a generator: it yields each head call it wants,
-        ``(depth, states, tree, chosen nodes, samplers)``, is sent ``(the _Level, seconds it took)``, and returns the
-        :class:`_Grown`. ``cost``: a :class:`StepCost`, or a row's :class:`_RowShare` of a batch of ``share`` rows
-        (the running rate is then the batch's)."""
+        ``(depth, states, tree, chosen nodes, samplers, device)``, is sent ``(the _Level, seconds it took)``, and
+        returns the :class:`_Grown`. ``cost``: a :class:`StepCost`, or a row's :class:`_RowShare` of a batch of
+        ``share`` rows (the running rate is then the batch's)."""
         in_heads = 0.0
         device, batch = roots.device, len(roots)
         inner_edges, acceptance, lookup_table, vocab, best_accept = self._device_tables(device)
@@ -620,7 +621,7 @@ class PerStepDrafter:
                 if best > rate * (extra + call):  # its best candidate could pay for the head call and itself
                     seconds += call
                     draft_s += call
-                    level, spent = yield depth, states, tree, chosen, samplers  # the head call (_grow drives)
+                    level, spent = yield depth, states, tree, chosen, samplers, device  # the head call (_grow drives)
                     in_heads += spent
                     if timed and self.learn_level_cost:
                         self._learn_level(depth, spent)
@@ -672,7 +673,8 @@ class PerStepDrafter:
         return cached[1]
 
     def _draft_level(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
-                     samplers: list[DraftSampler], together: bool = False, drawn: list | None = None) -> _Level:
+                     samplers: list[DraftSampler], device: torch.device, together: bool = False,
+                     drawn: list | None = None) -> _Level:
         """Head ``depth`` at the ``chosen`` nodes of every row, and the value of every candidate: the parent's
         value times the calibrated acceptance of the candidate's rank-ordered probability (known before the
         draw). ``together`` (every row decodes greedily, and the heads draft rows together): one head call and one
@@ -680,9 +682,9 @@ class PerStepDrafter:
         never depends on the drafts); otherwise each row gets the call a single sequence would make, so a seeded
         sampling row draws as ``generate`` does. ``drawn``: what each row's call gave, made by the caller
         (:meth:`_draft_levels_pooled`)."""
-        inner_edges, acceptance, _, vocab, _ = self._device_tables(states[0].hidden.device)
+        inner_edges, acceptance, _, vocab, _ = self._device_tables(device)
         if drawn is None:
-            drawn = self._draw_rows(depth, states, tree, chosen, samplers, together)
+            drawn = self._draw_rows(depth, states, tree, chosen, samplers, device, together)
         # A few values a row (P x k): Python lists cost less than a dozen small tensor calls here.
         edges, table, vocab_ids = self._list_tables(inner_edges, acceptance, vocab)
         logits, cands, qs, values, base_ids, calibrated = [], [], [], [], [], []
@@ -704,11 +706,11 @@ class PerStepDrafter:
         return _Level(chosen, logits, cands, qs, values, base_ids, child_accept=calibrated)
 
     def _draw_rows(self, depth: int, states: list[PerStepState], tree: _Growing, chosen: list[int],
-                   samplers: list[DraftSampler], together: bool) -> list[tuple]:
+                   samplers: list[DraftSampler], device: torch.device, together: bool) -> list[tuple]:
         """Each row's head call at ``chosen`` and its draw (``together``: one call for all rows, as
         :meth:`_draft_level` says): per row ``(logits (P, Vh), candidates (P, k), q or None, ranked probabilities
         (P, k))``."""
-        path_tokens = self._path_tokens(tree, chosen).to(states[0].hidden.device)  # (B, P, depth + 1)
+        path_tokens = self._path_tokens(tree, chosen).to(device)  # (B, P, depth + 1)
         batch, width = path_tokens.shape[:2]
         if batch > 1 and together:
             hidden = torch.stack([s.hidden for s in states]).repeat_interleave(width, 0)  # (B*P, H)
