@@ -311,3 +311,24 @@ def test_typical_acceptance_and_sampling_run_with_the_trained_drafter(trained):
             runs.append([t for s in steps for t in s.tokens])
             assert sum(s.accepted for s in steps) > 0, acceptance
         assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS, acceptance
+
+
+def test_the_per_step_tree_drafts_an_eagle_node_only_below_one_drafted_from():
+    """Eagle's drafting keeps each drafted-from node's features: with one parent a depth and a lookup chain that
+    wins depth 2 after a head's child won depth 1, the chain node's parent was never drafted from, so the per-step
+    tree must not pick the chain node (it raised KeyError); the tokens stay the base's greedy ones."""
+    from test_per_step import BINS, COST, HEAD_CALL
+
+    from medusa.drafters.calibration import Calibration, heads_identity
+    from medusa.engines import make_engine
+
+    model = tiny_model("llama")
+    heads = eagle_heads(model)
+    k = heads.config.num_heads
+    calibration = Calibration(heads_identity(heads), 8, [[0.9] * 8] * k, [[0.9] * BINS] * k, [[1] * BINS] * k, 3,
+                              [[0.85, 0.99, 0.99, 0.99, 0.99, 0.99]] * 4, [[1] * 6] * 4)
+    drafter = PerStepDrafter(heads, calibration, StepCost(COST, [HEAD_CALL] * 3), max_parents=1,
+                             learn_acceptance=False)
+    prompt = torch.tensor([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])
+    out = [t for s in decode_steps(model, drafter, prompt, 16, engine=make_engine("eager", model)) for t in s.tokens]
+    assert out == hf_greedy(model, prompt, 16)

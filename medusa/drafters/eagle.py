@@ -230,6 +230,9 @@ class EagleDrafterHeads(_HeadsBase):
     """
 
     drafts_rows_together = False  # its draft state is a context of its own per sequence
+    drafts_from_drafted_parents = True
+    """A node of depth >= 2 can be drafted from only when its parent was (its features are the parent's draft
+    output, kept in :attr:`EagleContext.tree`): the per-step tree picks such nodes only."""
 
     def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
                  token_map: torch.Tensor | None = None, position_weight: torch.Tensor | None = None):

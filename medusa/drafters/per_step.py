@@ -333,6 +333,7 @@ class PerStepDrafter:
         self.max_depth = max(heads.config.num_heads, min(lookup_length, max_nodes - 1))
         self.base_layers = tuple(heads.base_layers)
         self._rows_together = getattr(heads, "drafts_rows_together", False)  # test doubles may not declare it
+        self._drafts_from_drafted = getattr(heads, "drafts_from_drafted_parents", False)
         self.row_trees = row_trees
         """Rows that all decode greedily get trees of their own shapes (:meth:`_propose_each_row`), else one shape
         for all rows."""
@@ -609,8 +610,11 @@ class PerStepDrafter:
             extra = cost.extra(n, batch)
             candidates: list[_Candidate] = []
             level = None
-            if depth < self.heads.config.num_heads:
-                at_depth = [i for i, d in enumerate(tree.depths) if d == depth]
+            at_depth = [i for i, d in enumerate(tree.depths) if d == depth]
+            if self._drafts_from_drafted and depth >= 2:  # a node below one never drafted from has no draft state
+                drafted = {node for lv in levels for node in lv.parents}
+                at_depth = [i for i in at_depth if tree.parents[i] in drafted]
+            if depth < self.heads.config.num_heads and at_depth:
                 mean = [sum(row[i] for row in tree.values) / batch for i in at_depth]
                 # Parents whose best conceivable child could pay for its node, best first.
                 order = sorted(range(len(at_depth)), key=lambda i: -mean[i])[: self.max_parents]
