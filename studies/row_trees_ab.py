@@ -28,21 +28,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "studies"))
 
-
-def build(args, heads: str | None):
-    """One decoder's model on the engine the arguments name."""
-    from medusa.build import DecodeConfig, build_model
-
-    drafter = {"heads": heads} if heads else {"drafter": "none"}
-    if args.quantize == "int4":
-        from peer_bench import default_gguf
-
-        config = DecodeConfig(base=args.base, quantize="int4", gguf=args.gguf or default_gguf(), release_dense=True,
-                              int4_kernel=args.int4_kernel, quantized_lm_head="gguf", threads=args.threads, **drafter)
-    else:
-        config = DecodeConfig(base=args.base, engine=args.engine, threads=args.threads, **drafter)
-    return build_model(config)
+from heads_ab import build  # noqa: E402 - one decoder's model, as medusa generate builds it
 
 
 def main() -> int:
@@ -73,9 +61,9 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     sets = {Path(p).stem: [encode_prompt(tokenizer, r) for r in read_prompts(p)[:: args.stride][: args.limit]]
             for p in args.prompts}
-    models = {"plain": build(args, None)}
+    models = {"plain": build(args, None, {})}
     for name in args.decoders:
-        model = models[name] = build(args, args.heads)
+        model = models[name] = build(args, args.heads, {})
         assert model.drafter.row_trees
         if name == "one shape":
             model.drafter.row_trees = False
