@@ -153,9 +153,12 @@ class MedusaModel(nn.Module):
 
             profile = profile if profile is not None else ensure_profile(self.base, announce=stderr_progress)
             profile = ensure_engine(profile, self.base, self.engine, stderr_progress)
+            self._choose_drafter_dtype(profile, measure=True)
             level_s = heads_level_s(profile, self.heads)
-        elif profile is None:
-            profile, why = stored_profile(self.base)
+        else:
+            if profile is None:
+                profile, why = stored_profile(self.base)
+            self._choose_drafter_dtype(profile, measure=False)
         # The sizes a tree settles on: the engine's buckets, else the sizes the profile measured (a forward's cost
         # jumps between sizes, by kernel choice, more than interpolation shows), unless its cost grows smoothly.
         buckets = self.engine.step_buckets or (DEFAULT_BUCKETS if self.engine.fixed_shapes else
@@ -163,6 +166,36 @@ class MedusaModel(nn.Module):
         cost = StepCost.from_profile(profile, self.engine.profile_name, self.heads, buckets, level_s=level_s,
                                      why=why)
         self.drafter = PerStepDrafter(self.heads, calibration, cost, **options)
+
+    def _choose_drafter_dtype(self, profile, measure: bool) -> None:
+        """Set the engine's :attr:`medusa.engines.Engine.drafter_dtype` to the one of its
+        :attr:`~medusa.engines.Engine.drafter_dtypes` whose drafting (the heads' seconds per depth, summed) this
+        machine's ``profile`` holds cheapest; each is measured into it first with ``measure``. Without every figure
+        (nothing measured, no profile) the weights' own dtype stays: a choice made from measurements only."""
+        options = getattr(self.engine, "drafter_dtypes", (None,))
+        if self.heads is None or not hasattr(self.heads, "drafter_products"):
+            return
+        if len(options) < 2:
+            if self.engine.drafter_dtype != options[0]:
+                self.engine.drafter_dtype = options[0]
+                self._pack_drafter()
+            return
+        from medusa.profile import heads_key
+
+        costs = {}
+        for dtype in options:
+            self.engine.drafter_dtype = dtype
+            self._pack_drafter()
+            if measure:
+                from medusa.tools.measure import heads_level_s
+
+                level_s = heads_level_s(profile, self.heads)
+            else:
+                level_s = None if profile is None else profile.drafter_cost(heads_key(self.heads))
+            if level_s is not None:
+                costs[dtype] = sum(level_s)
+        self.engine.drafter_dtype = min(costs, key=costs.get) if len(costs) == len(options) else None
+        self._pack_drafter()
 
     @property
     def per_step(self) -> bool:

@@ -13,7 +13,9 @@ shared host) falls on every decoder alike. Reported per decoder:
 
 A decoder is ``NAME=HEADS_DIR`` (``NAME=none``: plain decoding, always added as ``plain``), with options after commas:
 ``lookup=N`` (the lookup chain's length; 0: the heads alone), ``products=projection`` (only the heads' shared
-projection through the engine's drafter products, the rest through ``nn.Linear``).
+projection through the engine's drafter products, the rest through ``nn.Linear``), ``drafter-dtype=own`` (the
+drafter's products in the weights' own dtype, whatever the profile found cheaper: the per-step tree then reads that
+dtype's drafting cost).
 
     MEDUSA_CACHE_DIR=/tmp/bench6 python studies/heads_ab.py --threads 2 --limit 24 \\
         --decoder shipped=checkpoints/smollm2-135m-instruct-hydra --decoder prefix=outputs/hydra-prefix/heads \\
@@ -44,9 +46,11 @@ def parse_decoder(spec: str) -> tuple[str, str, dict]:
     if not name or not folder:
         raise SystemExit(f"--decoder wants NAME=HEADS_DIR[,key=value], got {spec!r}")
     options = dict(p.split("=", 1) for p in pairs)
-    unknown = set(options) - {"lookup", "products"}
+    unknown = set(options) - {"lookup", "products", "drafter-dtype"}
     if unknown:
-        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products)")
+        raise SystemExit(f"--decoder {spec!r}: unknown options {sorted(unknown)} (lookup, products, drafter-dtype)")
+    if options.get("drafter-dtype", "own") != "own":
+        raise SystemExit(f"--decoder {spec!r}: drafter-dtype takes 'own' (the weights' dtype)")
     return name, folder, options
 
 
@@ -90,6 +94,12 @@ def build(args, folder: str | None, options: dict):
         heads = model.heads
         heads.drafter_products = lambda weight, role: packed_product(weight) if role == "projection" else None
         heads.__dict__.pop("_products", None)
+    if options.get("drafter-dtype") == "own" and model.per_step:  # as built, then only the weights' own dtype offered
+        from medusa.build import DecodeConfig
+
+        engine = model.engine  # this one engine offers its weights' dtype alone
+        engine.__class__ = type(f"{type(engine).__name__}OwnDtype", (type(engine),), {"drafter_dtypes": (None,)})
+        model.use_per_step_tree(DecodeConfig(base=args.base, **drafter).per_step_calibration(), measure=True)
     return model
 
 

@@ -519,3 +519,53 @@ def test_drafting_is_timed_call_by_call_after_a_flush_of_the_caches(monkeypatch)
     per_depth = measure.time_heads_levels(heads, rows=2, repeats=3)
     assert len(per_depth) == 2 and all(s > 0 for s in per_depth)
     assert order == ["call", "flush", "call", "flush", "call", "flush", "call"] * 2  # one untimed call a depth
+
+
+def test_the_drafters_products_take_the_dtype_whose_stored_drafting_cost_is_lower(tmp_path, monkeypatch, no_timings):
+    """Beside onednn the heads may draft in bf16 (half the bytes a level); the profile's measured drafting cost
+    decides, each dtype stored under its own key, and without both figures the weights' own dtype stays. Greedy
+    decoding stays equal to plain decoding either way: only the drafts change."""
+    from test_per_step import flat_calibration
+
+    from medusa.decode.tree import Tree
+    from medusa.engines.onednn import onednn_unavailable_for
+    from medusa.model import MedusaModel
+
+    if onednn_unavailable_for("cpu", torch.float32) or onednn_unavailable_for("cpu", torch.bfloat16):
+        pytest.skip("oneDNN runs no bf16 products on this CPU")
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    base = tiny_model("llama")
+    model = MedusaModel(base, _heads_for(base), engine="onednn")
+    assert model.engine.drafter_dtypes == (None, torch.bfloat16)
+    stored = fake_profile(prof.profile_key(base), 50.0, AMD_LIKE)
+    fp32_key = prof.heads_key(model.heads)
+    stored.drafters[fp32_key] = {"per_depth_s": [0.004, 0.005]}
+    stored.save(prof.profile_path(stored.key))
+    model.use_per_step_tree(flat_calibration(model.heads, 0.8))  # bf16's cost not stored: not chosen
+    assert model.engine.drafter_dtype is None and model.heads.drafter_products_key is None
+    weight = model.heads.shared_weight_t.T
+    assert model.heads.drafter_products(weight, "input0") is None  # fp32: the projection alone is packed
+
+    model.engine.drafter_dtype = torch.bfloat16
+    model._pack_drafter()
+    bf16_key = prof.heads_key(model.heads)
+    assert bf16_key != fp32_key and bf16_key.endswith(":products=onednn:bfloat16")
+    rows = torch.randn(3, weight.shape[1])
+    product = model.heads.drafter_products(weight, "projection")
+    out = product(rows)
+    assert out.dtype == torch.float32 and out.shape == (3, weight.shape[0])
+    assert torch.allclose(out, rows @ weight.T, atol=0.05 * float((rows @ weight.T).abs().max()))
+    assert model.heads.drafter_products(weight, "input0") is not None  # every product in bf16
+
+    for bf16_s, expected in ((0.006, None), (0.003, torch.bfloat16)):
+        stored.drafters[bf16_key] = {"per_depth_s": [bf16_s, bf16_s]}
+        stored.save(prof.profile_path(stored.key))
+        model.use_per_step_tree(flat_calibration(model.heads, 0.8))
+        assert model.engine.drafter_dtype == expected
+        assert model.drafter.cost.level_s == ([bf16_s] * 2 if expected else [0.004, 0.005])
+        assert model.engine.settings()["drafter_dtype"] == (None if expected is None else "bfloat16")
+    ids = torch.tensor([5, 9, 2, 7, 5, 9])
+    drafted, _ = model.generate(ids, max_new_tokens=12)
+    model.drafter = None
+    plain, _ = model.generate(ids, max_new_tokens=12, tree=Tree.chain(0))
+    assert drafted == plain

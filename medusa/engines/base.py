@@ -110,6 +110,12 @@ class Engine(abc.ABC):
     returns_layers: ClassVar[bool] = True
     """:meth:`forward_features` can return the outputs of the base's intermediate decoder layers (what a feature
     drafter such as :mod:`medusa.drafters.eagle` drafts from); an engine that cannot leaves it False."""
+    drafter_dtypes: ClassVar[tuple] = (None,)
+    """The dtypes the drafter's products may take beside this engine (:meth:`drafter_product`); ``None`` is the
+    weights' own. Where there are several, :meth:`medusa.model.MedusaModel.use_per_step_tree` keeps the one whose
+    drafting this machine's profile measured cheapest (settable :attr:`drafter_dtype`)."""
+    drafter_dtype = None
+    """The one of :attr:`drafter_dtypes` the drafter's products use."""
     drafter_products_key: ClassVar[str | None] = None
     """Names the drafter products (:meth:`drafter_product`) where they change the drafting cost beyond a packed copy
     (part of the profile's drafter key, :func:`medusa.profile.heads_key`); ``None``: matmul or a packed copy."""

@@ -79,10 +79,19 @@ def packed_product(weight: torch.Tensor):
     return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
-def packed_drafter_product(weight: torch.Tensor, role: str):
+def packed_drafter_product(weight: torch.Tensor, role: str, dtype: torch.dtype | None = None):
     """What the engines that pack their own products offer the drafter (:meth:`medusa.engines.Engine
-    .drafter_product`): the heads' projection on a packed copy (:func:`packed_product`), the rest as it is."""
-    return packed_product(weight) if role == "projection" else None
+    .drafter_product`): the heads' projection on a packed copy (:func:`packed_product`), the rest as it is; with
+    ``dtype`` (bfloat16), every product on a packed copy in that dtype: the rows rounded to it, the outputs back in
+    the weight's dtype (half the bytes a drafting level reads; lossy in the drafts only, the verify decides what is
+    emitted). ``None`` where oneDNN cannot run ``dtype`` here."""
+    if dtype is None or dtype == weight.dtype:
+        return packed_product(weight) if role == "projection" else None
+    product = packed_product(weight.detach().to(dtype))
+    if product is None:
+        return None
+    out_dtype = weight.dtype
+    return lambda rows: product(rows.to(dtype)).to(out_dtype)
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -219,8 +228,28 @@ class OneDNNEngine(StaticEngine):
 
     summary = ("static + the base's linear layers and lm_head on oneDNN prepacked copies (CPU; as much memory again "
                "as the weights; static elsewhere)")
+    drafter_dtype: torch.dtype | None = None
+    """The dtype of the drafter's packed products (:meth:`drafter_product`): ``None``, the weights' own (the
+    projection packed, the rest ``nn.Linear``), or one of :attr:`drafter_dtypes` that
+    :meth:`medusa.model.MedusaModel.use_per_step_tree` found cheaper in this machine's profile."""
+
     def drafter_product(self, weight: torch.Tensor, role: str):
-        return packed_drafter_product(weight, role)
+        return packed_drafter_product(weight, role, self.drafter_dtype)
+
+    @property
+    def drafter_dtypes(self) -> tuple:
+        """``(None, torch.bfloat16)`` where the base is fp32 and packed here and oneDNN runs bf16 on this CPU: the
+        drafter may draft in bf16 (each product reads half the bytes), which the profile measures; else ``(None,)``."""
+        if (self.packed is None or self.packed.dtype != torch.float32
+                or onednn_unavailable_for(torch.device("cpu"), torch.bfloat16) is not None):
+            return (None,)
+        return (None, torch.bfloat16)
+
+    @property
+    def drafter_products_key(self) -> str | None:
+        """``None`` with the weights' own dtype (a packed projection), else ``onednn:<dtype>``: part of the profile's
+        drafter key, so each dtype's drafting cost is stored apart."""
+        return None if self.drafter_dtype is None else f"onednn:{str(self.drafter_dtype).replace('torch.', '')}"
 
     @classmethod
     def candidate_for(cls, device, dtype: torch.dtype) -> bool:
@@ -274,7 +303,8 @@ class OneDNNEngine(StaticEngine):
         return self.packed.shadow_decoder()
 
     def settings(self) -> dict:
+        drafter_dtype = None if self.drafter_dtype is None else str(self.drafter_dtype).replace("torch.", "")
         return super().settings() | {"packed": self.packed is not None, "fallback_reason": self.fallback_reason,
-                                     "pack_rows": PACK_ROWS}
+                                     "pack_rows": PACK_ROWS, "drafter_dtype": drafter_dtype}
 
 
