@@ -171,10 +171,17 @@ class MedusaModel(nn.Module):
         """Set the engine's :attr:`medusa.engines.Engine.drafter_dtype` to the one of its
         :attr:`~medusa.engines.Engine.drafter_dtypes` whose drafting (the heads' seconds per depth, summed) this
         machine's ``profile`` holds cheapest; each is measured into it first with ``measure``. Without every figure
-        (nothing measured, no profile) the weights' own dtype stays: a choice made from measurements only."""
+        (nothing measured, no profile) the weights' own dtype stays: a choice made from measurements only. The
+        figures are measured here (every decode command's build measures what its profile lacks); ``medusa profile
+        --heads`` stores the weights' own dtype's only. Heads that run nothing through the engine's products (eagle,
+        Medusa heads with lm_head copies of their own) keep their dtype. A later :meth:`use_engine` drafts through
+        the new engine in its weights' dtype, with the per-step tree's costs as they were (stale, as its forward
+        costs are: call this method again)."""
         options = getattr(self.engine, "drafter_dtypes", (None,))
         if self.heads is None or not hasattr(self.heads, "drafter_products"):
             return
+        if not getattr(self.heads, "drafts_through_products", False):
+            options = (None,)  # nothing of theirs would change: no dtype to choose, nothing to time twice
         if len(options) < 2:
             if self.engine.drafter_dtype != options[0]:
                 self.engine.drafter_dtype = options[0]

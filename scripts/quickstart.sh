@@ -51,8 +51,9 @@ bench of shipped heads  $OUT/bench-sharegpt.json and $OUT/bench-mt-bench-style.j
 
 Each bench next to the README's figures ($README_BENCH-*.json: all 20 ShareGPT prompts, and the
 MT-bench-style set). Compare tau with the line 'reference, same prompts only' (the reference's tau on these same
-prompts; 4 or 8 prompts are not the set's average); tokens/s and the speedup follow the machine and its load
-(a machine busy before or after a bench is warned on the line below its table; no such line: it was idle):
+prompts; 4 or 8 prompts are not the set's average) on an idle machine only: the per-step tree sizes its trees
+from measured step times, so on a busy machine trees shrink and tau falls with tokens/s and the speedup (a machine
+busy before or after a bench is warned on the line below its table; no such line: it was idle):
 
 == 4 held-out ShareGPT prompts
 SUMMARY

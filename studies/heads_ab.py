@@ -13,7 +13,7 @@ shared host) falls on every decoder alike. Reported per decoder:
 
 A decoder is ``NAME=HEADS_DIR`` (``NAME=none``: plain decoding, always added as ``plain``), with options after commas:
 ``lookup=N`` (the lookup chain's length; 0: the heads alone), ``products=projection`` (only the heads' shared
-projection through the engine's drafter products, the rest through ``nn.Linear``), ``drafter-dtype=own`` (the
+projection through the engine's drafter products, in fp32, the rest through ``nn.Linear``), ``drafter-dtype=own`` (the
 drafter's products in the weights' own dtype, whatever the profile found cheaper: the per-step tree then reads that
 dtype's drafting cost).
 
@@ -88,18 +88,18 @@ def build(args, folder: str | None, options: dict):
     else:
         config = DecodeConfig(base=args.base, engine=args.engine, threads=args.threads, **drafter)
     model = build_model(config)
+    if (options.get("drafter-dtype") == "own" or options.get("products")) and model.per_step:
+        # as built, then the engine offers its weights' dtype alone (the products below are fp32 ones)
+        engine = model.engine
+        engine.__class__ = type(f"{type(engine).__name__}OwnDtype", (type(engine),), {"drafter_dtypes": (None,)})
+        per_step = {"lookup_length": int(options["lookup"])} if "lookup" in options else {}
+        model.use_per_step_tree(config.per_step_calibration(), measure=True, **per_step)
     if options.get("products") == "projection":
         from medusa.engines.onednn import packed_product
 
         heads = model.heads
         heads.drafter_products = lambda weight, role: packed_product(weight) if role == "projection" else None
         heads.__dict__.pop("_products", None)
-    if options.get("drafter-dtype") == "own" and model.per_step:  # as built, then only the weights' own dtype offered
-        from medusa.build import DecodeConfig
-
-        engine = model.engine  # this one engine offers its weights' dtype alone
-        engine.__class__ = type(f"{type(engine).__name__}OwnDtype", (type(engine),), {"drafter_dtypes": (None,)})
-        model.use_per_step_tree(DecodeConfig(base=args.base, **drafter).per_step_calibration(), measure=True)
     return model
 
 

@@ -556,6 +556,7 @@ def test_the_drafters_products_take_the_dtype_whose_stored_drafting_cost_is_lowe
     assert out.dtype == torch.float32 and out.shape == (3, weight.shape[0])
     assert torch.allclose(out, rows @ weight.T, atol=0.05 * float((rows @ weight.T).abs().max()))
     assert model.heads.drafter_products(weight, "input0") is not None  # every product in bf16
+    assert product(rows[:0]).shape == (0, weight.shape[0])  # no rows, as the fp32 product gives
 
     for bf16_s, expected in ((0.006, None), (0.003, torch.bfloat16)):
         stored.drafters[bf16_key] = {"per_depth_s": [bf16_s, bf16_s]}
@@ -569,3 +570,17 @@ def test_the_drafters_products_take_the_dtype_whose_stored_drafting_cost_is_lowe
     model.drafter = None
     plain, _ = model.generate(ids, max_new_tokens=12, tree=Tree.chain(0))
     assert drafted == plain
+
+    # Heads that run nothing through the engine's products (an lm_head copy each) keep their dtype, whatever the
+    # profile holds under the bf16 key.
+    from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig
+
+    own = MedusaModel(base, MedusaHeads(MedusaHeadsConfig(num_heads=2, hidden_size=64, vocab_size=base.config
+                                                          .vocab_size, share_lm_head=False),
+                                        base.get_output_embeddings().weight), engine="onednn")
+    assert not own.heads.drafts_through_products
+    stored.drafters[prof.heads_key(own.heads)] = {"per_depth_s": [0.004, 0.005]}
+    stored.drafters[prof.heads_key(own.heads) + ":products=onednn:bfloat16"] = {"per_depth_s": [0.001, 0.001]}
+    stored.save(prof.profile_path(stored.key))
+    own.use_per_step_tree(flat_calibration(own.heads, 0.8))
+    assert own.engine.drafter_dtype is None and own.drafter.cost.level_s == [0.004, 0.005]

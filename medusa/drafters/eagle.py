@@ -291,6 +291,9 @@ class EagleDrafterHeads(_HeadsBase):
         """Draft logits ``(..., Vh)`` of layer outputs ``(..., H)``."""
         return self.project(0, self.norm(outputs))
 
+    drafts_through_products = False
+    """Its projection and layer run as they are (never through the engine's drafter products)."""
+
     def project(self, k: int, feats: torch.Tensor) -> torch.Tensor:
         if self.lm_heads is None:
             return feats @ self.shared_weight_t.to(feats.dtype)

@@ -261,6 +261,13 @@ class _HeadsBase(nn.Module):
             return feats @ self.shared_weight_t.to(feats.dtype)  # (..., Vh)
         return self.lm_heads[k](feats)  # (..., Vh)
 
+    @property
+    def drafts_through_products(self) -> bool:
+        """Whether drafting runs any product through the engine's :attr:`drafter_products` (here: the shared
+        projection; a head with its own lm_head copy runs none), so that their dtype is worth choosing
+        (:meth:`medusa.model.MedusaModel.use_per_step_tree`)."""
+        return self.lm_heads is None
+
     drafter_products = None
     """``(weight (N, K), role) -> product or None``: the products the engine offers the drafter
     (:meth:`medusa.engines.Engine.drafter_product`), set by :class:`medusa.model.MedusaModel` from its engine;
@@ -431,6 +438,10 @@ class HydraHeads(_HeadsBase):
     Raises:
         ValueError: the lm_head, embeddings or token map do not match the config, or ``num_layers`` is 0.
     """
+
+    drafts_through_products = True
+    """Each head's input layer and ResBlocks run through the engine's drafter products (and the shared
+    projection, where there is one)."""
 
     def __init__(self, config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
                  token_map: torch.Tensor | None = None):

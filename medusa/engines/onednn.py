@@ -84,14 +84,21 @@ def packed_drafter_product(weight: torch.Tensor, role: str, dtype: torch.dtype |
     .drafter_product`): the heads' projection on a packed copy (:func:`packed_product`), the rest as it is; with
     ``dtype`` (bfloat16), every product on a packed copy in that dtype: the rows rounded to it, the outputs back in
     the weight's dtype (half the bytes a drafting level reads; lossy in the drafts only, the verify decides what is
-    emitted). ``None`` where oneDNN cannot run ``dtype`` here."""
+    emitted). ``None`` where oneDNN cannot run ``dtype`` here. A snapshot, as the engine's own packed copies: the
+    heads make it again when the weight's version changes, which a change through ``weight.data`` does not."""
     if dtype is None or dtype == weight.dtype:
         return packed_product(weight) if role == "projection" else None
     product = packed_product(weight.detach().to(dtype))
     if product is None:
         return None
-    out_dtype = weight.dtype
-    return lambda rows: product(rows.to(dtype)).to(out_dtype)
+    out_dtype, width = weight.dtype, weight.shape[0]
+
+    def low_precision(rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 0:  # oneDNN's bf16 product refuses no rows; the fp32 one returns none
+            return rows.new_zeros((0, width), dtype=out_dtype)
+        return product(rows.to(dtype)).to(out_dtype)
+
+    return low_precision
 
 
 def _plain_linear(module: nn.Module) -> bool:
