@@ -176,7 +176,7 @@ class MedusaModel(nn.Module):
         --heads`` stores the weights' own dtype's only. Heads that run nothing through the engine's products (eagle,
         Medusa heads with lm_head copies of their own) keep their dtype. A later :meth:`use_engine` drafts through
         the new engine in its weights' dtype, with the per-step tree's costs as they were (stale, as its forward
-        costs are: call this method again)."""
+        costs are: call :meth:`use_per_step_tree` again)."""
         options = getattr(self.engine, "drafter_dtypes", (None,))
         if self.heads is None or not hasattr(self.heads, "drafter_products"):
             return
