@@ -72,6 +72,32 @@ def tally(totals: dict, stats, seconds: float) -> None:
         totals["parts"][part] = totals["parts"].get(part, 0.0) + s
 
 
+def report(totals: dict, prompts: int) -> dict:
+    """Print one prompt set's table, a row per decoder (its :func:`new_totals` sums, ``"plain"`` among them), and
+    return those rows by decoder name: tokens/s, the ratio to plain, tau and tau less the copied tokens (per verify
+    forward), a step's parts in ms, the mean tree size, and on how many of ``prompts`` its tokens equal plain's."""
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    parts = list(totals["plain"]["parts"])
+    print("| decoder | tok/s | vs plain | tau | tau less copied | " + " | ".join(f"{p} ms" for p in parts)
+          + " | mean tree nodes | = plain |")
+    print("|---|---|---|---|---|" + "---|" * len(parts) + "---|---|")
+    rows = {}
+    for name, t in totals.items():
+        rate = t["tokens"] / t["seconds"]
+        steps = max(t["steps"], 1)
+        row = {"tokens_per_s": round(rate, 2), "vs_plain": round(rate / plain_rate, 3),
+               "tau": round(t["decoded"] / steps, 3),
+               "tau_less_copied": round((t["decoded"] - t["copied"]) / steps, 3),
+               "step_ms": {p: round(1e3 * t["parts"].get(p, 0.0) / steps, 3) for p in parts},
+               "mean_tree_nodes": round(sum(t["nodes"]) / max(len(t["nodes"]), 1), 2),
+               "identical_to_plain": f"{t['identical']}/{prompts}", "new_tokens": t["tokens"]}
+        rows[name] = row
+        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['vs_plain']:.3f} | {row['tau']:.3f} | "
+              f"{row['tau_less_copied']:.3f} | " + " | ".join(f"{v:.3f}" for v in row["step_ms"].values())
+              + f" | {row['mean_tree_nodes']:.2f} | {row['identical_to_plain']} |", flush=True)
+    return rows
+
+
 def build(args, folder: str | None, options: dict):
     """One decoder's model on the engine the arguments name."""
     from medusa.build import DecodeConfig, build_model
@@ -152,26 +178,8 @@ def main() -> int:
                 tally(totals[name], stats, seconds)
             for name in models:
                 totals[name]["identical"] += outs[name] == outs["plain"]
-        plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
         print(f"\n# {result['engine']}, {len(prompts)} prompts of {set_name}, {args.threads} threads\n")
-        parts = list(totals["plain"]["parts"])
-        print("| decoder | tok/s | vs plain | tau | tau less copied | " + " | ".join(f"{p} ms" for p in parts)
-              + " | mean tree nodes | = plain |")
-        print("|---|---|---|---|---|" + "---|" * len(parts) + "---|---|")
-        rows = {}
-        for name, t in totals.items():
-            rate = t["tokens"] / t["seconds"]
-            steps = max(t["steps"], 1)
-            row = {"tokens_per_s": round(rate, 2), "vs_plain": round(rate / plain_rate, 3),
-                   "tau": round(t["decoded"] / steps, 3),
-                   "tau_less_copied": round((t["decoded"] - t["copied"]) / steps, 3),
-                   "step_ms": {p: round(1e3 * t["parts"].get(p, 0.0) / steps, 3) for p in parts},
-                   "mean_tree_nodes": round(sum(t["nodes"]) / max(len(t["nodes"]), 1), 2),
-                   "identical_to_plain": f"{t['identical']}/{len(prompts)}", "new_tokens": t["tokens"]}
-            rows[name] = row
-            print(f"| {name} | {row['tokens_per_s']:.1f} | {row['vs_plain']:.3f} | {row['tau']:.3f} | "
-                  f"{row['tau_less_copied']:.3f} | " + " | ".join(f"{v:.3f}" for v in row["step_ms"].values())
-                  + f" | {row['mean_tree_nodes']:.2f} | {row['identical_to_plain']} |", flush=True)
+        rows = report(totals, len(prompts))
         result["sets"][set_name] = {"prompts": len(prompts), "decoders": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

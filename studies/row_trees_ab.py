@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "studies"))
 
-from heads_ab import build  # noqa: E402 - one decoder's model, as medusa generate builds it
+from heads_ab import build, new_totals, report, tally  # noqa: E402 - as medusa generate builds them
 
 
 def main() -> int:
@@ -81,8 +81,7 @@ def main() -> int:
     result = {"engine": args.engine if args.quantize == "none" else f"int4 {args.int4_kernel}",
               "threads": args.threads, "batch_size": args.batch_size, "heads": args.heads, "sets": {}}
     for set_name, prompts in sets.items():
-        totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "decoded": 0, "nodes": 0, "identical": 0,
-                         "forwards": 0, "parts": {}} for name in models}
+        totals = {name: new_totals() for name in models}
         order = list(models)
         groups = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
         for g, group in enumerate(groups):
@@ -91,37 +90,14 @@ def main() -> int:
             for name in order[shift:] + order[:shift]:
                 out, seconds, stats = run(name, group)
                 outs[name] = out
-                t = totals[name]
-                t["tokens"] += sum(len(o) for o in out)
-                t["seconds"] += seconds
-                t["forwards"] += stats.forwards
+                totals[name]["seconds"] += seconds
                 for row in stats.rows:  # a step's parts are the same in each of its rows: a mean over row steps
-                    for part, seconds in row.step_s.items():
-                        t["parts"][part] = t["parts"].get(part, 0.0) + seconds
-                    t["steps"] += row.decode_steps
-                    t["decoded"] += row.decode_tokens
-                    t["nodes"] += sum(row.tree_nodes)
+                    tally(totals[name], row, 0.0)
             for name in models:
                 totals[name]["identical"] += sum(a == b for a, b in zip(outs[name], outs["plain"], strict=True))
-        plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
         print(f"\n# {result['engine']}, {len(prompts)} prompts of {set_name} in batches of {args.batch_size}, "
               f"{args.threads} threads\n")
-        parts = list(totals["plain"]["parts"])
-        print("| decoder | tok/s | vs plain | tau | mean tree nodes | " + " | ".join(f"{p} ms" for p in parts)
-              + " | = plain |")
-        print("|---|---|---|---|---|" + "---|" * len(parts) + "---|")
-        rows = {}
-        for name, t in totals.items():  # tau: tokens per row per verify forward
-            rate = t["tokens"] / t["seconds"]
-            steps = max(t["steps"], 1)
-            row = {"tokens_per_s": round(rate, 2), "vs_plain": round(rate / plain_rate, 3),
-                   "tau": round(t["decoded"] / steps, 3), "mean_tree_nodes": round(t["nodes"] / steps, 2),
-                   "step_ms": {p: round(1e3 * t["parts"].get(p, 0.0) / steps, 3) for p in parts},
-                   "identical_to_plain": f"{t['identical']}/{len(prompts)}", "new_tokens": t["tokens"]}
-            rows[name] = row
-            print(f"| {name} | {row['tokens_per_s']:.1f} | {row['vs_plain']:.3f} | {row['tau']:.3f} | "
-                  f"{row['mean_tree_nodes']:.2f} | " + " | ".join(f"{v:.2f}" for v in row["step_ms"].values())
-                  + f" | {row['identical_to_plain']} |", flush=True)
+        rows = report(totals, len(prompts))  # tau: tokens per row per verify forward
         result["sets"][set_name] = {"prompts": len(prompts), "decoders": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
