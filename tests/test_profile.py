@@ -571,6 +571,23 @@ def test_the_drafters_products_take_the_dtype_whose_stored_drafting_cost_is_lowe
     plain, _ = model.generate(ids, max_new_tokens=12, tree=Tree.chain(0))
     assert drafted == plain
 
+    # Measuring: each dtype's drafting is timed through its own products and stored under its own key, both ways.
+    from medusa.tools import measure
+
+    for bf16_s, expected in ((0.006, None), (0.002, torch.bfloat16)):
+        timed = []
+
+        def fake_levels(heads, bf16_s=bf16_s, timed=timed):
+            timed.append(heads.drafter_products_key)
+            return [bf16_s] * 2 if heads.drafter_products_key else [0.004, 0.005]
+
+        monkeypatch.setattr(measure, "time_heads_levels", fake_levels)
+        fresh = fake_profile(prof.profile_key(base), 50.0, AMD_LIKE)
+        model._choose_drafter_dtype(fresh, measure=True)
+        assert timed == [None, "onednn:bfloat16"] and model.engine.drafter_dtype == expected
+        assert fresh.drafters[fp32_key]["per_depth_s"] == [0.004, 0.005]
+        assert fresh.drafters[bf16_key]["per_depth_s"] == [bf16_s] * 2
+
     # Heads that run nothing through the engine's products (an lm_head copy each) keep their dtype, whatever the
     # profile holds under the bf16 key.
     from medusa.drafters.heads import MedusaHeads, MedusaHeadsConfig
