@@ -263,7 +263,8 @@ def test_every_engine_declares_its_capabilities_and_warms_up():
         assert cls.name == name and cls.summary
         engine = engines.make_engine(name, model)
         assert isinstance(engine, engines.Engine)
-        assert engine.scores_all_nodes is (name == "onednn")  # on a CPU: only a packed lm_head scores every node
+        # on a CPU: only a packed lm_head or the native engine's C lm_head scores every node
+        assert engine.scores_all_nodes is (name in ("onednn", "native"))
         assert engines.make_engine(name, model, scores_all_nodes=True).scores_all_nodes is True
         assert engine.supports_batch and engine.step_buckets is None
         assert engine.fixed_shapes is (name == "compiled" and engine.settings()["compiled"])
@@ -318,7 +319,7 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
     assert outs == [hf_greedy(model, ids_of(7, seed=3), 16)]  # one row: the engine's one-sequence forward
     with pytest.raises(ValueError, match="engine 'toy' does not run batched decoding"):
         batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
-    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, int4, int8, toy"):
+    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, native, int4, int8, toy"):
         engines.make_engine("turbo", model)
 
 

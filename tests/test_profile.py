@@ -15,7 +15,7 @@ import medusa.tools.measure as measure
 from medusa.cli import main
 from medusa.engines import AUTO, auto_candidates, make_engine
 
-CANDIDATES = auto_candidates("cpu", torch.float32)  # eager, static, onednn where oneDNN runs
+CANDIDATES = auto_candidates("cpu", torch.float32)  # eager, static, onednn where oneDNN runs, native where C builds
 
 
 def fake_profile(key: dict, hf_ms: float, engines: dict[str, tuple[float, dict[int, float]]]) -> prof.MachineProfile:
@@ -36,6 +36,15 @@ AMD_LIKE = {"onednn": (57.6, {1: 52.0, 16: 88.0}), "static": (62.5, {1: 58.0, 16
             "eager": (66.0, {1: 61.0, 16: 118.0})}
 INTEL_LIKE = {"onednn": (69.1, {1: 64.0, 16: 100.0}), "static": (49.2, {1: 45.0, 16: 108.0}),
               "eager": (53.0, {1: 49.0, 16: 112.0})}
+
+
+@pytest.fixture
+def without_native(monkeypatch):
+    """The fake profiles here list eager, static and onednn: the native engine (a candidate where its C library
+    builds) is left out of ``auto``'s candidates, so that loading one measures nothing else."""
+    from medusa.engines import NativeEngine
+
+    monkeypatch.setattr(NativeEngine, "candidate_for", classmethod(lambda cls, device, dtype: False))
 
 
 def test_auto_picks_the_faster_engine_on_an_amd_like_and_an_intel_like_profile():
@@ -366,11 +375,13 @@ def test_only_missing_or_failed_engines_are_measured_into_a_stored_profile(tmp_p
     def fake_measure(profile, model, names, progress):
         measured.extend(names)
         for name in names:
-            profile.engines[name] = fake_profile(key, 50.0, {name: AMD_LIKE[name]}).engines[name]
+            profile.engines[name] = fake_profile(key, 50.0, {name: AMD_LIKE.get(name, AMD_LIKE["static"])}
+                                                 ).engines[name]
 
     monkeypatch.setattr(measure, "_measure_engines", fake_measure)
     profile = measure.load_profile(model, folder=tmp_path)
-    assert sorted(measured) == ["eager", "onednn"]  # static was there; eager had failed; onednn was missing
+    # static was there; eager had failed; onednn (and native, where the C library builds) were missing
+    assert sorted(measured) == sorted(set(CANDIDATES) - {"static"}) and "onednn" in measured
     assert set(profile.usable()) == set(CANDIDATES)
     measured.clear()
     measure.load_profile(model, folder=tmp_path)
@@ -378,7 +389,7 @@ def test_only_missing_or_failed_engines_are_measured_into_a_stored_profile(tmp_p
 
 
 def test_auto_measures_and_chooses_among_the_engines_that_declare_themselves_candidates(monkeypatch, tmp_path):
-    from medusa.engines import ENGINES, OneDNNEngine, StaticEngine
+    from medusa.engines import ENGINES, NativeEngine, OneDNNEngine, StaticEngine
 
     class Turbo(StaticEngine):
         name = "turbo"
@@ -387,7 +398,8 @@ def test_auto_measures_and_chooses_among_the_engines_that_declare_themselves_can
         def candidate_for(cls, device, dtype):
             return torch.device(device).type == "cpu"
 
-    monkeypatch.setattr(OneDNNEngine, "candidate_for", classmethod(lambda cls, device, dtype: False))
+    for cls in (OneDNNEngine, NativeEngine):
+        monkeypatch.setattr(cls, "candidate_for", classmethod(lambda cls, device, dtype: False))
     monkeypatch.setitem(ENGINES, "turbo", Turbo)
     assert auto_candidates("cpu", torch.float32) == ["eager", "static", "turbo"]
     assert auto_candidates("cuda", torch.float32) == ["eager", "static"]
@@ -408,7 +420,7 @@ def test_auto_measures_and_chooses_among_the_engines_that_declare_themselves_can
     assert measure.load_profile(model, folder=tmp_path).choose_engine(15).engine == "turbo" and measured == []
 
 
-def test_an_engine_measured_on_request_is_not_a_candidate_of_auto(monkeypatch, tmp_path):
+def test_an_engine_measured_on_request_is_not_a_candidate_of_auto(monkeypatch, tmp_path, without_native):
     model = tiny_model("llama")
     key = prof.profile_key(model)
     fake_profile(key, 50.0, INTEL_LIKE).save(prof.profile_path(key, tmp_path))
@@ -479,7 +491,8 @@ def test_dtype_auto_through_the_cli_converts_the_model_and_the_bench_records_why
     assert "--dtype auto: bfloat16 pays here" in capsys.readouterr().err
 
 
-def test_an_engine_instance_is_measured_as_configured_under_its_profile_name(monkeypatch, tmp_path):
+def test_an_engine_instance_is_measured_as_configured_under_its_profile_name(monkeypatch, tmp_path,
+                                                                             without_native):
     """The int4 engine with the checked bf16 lm_head costs otherwise than the default int4 (its lm_head scores every
     node): it is measured as it was made, under ``int4:lm_head=bf16``, beside (not over) ``int4``."""
     from medusa.engines.quantized import quantize_unavailable

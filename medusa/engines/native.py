@@ -54,7 +54,7 @@ _LIBRARY: dict[str, object] = {}
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                                      "layers")] + [
-        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("int8_activations", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("format", ctypes.c_int64),
         ("codes", ctypes.POINTER(ctypes.c_void_p)), ("d", ctypes.POINTER(ctypes.c_void_p)),
         ("m", ctypes.POINTER(ctypes.c_void_p)), ("norms", ctypes.POINTER(ctypes.c_void_p))]
 
@@ -138,6 +138,9 @@ def _library():
     lib.medusa_q4_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q8_supported.restype = ctypes.c_int
+    lib.medusa_f32_product.restype = None
+    lib.medusa_f32_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.medusa_q8_product.restype = None
     lib.medusa_q8_product.argtypes = lib.medusa_q4_product.argtypes
     lib.medusa_q8_0_head.restype = ctypes.c_int
@@ -260,6 +263,38 @@ class NativeCodesQ8(_NativeWeight):
         d = self.d.transpose(1, 2).reshape(n, k // GROUP).float().repeat_interleave(GROUP, 1)
         m = self.m.transpose(1, 2).reshape(n, k // GROUP).float().repeat_interleave(GROUP, 1)
         return q * d + m
+
+
+class NativeDense:
+    """One fp32 weight ``(N, K)`` as the C fp32 product takes it (the engine ``native``): the weight itself, row-major.
+    Each output is one fused multiply-add chain along ``K`` and one lane reduction, the same instructions whatever the
+    other rows (the C file's "fp32 weights" section): a row's bits do not depend on the rows beside it.
+
+    Args:
+        weight: ``(N, K)`` fp32; a contiguous tensor is used as it is (not copied), else copied once.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.lib = _library()
+        self.codes = weight.detach().float().contiguous()  # the C model's weight pointer (d and m are not read)
+        self.out_features, self.in_features = self.codes.shape
+        self.d = self.m = _EMPTY
+
+    def product(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x`` ``(M, K)`` -> ``(M, N)`` fp32, ``M`` may be 0."""
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        if len(x):
+            self.lib.medusa_f32_product(x.data_ptr(), x.shape[0], self.in_features, self.codes.data_ptr(),
+                                        self.out_features, y.data_ptr(), threads or torch.get_num_threads())
+        return y
+
+    def weight(self) -> torch.Tensor:
+        """The fp32 ``(N, K)`` weights the product computes with."""
+        return self.codes
+
+
+_EMPTY = torch.zeros(1)  # a valid pointer for the fields the fp32 format does not read
 
 
 class NativeHead:
@@ -418,23 +453,28 @@ class NativeDecoder:
     Args:
         decoder: the engine's shadow of the decoder stack (its embeddings, norms and rotary embedding are read).
         fused_codes: names (qualified under the decoder) -> one :class:`medusa.engines.int4.Int4Codes` with their
-            outputs side by side.
+            outputs side by side; or with ``dense``, -> one ``(N, K)`` fp32 weight with their outputs stacked.
         int8_activations: the products round their inputs to int8 blocks and run on VNNI (:class:`NativeCodesQ8`;
             lossy in the activations, as llama.cpp); else fp32 activations (:class:`NativeCodes`).
+        dense: the weights are fp32 (:class:`NativeDense`, the engine ``native``): the decoder computes the fp32
+            model itself, up to summation order and the exponential's polynomial (about 2e-7 relative).
 
     Raises:
         RuntimeError: the library cannot be built (:func:`native_unavailable`).
-        ValueError: a layer's shape the product cannot take.
+        ValueError: a layer's shape the product cannot take; ``dense`` with ``int8_activations``.
     """
 
-    def __init__(self, decoder, fused_codes, int8_activations: bool = False):
+    def __init__(self, decoder, fused_codes, int8_activations: bool = False, dense: bool = False):
         self.lib = _library()
+        if dense and int8_activations:
+            raise ValueError("the fp32 native decoder runs fp32 activations: dense and int8_activations exclude "
+                             "each other")
         if int8_activations and not self.lib.medusa_q8_supported():
             logger.warning("native-q8: this CPU's build (%s) has no AVX-512 VNNI, so the int8-activation products "
                            "run on portable loops, many times slower; kernel 'native' (fp32 activations) is the "
                            "faster choice here", isa())
         self.int8_activations = int8_activations
-        layout = NativeCodesQ8 if int8_activations else NativeCodes
+        self.dense = dense
         self.stack = decoder
         rope = getattr(decoder.config, "rope_scaling", None) or {}
         self.dynamic_rope = rope.get("rope_type", rope.get("type")) == "dynamic"
@@ -447,25 +487,29 @@ class NativeDecoder:
         self.intermediate = first.mlp.gate_proj.out_features
         self.scaling = float(attn.scaling)
         self.eps = float(first.input_layernorm.variance_epsilon)
-        self.weights: list[NativeCodes | NativeCodesQ8] = []
+        self.weights: list[NativeCodes | NativeCodesQ8 | NativeDense] = []
         for i in range(len(decoder.layers)):
             prefix = f"layers.{i}"
             for names in ([f"{prefix}.self_attn.{p}_proj" for p in "qkv"], [f"{prefix}.self_attn.o_proj"],
                           [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], [f"{prefix}.mlp.down_proj"]):
+                if dense:
+                    self.weights.append(NativeDense(fused_codes(names)))
+                    continue
                 c = fused_codes(names)
-                self.weights.append(layout(c.codes, c.scale, c.zero))
+                self.weights.append((NativeCodesQ8 if int8_activations else NativeCodes)(c.codes, c.scale, c.zero))
         self.norms = [n.weight.detach().float().contiguous() for layer in decoder.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.norms.append(decoder.norm.weight.detach().float().contiguous())
         self._arrays = [_pointers([w.codes for w in self.weights]), _pointers([w.d for w in self.weights]),
                         _pointers([w.m for w in self.weights]), _pointers(self.norms)]  # kept alive with the struct
         self.model = _Model(self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate,
-                            len(decoder.layers), self.eps, self.scaling, int(int8_activations),
+                            len(decoder.layers), self.eps, self.scaling, 2 if dense else int(int8_activations),
                             *(ctypes.cast(a, ctypes.POINTER(ctypes.c_void_p)) for a in self._arrays))
 
     def nbytes(self) -> int:
-        """Bytes of the packed codes and their fp32 ``d`` and ``m``."""
-        return sum(t.numel() * t.element_size() for w in self.weights for t in (w.codes, w.d, w.m))
+        """Bytes of the packed codes and their fp32 ``d`` and ``m`` (of the fp32 weights with ``dense``)."""
+        parts = ("codes",) if self.dense else ("codes", "d", "m")
+        return sum(getattr(w, p).numel() * getattr(w, p).element_size() for w in self.weights for p in parts)
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``(N, D)`` fp32 at ``positions``, read from a table the model's rotary embedding filled
@@ -526,7 +570,7 @@ class NativeDecoder:
             index.data_ptr(), length, cache.capacity, pointers[1], pointers[2], kept_ptrs,
             torch.get_num_threads())
         if status != 0:
-            raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {n} tokens")
+            raise MemoryError(f"the native decoder could not allocate its scratch memory for {n} tokens")
         cache.length += n
         return x, self._features(x, kept, layers)
 
@@ -602,7 +646,7 @@ class NativeDecoder:
             index.data_ptr(), cached.data_ptr(), length, cache.capacity, _pointers(keys), _pointers(values),
             kept_ptrs, torch.get_num_threads())
         if status != 0:
-            raise MemoryError(f"the native int4 decoder could not allocate its scratch memory for {b} x {n} tokens")
+            raise MemoryError(f"the native decoder could not allocate its scratch memory for {b} x {n} tokens")
         cache.length += n
         hidden = x.view(b, n, -1)
         return (hidden, self._features(x, kept, layers).view(b, n, -1)) if layers else hidden

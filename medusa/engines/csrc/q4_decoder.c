@@ -1,6 +1,7 @@
-/* The native int4 decoder: one forward of M new tokens of one sequence through a Llama-family decoder whose linear
+/* The native decoder: one forward of M new tokens of one sequence through a Llama-family decoder whose linear
  * layers hold int4 group-wise codes, in fp32, or with each product's input rounded to int8 blocks (the VNNI products
- * below); and the lm_head from a GGUF's Q8_0 blocks (medusa/engines/native.py drives it; docs/quantized.md).
+ * below), or fp32 weights (the engine "native": the fp32 model itself, docs/engines.md); and the lm_head from a
+ * GGUF's Q8_0 blocks or fp32 weights (medusa/engines/native.py drives it; docs/quantized.md).
  *
  * Weights: W[n, k] = q[n, k] * d[n, g] + m[n, g] (g = k / 32, q in 0..15; GGUF Q4_1's formula). codes: (N, K / 2)
  * bytes, byte j < 16 of group g holding q[32 g + j] (low nibble) and q[32 g + 16 + j] (high nibble); d, m: (N, K / 32).
@@ -135,6 +136,122 @@ void medusa_q4_product(const float *x, int64_t M, int64_t K, const uint8_t *code
                        int64_t N, float *y, int threads) {
 #pragma omp parallel num_threads(threads)
     q4_product(x, M, K, codes, d, m, N, y, 0);
+}
+
+/* ---- fp32 weights (the engine "native"): y (M, N) = [y +] x (M, K) W^T with W (N, K) fp32, row-major ------------
+ * Every output y[r, n] is one sum: acc = fma(W[n, k:k+L], x[r, k:k+L], acc) for k = 0, L, 2L... (the tail masked to
+ * zeros), then acc's L lanes added by the same reduction; so its bits are the same whatever M, the tile and the
+ * thread (row invariance). The tiles differ only in how many weight rows one pass reads: one (a single stream of
+ * the weights, which a CPU's prefetcher follows best: the few-row products of decoding, which the weights' reading
+ * bounds) or four (each weight loaded once for four channels: the many-row products, which the arithmetic bounds). */
+#define F32_SMALL_M 4 /* at most this many rows: one weight row a pass */
+
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const float *w, float *y,
+                                                           int64_t N, int64_t n, int64_t r0, const int rows,
+                                                           const int channels, int add) {
+    float out[4][4];
+#if defined(__AVX512F__)
+    __m512 acc[4][4];
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) acc[i][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int c = 0; c < channels; c++) wv[c] = _mm512_loadu_ps(w + c * K + k);
+        if (channels > 1) /* the next tile's weight rows, which the prefetcher would not start in time */
+            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + (c + channels) * K + k), _MM_HINT_T0);
+        for (int i = 0; i < rows; i++) {
+            __m512 xv = _mm512_loadu_ps(x + (r0 + i) * K + k);
+            for (int c = 0; c < channels; c++) acc[i][c] = _mm512_fmadd_ps(wv[c], xv, acc[i][c]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 lanes = (__mmask16)((1u << (K - k)) - 1u);
+        for (int i = 0; i < rows; i++) {
+            __m512 xv = _mm512_maskz_loadu_ps(lanes, x + (r0 + i) * K + k);
+            for (int c = 0; c < channels; c++)
+                acc[i][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, w + c * K + k), xv, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) out[i][c] = _mm512_reduce_add_ps(acc[i][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4][4];
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) acc[i][c] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[4];
+        for (int c = 0; c < channels; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
+        for (int i = 0; i < rows; i++) {
+            __m256 xv = _mm256_loadu_ps(x + (r0 + i) * K + k);
+            for (int c = 0; c < channels; c++) acc[i][c] = _mm256_fmadd_ps(wv[c], xv, acc[i][c]);
+        }
+    }
+    if (k < K) {
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K - k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int i = 0; i < rows; i++) {
+            __m256 xv = _mm256_maskload_ps(x + (r0 + i) * K + k, lanes);
+            for (int c = 0; c < channels; c++)
+                acc[i][c] = _mm256_fmadd_ps(_mm256_maskload_ps(w + c * K + k, lanes), xv, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][c]), _mm256_extractf128_ps(acc[i][c], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[i][c] = _mm_cvtss_f32(h);
+        }
+#else
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) {
+            float a = 0.0f;
+            const float *xi = x + (r0 + i) * K, *wc = w + c * K;
+            for (int64_t j = 0; j < K; j++) a += wc[j] * xi[j];
+            out[i][c] = a;
+        }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < channels; c++) {
+            float *o = y + (r0 + i) * N + n + c;
+            *o = add ? *o + out[i][c] : out[i][c];
+        }
+}
+
+/* Channels [n, n + channels) for every row, four rows at a time. */
+static inline __attribute__((always_inline)) void f32_channels(const float *x, int64_t M, int64_t K, const float *W,
+                                                               int64_t N, float *y, int64_t n, const int channels,
+                                                               int add) {
+    const float *w = W + n * K;
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        switch (M - r0 >= 4 ? 4 : (int)(M - r0)) {
+        case 4: f32_tile(x, K, w, y, N, n, r0, 4, channels, add); break;
+        case 3: f32_tile(x, K, w, y, N, n, r0, 3, channels, add); break;
+        case 2: f32_tile(x, K, w, y, N, n, r0, 2, channels, add); break;
+        default: f32_tile(x, K, w, y, N, n, r0, 1, channels, add); break;
+        }
+    }
+}
+
+/* y (M, N) = [y +] x (M, K) W^T, inside a parallel region (the channels shared among its threads). */
+static void f32_product(const float *x, int64_t M, int64_t K, const float *W, int64_t N, float *y, int add) {
+    if (M <= F32_SMALL_M) {
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) f32_channels(x, M, K, W, N, y, n, 1, add);
+        return;
+    }
+    const int64_t blocks = N / 4;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) f32_channels(x, M, K, W, N, y, 4 * b, 4, add);
+#pragma omp for schedule(static)
+    for (int64_t n = 4 * blocks; n < N; n++) f32_channels(x, M, K, W, N, y, n, 1, add);
+}
+
+/* The product alone (the lm_head, the drafters' products, tests): y (M, N) = x (M, K) W^T with `threads` threads. */
+void medusa_f32_product(const float *x, int64_t M, int64_t K, const float *W, int64_t N, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    f32_product(x, M, K, W, N, y, 0);
 }
 
 /* ---- int8 activations (kernel "native-q8"): VNNI products, 16 output channels a block ----------------------------
@@ -600,7 +717,8 @@ static void rms_norm(const float *x, const float *weight, int64_t H, float eps, 
 typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, intermediate, layers;
     float eps, scaling;
-    int64_t int8_activations; /* 0: the fp32 products (q4 layout); 1: the VNNI products (q8 layout, fp16 d and m) */
+    int64_t format; /* 0: int4 codes, fp32 activations (q4 layout); 1: the VNNI products (q8 layout, fp16 d and m);
+                     * 2: fp32 weights (codes[j] an (N, K) fp32 matrix; d and m not read) */
     /* per layer: [qkv, o, gate_up, down] codes, d, m (layers * 4 each); norms: 2 per layer, then the final one */
     const uint8_t *const *codes;
     const float *const *d;
@@ -610,9 +728,11 @@ typedef struct {
 
 #define PRODUCT(in, K, j, N, out, add)                                                                        \
     do {                                                                                                       \
-        if (w->int8_activations)                                                                               \
+        if (w->format == 1)                                                                                    \
             q8_product(in, M, K, c[j], (const uint16_t *)dd[j], (const uint16_t *)mm[j], N, out, add, xq, xs,   \
                        xsum);                                                                                  \
+        else if (w->format == 2)                                                                               \
+            f32_product(in, M, K, (const float *)c[j], N, out, add);                                           \
         else                                                                                                   \
             q4_product(in, M, K, c[j], dd[j], mm[j], N, out, add);                                             \
     } while (0)

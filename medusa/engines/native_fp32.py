@@ -1,0 +1,170 @@
+"""The engine ``native``: the fp32 model's whole forward in one C call (:class:`medusa.engines.native.NativeDecoder`
+on fp32 weights), the lm_head and the drafters' products through the same C product.
+
+Why: on a CPU, decoding one token reads every weight once, so its floor is the weights' bytes over the memory
+bandwidth. torch's fp32 products with one to a few rows reach a fraction of it (on the developers' 2-core EPYC,
+SmolLM2-135M's 49152 x 576 lm_head took 11 ms a row in ``F.linear`` and in oneDNN's packed product, against 2.3-4.5 ms
+for the weights' read alone), and the step's norms, rotary, attention and Python cost as much again
+(docs/engines.md, "The native engine"). The C product reads each weight row once in one stream for up to four
+rows, four weight rows at a time beyond (each weight loaded once for four output channels).
+
+Numbers: the fp32 weights, fp32 activations. A value differs from torch's by summation order (and the exponential's
+polynomial in the SiLU and the softmax, about 2e-7 relative): the same model at fp32 rounding, as the ``onednn``
+engine's products are. Row invariance: every value of a row is computed by the same instructions whatever rows
+are beside it (the C file's header), the lm_head's included, so greedy Medusa through this engine equals plain
+greedy decoding through it, a tree or a batch alike, with no near-tie settling needed.
+
+Runs Llama-family bases (:func:`medusa.engines.lean.lean_unsupported`); the C library is compiled on first use
+(:func:`medusa.engines.native.native_unavailable` says why it cannot be).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.engines import kv_cache
+from medusa.engines.base import register_engine
+from medusa.engines.static import StaticEngine
+
+
+def native_fp32_unavailable(model) -> str | None:
+    """Why the ``native`` engine cannot run ``model`` here, or ``None`` when it can: a CPU, fp32 weights, a
+    Llama-family decoder the C forward supports, and the C library built."""
+    from medusa.engines.lean import lean_unsupported
+    from medusa.engines.native import native_unavailable
+
+    weight = model.get_output_embeddings().weight
+    if weight.device.type != "cpu":
+        return f"the model is on {weight.device.type}, and the native decoder is a CPU path"
+    if weight.dtype != torch.float32:
+        return f"the model's weights are {weight.dtype}, and the native engine runs fp32 weights"
+    return lean_unsupported(model, {}) or native_unavailable()
+
+
+def _weights(model) -> list[torch.Tensor]:
+    """The tensors the engine reads: every parameter of the model (a change to any is seen by :meth:`refresh`)."""
+    return [p for p in model.parameters()]
+
+
+@register_engine("native")
+class NativeEngine(StaticEngine):
+    """:class:`StaticEngine` whose forwards, one row or a batch, run the fp32 decoder in one C call
+    (:class:`medusa.engines.native.NativeDecoder` with ``dense=True``), and whose lm_head and drafter products run
+    the same C product (:class:`medusa.engines.native.NativeDense`); the base's own modules are left as they are.
+
+    The fused query-key-value and gate-up weights are copies (the other weights are read in place): about as much
+    memory again as those layers. A change to the base's weights (in place, or through ``.data`` with
+    ``refresh(force=True)``) is read again before the next forward.
+
+    Raises:
+        ValueError: the model cannot run here (:func:`native_fp32_unavailable` says why and this names what works).
+    """
+
+    summary = ("static + the whole fp32 forward in one C call, lm_head included (CPU, Llama family; compiled on "
+               "first use with the system's C compiler)")
+    products_visible = False  # one opaque C call a forward
+    smooth_step_cost = True  # one code path for every step size
+    head_row_invariant = True  # the C lm_head scores each row alike, whatever rows are beside it
+    drafter_products_key = "f32:native"
+
+    @classmethod
+    def candidate_for(cls, device, dtype: torch.dtype) -> bool:
+        """``auto`` considers it on a CPU for fp32 weights where the C library builds (a base it cannot run is
+        recorded as such in the profile, with the reason)."""
+        if torch.device(device).type != "cpu" or dtype != torch.float32:
+            return False
+        from medusa.engines.native import native_unavailable
+
+        return native_unavailable() is None
+
+    def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
+        reason = native_fp32_unavailable(model)
+        if reason is not None:
+            raise ValueError(f"the native engine cannot run this model here: {reason}; use --engine onednn or static")
+        super().__init__(model, max_cache_len, scores_all_nodes)
+        self.lean = None
+        self.head = None
+        self._versions: list[int] = []
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        """Build the C decoder's weights again where the base's changed (``force``: always; a change made through
+        ``weight.data`` keeps the version counter)."""
+        from medusa.engines.native import NativeDecoder, NativeDense
+
+        versions = [p._version for p in _weights(self.model)]
+        if not force and versions == self._versions:
+            return
+        decoder = kv_cache.decoder_of(self.model)
+        modules = dict(decoder.named_modules())
+
+        def fused(names: list[str]) -> torch.Tensor:
+            parts = [modules[name].weight.detach() for name in names]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)  # (N, K): outputs stacked
+
+        with torch.no_grad():
+            self.lean = NativeDecoder(decoder, fused, dense=True)
+            self.head = NativeDense(self.model.get_output_embeddings().weight)
+        self._head_module = self.model.get_output_embeddings()
+        self._versions = versions
+
+    def _scores_all_nodes(self) -> bool:
+        """Its lm_head over a few rows costs about one row's read: score every node."""
+        return True
+
+    def _uses_native(self) -> bool:
+        """The model still has the lm_head module, dtype and device the engine was built for."""
+        head = self.model.get_output_embeddings()
+        return head is self._head_module and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+
+    def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
+        if not self._uses_native():
+            return super()._forward(input_ids, positions, tree_mask, cache, logits_for, layers)
+        self.refresh()
+        hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)
+        logits = self.lm_logits(hidden if logits_for is None else hidden[logits_for])
+        return (logits, hidden, features) if layers else (logits, hidden)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._uses_native():
+            return super().lm_logits(hidden)
+        rows = self.head.product(hidden.reshape(-1, hidden.shape[-1]))  # (M, V), M may be 0
+        bias = getattr(self._head_module, "bias", None)
+        if bias is not None:
+            rows = rows + bias.detach()
+        return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], rows.shape[-1]))
+
+    def _lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_logits(hidden)
+
+    def _settles(self, logits: torch.Tensor) -> bool:
+        """Nothing to settle while the C lm_head scores the rows (each row's bits are its own); the stock path's
+        products are settled as the static engine's."""
+        return not self._uses_native() and super()._settles(logits)
+
+    def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._uses_native():
+            logits = super().lm_logits(hidden)
+            return self.settle(hidden, logits) if super()._settles(logits) else logits
+        return self.lm_logits(hidden)
+
+    def drafter_product(self, weight: torch.Tensor, role: str):
+        """Every drafter product through the C fp32 product on the weight itself (read in place: a change to it is
+        seen), whose few-row products read the weight at the memory's speed."""
+        from medusa.engines.native import NativeDense
+
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        return NativeDense(weight).product
+
+    def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
+        if not self._uses_native():
+            return super()._forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
+        self.refresh()
+        return self.lean.forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
+
+    def settings(self) -> dict:
+        from medusa.engines.native import isa
+
+        return super().settings() | {"forward": "native fp32", "native_isa": isa(),
+                                     "native_bytes": self.lean.nbytes() if self.lean is not None else 0}

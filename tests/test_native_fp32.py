@@ -1,0 +1,195 @@
+"""The engine ``native`` (medusa/engines/native_fp32.py; the C decoder of csrc/q4_decoder.c on fp32 weights): its
+product, its forward against transformers' fp32 forward, row invariance (a tree or a batch row has the bits of the
+row alone), Medusa = plain through it, sampling's law through it (chi-square, with the control of
+tests/test_decode_step.py), a weight changed in place, and what it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_decode_step import PROMPT, TREE, V
+from test_decoding import random_heads
+from test_sampling import chi_square_p
+from tiny import tiny_model
+
+from medusa import engines
+from medusa.decode.logits_process import resolve_decoding
+from medusa.decode.loop import RunningBatch
+from medusa.decode.tree import Tree
+from medusa.drafters.composite import tree_drafter
+from medusa.engines import native
+from medusa.engines.native_fp32 import NativeEngine, native_fp32_unavailable
+from medusa.model import MedusaModel
+
+
+@pytest.fixture(autouse=True)
+def _native_library_here():
+    reason = native.native_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+IDS = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(1))
+
+
+def greedy(medusa, tree=None, n=24, ids=IDS):
+    return medusa.generate(ids, n, tree=tree, stop_token_ids=set(), do_sample=False)[0]
+
+
+@pytest.mark.parametrize("n, k", [(41, 70), (64, 96), (8, 16)])
+def test_the_fp32_product_is_x_w_t_and_each_row_has_the_bits_of_its_row_alone(n, k):
+    """Any output size and input size (a tail past the vector width, fewer channels than a tile); 1 to 11 rows, on
+    both sides of the one-stream / four-channel tiling switch; one and two threads: every row has its bits alone."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(11, k, generator=gen)
+    dense = native.NativeDense(weight)
+    assert dense.codes.data_ptr() == weight.data_ptr()  # read in place, not copied
+    exact = (x.double() @ weight.double().T).float()
+    together = dense.product(x)
+    assert torch.allclose(together, exact, atol=1e-5, rtol=1e-5)
+    for m in (1, 2, 4, 5, 9):
+        part = dense.product(x[:m])
+        assert torch.equal(part, together[:m])
+        for i in range(m):
+            assert torch.equal(dense.product(x[i:i + 1], threads=1), together[i:i + 1])
+    assert dense.product(x[:0]).shape == (0, n)
+
+
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 16), (1, 64), (4, 24)])
+def test_the_forward_is_transformers_fp32_forward_up_to_rounding(kv_heads, head_dim):
+    """The prompt (with the layers a feature drafter reads) and a branching tree step: hidden states and logits
+    match transformers' forward of the same fp32 model, each tree row on its own branch."""
+    model = tiny_model("llama", num_key_value_heads=kv_heads, head_dim=head_dim)
+    engine = engines.make_engine("native", model)
+    assert engine.settings()["forward"] == "native fp32" and engine.head_row_invariant
+    cache = engine.new_cache(64)
+    logits, hidden, features = engine.forward_features(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(),
+                                                       cache, (0, model.config.num_hidden_layers - 1))
+    with torch.no_grad():
+        out = model(IDS[None], output_hidden_states=True)
+    assert torch.allclose(hidden, out.hidden_states[-1][0], atol=1e-4)
+    assert torch.allclose(features[:, :model.config.hidden_size], out.hidden_states[1][0], atol=1e-4)
+    assert torch.allclose(logits, out.logits[0], atol=1e-3)
+    tree_ids = torch.tensor([5, 6, 7, 8])  # 0 -> (1, 2), 2 -> 3
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    logits, _ = engine.forward(tree_ids, torch.tensor([20, 21, 21, 22]), mask, cache)
+    for row, branch in ((1, [5, 6]), (3, [5, 7, 8])):
+        with torch.no_grad():
+            expected = model(torch.cat([IDS, torch.tensor(branch)])[None]).logits[0, -1]
+        assert torch.allclose(logits[row], expected, atol=1e-3)
+
+
+def test_a_tree_rows_logits_have_the_bits_of_the_same_token_decoded_alone():
+    """Logits included: the C lm_head scores a row alike among four rows or alone (nothing to settle)."""
+    model = tiny_model("llama", head_dim=64)
+    engine = engines.make_engine("native", model)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    tree, alone = engine.new_cache(64), engine.new_cache(64)
+    causal = torch.ones(14, 14).tril().bool()
+    for c in (tree, alone):
+        engine.forward(IDS[:14], torch.arange(14), causal, c)
+    logits, _ = engine.forward(torch.tensor([5, 6, 7, 8]), torch.tensor([14, 15, 15, 16]), mask, tree)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    steps = [engine.forward(torch.tensor([t]), torch.tensor([q]), one, alone)[0] for t, q in ((5, 14), (7, 15),
+                                                                                                 (8, 16))]
+    assert torch.equal(logits[0], steps[0][0]) and torch.equal(logits[2], steps[1][0])
+    assert torch.equal(logits[3], steps[2][0])
+    assert not torch.equal(logits[1], steps[1][0])  # another branch: the control
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_medusa_through_the_native_engine_equals_plain_greedy_and_hf(head_type):
+    """Greedy Medusa (a tree of eight nodes) through ``native`` gives plain greedy decoding's tokens through it,
+    which are transformers' greedy tokens on this model; batched rows of different lengths give each prompt its
+    tokens alone. The heads draft through the engine's C products."""
+    model = tiny_model("llama")
+    heads = random_heads(model, head_type=head_type)
+    medusa = MedusaModel(model, heads, Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]),
+                         engine="native")
+    plain = greedy(medusa, Tree.chain(0))
+    assert greedy(medusa) == plain
+    with torch.no_grad():
+        hf = model.generate(IDS[None], max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 20:].tolist()
+    assert plain == hf
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen) for n in (7, 19, 3)]
+    alone = [greedy(medusa, n=16, ids=p) for p in prompts]
+    assert medusa.generate_batch(prompts, 16, stop_token_ids=set(), do_sample=False)[0] == alone
+
+
+def _sampled_rows(model, drafter, rows: int, per_batch: int) -> torch.Tensor:
+    """``(rows, 3)``: the first three tokens of ``rows`` rows of ``PROMPT`` sampled through ``native``,
+    ``per_batch`` rows sharing each verify forward, row i seeded with i."""
+    out = []
+    decoding = resolve_decoding(do_sample=True, top_k=0, temperature=1.0)
+    engine = engines.make_engine("native", model)
+    for first in range(0, rows, per_batch):
+        batch = RunningBatch(model, drafter, engine)
+        tokens = {i: batch.join(i, PROMPT, 3, set(), None, dataclasses.replace(decoding, seed=i)).tokens
+                  for i in range(first, min(first + per_batch, rows))}
+        while batch.rows:
+            for key, step in batch.step():
+                tokens[key] += step.tokens
+        out += [tokens[i][:3] for i in sorted(tokens)]
+    return torch.tensor(out)
+
+
+def test_speculative_sampling_through_the_native_engine_is_the_base_law():
+    """Rows sampled in shared verify forwards through ``native``: their first three tokens follow the enumerated
+    base joint (the control of tests/test_decode_step.py, accepting every draft, fails this test there)."""
+    model = tiny_model("llama", vocab_size=V)
+    y1, y2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
+    ids = torch.cat([PROMPT.expand(V * V, -1), y1.reshape(-1, 1), y2.reshape(-1, 1)], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tables = (logits[0, -3], logits[::V, -2].reshape(V, V), logits[:, -1].reshape(V, V, V))
+    assert chi_square_p(_sampled_rows(model, tree_drafter(random_heads(model), TREE), 1500, 500), tables) > 0.01
+
+
+def test_a_weight_changed_in_place_is_read_again():
+    model = tiny_model("llama")
+    engine = engines.make_engine("native", model)
+    one = torch.ones(20, 20).tril().bool()
+    before = engine.forward(IDS, torch.arange(20), one, engine.new_cache(32))[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # fused with gate_proj: a copy the engine made
+        model.model.layers[1].self_attn.o_proj.weight.mul_(0.5)  # read in place
+        expected = model(IDS[None]).logits[0]
+    after = engine.forward(IDS, torch.arange(20), one, engine.new_cache(32))[0]
+    assert not torch.allclose(before, after, atol=1e-2) and torch.allclose(after, expected, atol=1e-3)
+    model.model.layers[0].mlp.gate_proj.weight.data.mul_(2.0)  # .data keeps the version counter
+    engine.refresh(force=True)
+    with torch.no_grad():
+        expected = model(IDS[None]).logits[0]
+    assert torch.allclose(engine.forward(IDS, torch.arange(20), one, engine.new_cache(32))[0], expected, atol=1e-3)
+
+
+def test_what_the_native_engine_refuses_names_what_works():
+    assert NativeEngine.candidate_for("cpu", torch.float32)
+    assert not NativeEngine.candidate_for("cpu", torch.bfloat16) and not NativeEngine.candidate_for("cuda",
+                                                                                                   torch.float32)
+    for model, why in ((tiny_model("gpt2"), "model_type 'gpt2'"), (tiny_model("qwen2"), "model_type 'qwen2'"),
+                       (tiny_model("llama").to(torch.bfloat16), "torch.bfloat16")):
+        assert why in native_fp32_unavailable(model)
+        with pytest.raises(ValueError, match=f"native engine cannot run this model here: .*{why}.*--engine onednn"):
+            engines.make_engine("native", model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_oracle_heads_accept_through_non_first_branches_and_the_tokens_stay_hfs(arch):
+    """Paths through non-first branches (a compaction of non-contiguous slots) with heads that know the answer."""
+    from test_engine import WIDE_TREE, OracleHeads, hf_greedy, ids_of, medusa_generate
+
+    model = tiny_model(arch)
+    reason = native_fp32_unavailable(model)
+    if reason is not None:  # the tiny mistral may use a sliding window, which the C forward does not run
+        with pytest.raises(ValueError, match="native engine cannot run"):
+            engines.make_engine("native", model)
+        return
+    ids = ids_of(20)
+    reference = hf_greedy(model, ids, 40)
+    heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, None], vocab=model.config.vocab_size)
+    out, stats = medusa_generate(model, heads, ids, WIDE_TREE, 40, engine=engines.make_engine("native", model))
+    assert out == reference and stats.tau > 2.5
