@@ -319,7 +319,8 @@ def test_a_registered_toy_engine_decodes_exactly(monkeypatch):
     assert outs == [hf_greedy(model, ids_of(7, seed=3), 16)]  # one row: the engine's one-sequence forward
     with pytest.raises(ValueError, match="engine 'toy' does not run batched decoding"):
         batch_generate(model, random_heads(model), [ids, ids_of(7, seed=3)], WIDE_TREE, 16, engine=engine)
-    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, native, int4, int8, toy"):
+    with pytest.raises(ValueError, match="choose one of auto, eager, static, onednn, compiled, native, int4, int8, "
+                                         "toy"):
         engines.make_engine("turbo", model)
 
 

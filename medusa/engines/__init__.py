@@ -1,8 +1,8 @@
 """Engines: where the base's KV cache lives and how one forward over new tokens runs (:mod:`medusa.engines.base`).
 
 Registered: ``eager`` (:mod:`.eager`), ``static`` (:mod:`.static`), ``onednn`` (:mod:`.onednn`), ``compiled``
-(:mod:`.compiled`), ``native`` (:mod:`.native_fp32`), ``int4`` and ``int8`` (:mod:`.quantized`). All touch-points with transformers' cache and mask
-APIs are in :mod:`.kv_cache` and :mod:`.static_cache`.
+(:mod:`.compiled`), ``native`` (:mod:`.native_fp32`), ``int4`` and ``int8`` (:mod:`.quantized`). All touch-points
+with transformers' cache and mask APIs are in :mod:`.kv_cache` and :mod:`.static_cache`.
 """
 
 # The order the engines register in is the order they are listed in (CLI help, errors).
@@ -29,6 +29,6 @@ from medusa.engines.quantized import Int4Engine, Int8Engine
 # isort: on
 
 __all__ = ["AUTO", "CAPACITY_BUCKET", "DEFAULT_ENGINE", "ENGINES", "CompiledEngine", "EagerEngine", "Engine",
-           "Int4Engine", "Int8Engine", "NativeEngine", "OneDNNEngine", "StaticEngine", "attention_kernels", "auto_candidates",
-           "auto_choice", "check_dtype", "compile_unavailable", "kv_cache", "make_engine", "register_engine",
-           "static_cache"]
+           "Int4Engine", "Int8Engine", "NativeEngine", "OneDNNEngine", "StaticEngine", "attention_kernels",
+           "auto_candidates", "auto_choice", "check_dtype", "compile_unavailable", "kv_cache", "make_engine",
+           "register_engine", "static_cache"]
