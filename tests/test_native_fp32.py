@@ -176,6 +176,16 @@ def test_what_the_native_engine_refuses_names_what_works():
         with pytest.raises(ValueError, match=f"native engine cannot run this model here: .*{why}.*--engine onednn"):
             engines.make_engine("native", model)
 
+    class Doubled(torch.nn.Linear):  # a wrapper's own forward (an unmerged adapter computes otherwise too)
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = tiny_model("llama")
+    old = model.model.layers[1].mlp.down_proj
+    model.model.layers[1].mlp.down_proj = Doubled(old.in_features, old.out_features, bias=False)
+    with pytest.raises(ValueError, match="layers.1.mlp.down_proj is a Doubled, not a plain nn.Linear"):
+        engines.make_engine("native", model)
+
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_oracle_heads_accept_through_non_first_branches_and_the_tokens_stay_hfs(arch):
@@ -193,3 +203,42 @@ def test_oracle_heads_accept_through_non_first_branches_and_the_tokens_stay_hfs(
     heads = OracleHeads(model, ids.tolist() + reference, ranks=[0, 1, None], vocab=model.config.vocab_size)
     out, stats = medusa_generate(model, heads, ids, WIDE_TREE, 40, engine=engines.make_engine("native", model))
     assert out == reference and stats.tau > 2.5
+
+
+def test_a_replaced_or_recast_parameter_is_read_again_and_hooks_run_as_static():
+    """What the version counter alone misses (a review's findings): a Parameter replaced by one of the same version,
+    a model cast to bf16 and back (``.to`` swaps the storage, keeps the version), a model made under
+    ``inference_mode`` (no version counter); and what the C forward cannot run: a forward hook added later runs, the
+    engine running as ``static`` with a warning that names it."""
+    model = tiny_model("llama")
+    engine = engines.make_engine("native", model)
+    one = torch.ones(20, 20).tril().bool()
+
+    def logits():
+        return engine.forward(IDS, torch.arange(20), one, engine.new_cache(32))[0]
+
+    def hf():
+        with torch.no_grad():
+            return model(IDS[None]).logits[0]
+
+    proj = model.model.layers[0].self_attn.q_proj
+    fresh = torch.nn.Parameter(proj.weight.detach() * 1.7)
+    with torch.no_grad():
+        while fresh._version < proj.weight._version:
+            fresh.mul_(1.0)
+    assert fresh._version == proj.weight._version  # a version check alone would miss it
+    proj.weight = fresh
+    assert torch.allclose(logits(), hf(), atol=1e-3)
+    before = logits()
+    model.to(torch.bfloat16).to(torch.float32)  # rounded to bf16: other weights, the same versions
+    assert not torch.allclose(before, hf(), atol=1e-3) and torch.allclose(logits(), hf(), atol=1e-3)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 0.5)
+    with pytest.warns(RuntimeWarning, match="runs as 'static': layers.1.mlp has forward hooks"):
+        assert torch.allclose(logits(), hf(), atol=1e-3)
+    handle.remove()
+    assert torch.allclose(logits(), hf(), atol=1e-3) and engine._current()  # the C decoder again
+    with torch.inference_mode():
+        made_here = tiny_model("llama")
+        native = engines.make_engine("native", made_here)
+        assert torch.equal(native.forward(IDS, torch.arange(20), one, native.new_cache(32))[0].argmax(-1),
+                           made_here(IDS[None]).logits[0].argmax(-1))

@@ -20,6 +20,8 @@ Runs Llama-family bases (:func:`medusa.engines.lean.lean_unsupported`); the C li
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from medusa.engines import kv_cache
@@ -41,9 +43,41 @@ def native_fp32_unavailable(model) -> str | None:
     return lean_unsupported(model, {}) or native_unavailable()
 
 
-def _weights(model) -> list[torch.Tensor]:
-    """The tensors the engine reads: every parameter of the model (a change to any is seen by :meth:`refresh`)."""
-    return [p for p in model.parameters()]
+def _foreign(hooks) -> bool:
+    """Hooks other than transformers' own, which record outputs (``output_hidden_states``) and stay installed."""
+    return any(not getattr(hook, "__module__", "").startswith("transformers.") for hook in hooks.values())
+
+
+def _plain(module) -> bool:
+    """No forward hooks (but transformers' output recorders) and no replaced ``forward`` on ``module``: what the C
+    forward computes is what the module computes."""
+    return not (_foreign(module._forward_hooks) or _foreign(module._forward_pre_hooks) or "forward" in module.__dict__)
+
+
+def _replaced_computation(model) -> str | None:
+    """Why the model's decoder computes something the C forward would not (hooks, a replaced ``forward``, a linear
+    layer that is not a plain ``nn.Linear`` such as an unmerged peft LoRA wrapper, weights not fp32 on the CPU), or
+    ``None``."""
+    from medusa.engines.onednn import _plain_linear
+
+    decoder = kv_cache.decoder_of(model)
+    head = model.get_output_embeddings()
+    for name, module in [*decoder.named_modules(), ("lm_head", head)]:
+        if not _plain(module):
+            return f"{name or 'the decoder'} has forward hooks or a replaced forward"
+        if isinstance(module, torch.nn.Linear) and not _plain_linear(module):
+            return f"{name} is a {type(module).__name__}, not a plain nn.Linear (merge an adapter first)"
+    for layer_index, layer in enumerate(decoder.layers):
+        for part, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
+            for n in names:
+                module = getattr(getattr(layer, part), f"{n}_proj")
+                if not _plain_linear(module):
+                    return (f"layers.{layer_index}.{part}.{n}_proj is a {type(module).__name__}, not a plain "
+                            "nn.Linear (merge an adapter first)")
+    for name, param in model.named_parameters():
+        if param.dtype != torch.float32 or param.device.type != "cpu":
+            return f"{name} is {param.dtype} on {param.device.type} (the native engine runs fp32 weights on a CPU)"
+    return None
 
 
 @register_engine("native")
@@ -78,23 +112,35 @@ class NativeEngine(StaticEngine):
         return native_unavailable() is None
 
     def __init__(self, model, max_cache_len: int | None = None, scores_all_nodes: bool | None = None):
-        reason = native_fp32_unavailable(model)
+        reason = native_fp32_unavailable(model) or _replaced_computation(model)
         if reason is not None:
             raise ValueError(f"the native engine cannot run this model here: {reason}; use --engine onednn or static")
         super().__init__(model, max_cache_len, scores_all_nodes)
         self.lean = None
         self.head = None
-        self._versions: list[int] = []
+        self._watched: list[tuple] = []
+        self._children: list[tuple] = []
+        self._warned: set[str] = set()
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
-        """Build the C decoder's weights again where the base's changed (``force``: always; a change made through
-        ``weight.data`` keeps the version counter)."""
+        """Build the C decoder's weights again where the base changed (``force``: always; a change made through
+        ``weight.data`` keeps the version counter, and is only seen with ``force``). A change is any parameter
+        replaced, written in place, moved or cast (its storage), or a module replaced.
+
+        Raises:
+            ValueError: the model as it is now cannot run through the C forward (the reason named).
+        """
+        if not force and self._current():
+            return
+        reason = native_fp32_unavailable(self.model) or _replaced_computation(self.model)
+        if reason is not None:
+            raise ValueError(f"the native engine cannot run this model now: {reason}")
+        self._build()
+
+    def _build(self) -> None:
         from medusa.engines.native import NativeDecoder, NativeDense
 
-        versions = [p._version for p in _weights(self.model)]
-        if not force and versions == self._versions:
-            return
         decoder = kv_cache.decoder_of(self.model)
         modules = dict(decoder.named_modules())
 
@@ -106,28 +152,58 @@ class NativeEngine(StaticEngine):
             self.lean = NativeDecoder(decoder, fused, dense=True)
             self.head = NativeDense(self.model.get_output_embeddings().weight)
         self._head_module = self.model.get_output_embeddings()
-        self._versions = versions
+        # What a forward checks is unchanged (a few dict lookups and two calls per parameter):
+        watched = [*decoder.modules(), self._head_module]
+        self._modules = watched
+        self._watched = [(module, name, p, kv_cache.weight_version(p), p.data_ptr())
+                         for module in watched for name, p in module._parameters.items() if p is not None]
+        self._children = [(parent, name, child) for parent in watched for name, child in parent._modules.items()]
+
+    def _current(self) -> bool:
+        """Whether the C decoder's weights are the model's as they are now: the same parameters, storage and
+        version, the same modules, and no hooks or replaced ``forward`` added since."""
+        for module, name, p, version, ptr in self._watched:
+            q = module._parameters.get(name)
+            if q is not p or q.data_ptr() != ptr or kv_cache.weight_version(q) != version:
+                return False
+        for parent, name, child in self._children:
+            if parent._modules.get(name) is not child:
+                return False
+        return all(_plain(module) for module in self._modules) and (
+            self.model.get_output_embeddings() is self._head_module)
+
+    def _ready(self) -> bool:
+        """Whether this forward runs the C decoder (rebuilt first where the model changed); else it runs as
+        ``static`` (the model's own modules, hooks included), said once per reason in a ``RuntimeWarning``."""
+        if self._current():
+            return True
+        reason = native_fp32_unavailable(self.model) or _replaced_computation(self.model)
+        if reason is None:
+            self._build()
+            return True
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"engine 'native' runs as 'static': {reason}", RuntimeWarning, stacklevel=4)
+        return False
 
     def _scores_all_nodes(self) -> bool:
         """Its lm_head over a few rows costs about one row's read: score every node."""
         return True
 
-    def _uses_native(self) -> bool:
-        """The model still has the lm_head module, dtype and device the engine was built for."""
-        head = self.model.get_output_embeddings()
-        return head is self._head_module and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
-
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
-        if not self._uses_native():
+        if not self._ready():
             return super()._forward(input_ids, positions, tree_mask, cache, logits_for, layers)
-        self.refresh()
         hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)
-        logits = self.lm_logits(hidden if logits_for is None else hidden[logits_for])
+        logits = self._head_logits(hidden if logits_for is None else hidden[logits_for])
         return (logits, hidden, features) if layers else (logits, hidden)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._uses_native():
+        if not self._ready():
             return super().lm_logits(hidden)
+        return self._head_logits(hidden)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The C lm_head over ``(..., H)`` rows -> ``(..., V)`` (the caller checked :meth:`_ready`)."""
         rows = self.head.product(hidden.reshape(-1, hidden.shape[-1]))  # (M, V), M may be 0
         bias = getattr(self._head_module, "bias", None)
         if bias is not None:
@@ -140,13 +216,13 @@ class NativeEngine(StaticEngine):
     def _settles(self, logits: torch.Tensor) -> bool:
         """Nothing to settle while the C lm_head scores the rows (each row's bits are its own); the stock path's
         products are settled as the static engine's."""
-        return not self._uses_native() and super()._settles(logits)
+        return not self._current() and super()._settles(logits)
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._uses_native():
+        if not self._ready():
             logits = super().lm_logits(hidden)
             return self.settle(hidden, logits) if super()._settles(logits) else logits
-        return self.lm_logits(hidden)
+        return self._head_logits(hidden)
 
     def drafter_product(self, weight: torch.Tensor, role: str):
         """Every drafter product through the C fp32 product on the weight itself (read in place: a change to it is
@@ -158,9 +234,8 @@ class NativeEngine(StaticEngine):
         return NativeDense(weight).product
 
     def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
-        if not self._uses_native():
+        if not self._ready():
             return super()._forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
-        self.refresh()
         return self.lean.forward_rows(input_ids, positions, valid_len, new_visible, cache, layers)
 
     def settings(self) -> dict:
