@@ -3,8 +3,8 @@ on fp32 weights), the lm_head and the drafters' products through the same C prod
 
 Why: on a CPU, decoding one token reads every weight once, so its floor is the weights' bytes over the memory
 bandwidth. torch's fp32 products with one to a few rows reach a fraction of it (on the developers' 2-core EPYC,
-SmolLM2-135M's 49152 x 576 lm_head took 11 ms a row in ``F.linear`` and in oneDNN's packed product, against 2.3-4.5 ms
-for the weights' read alone), and the step's norms, rotary, attention and Python cost as much again
+SmolLM2-135M's 49152 x 576 lm_head took 12.7 ms a row in ``F.linear`` and 4.3 ms in oneDNN's packed product, 2.15
+ms in this C product), and the step's norms, rotary, attention and Python cost as much again
 (docs/engines.md, "The native engine"). The C product reads each weight row once in one stream for up to four
 rows, four weight rows at a time beyond (each weight loaded once for four output channels).
 
@@ -87,8 +87,9 @@ class NativeEngine(StaticEngine):
     the same C product (:class:`medusa.engines.native.NativeDense`); the base's own modules are left as they are.
 
     The fused query-key-value and gate-up weights are copies (the other weights are read in place): about as much
-    memory again as those layers. A change to the base's weights (in place, or through ``.data`` with
-    ``refresh(force=True)``) is read again before the next forward.
+    memory again as those layers. A change to the base (a parameter written, replaced, moved or cast, a module
+    replaced; a ``.data`` edit with ``refresh(force=True)``) is read again before the next forward; a forward hook
+    or a wrapper added later runs the forward as ``static``, with a warning naming it.
 
     Raises:
         ValueError: the model cannot run here (:func:`native_fp32_unavailable` says why and this names what works).
@@ -121,6 +122,7 @@ class NativeEngine(StaticEngine):
         self._watched: list[tuple] = []
         self._children: list[tuple] = []
         self._warned: set[str] = set()
+        self._last_native = True  # whether the last forward ran the C decoder (its logits need no settling)
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
@@ -175,12 +177,14 @@ class NativeEngine(StaticEngine):
     def _ready(self) -> bool:
         """Whether this forward runs the C decoder (rebuilt first where the model changed); else it runs as
         ``static`` (the model's own modules, hooks included), said once per reason in a ``RuntimeWarning``."""
+        self._last_native = True
         if self._current():
             return True
         reason = native_fp32_unavailable(self.model) or _replaced_computation(self.model)
         if reason is None:
             self._build()
             return True
+        self._last_native = False
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"engine 'native' runs as 'static': {reason}", RuntimeWarning, stacklevel=4)
@@ -216,7 +220,7 @@ class NativeEngine(StaticEngine):
     def _settles(self, logits: torch.Tensor) -> bool:
         """Nothing to settle while the C lm_head scores the rows (each row's bits are its own); the stock path's
         products are settled as the static engine's."""
-        return not self._current() and super()._settles(logits)
+        return not self._last_native and super()._settles(logits)
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._ready():
