@@ -79,14 +79,20 @@ def test_the_forward_is_the_fp32_model_on_the_dequantized_weights(kv_heads, head
     assert settings["forward"] == "native" and settings["activation_dtype"] == "float32"
     assert settings["native_isa"] == native.isa()
     assert settings["native_isa"].split("+")[0] in ("avx512", "avx2", "scalar")
-    reference = _dequantized_copy(model, engine)
+    assert_forward_is(engine, _dequantized_copy(model, engine))
+
+
+def assert_forward_is(engine, reference):
+    """The prompt (with the layers a feature drafter reads: the first and the last) and a branching tree step
+    through ``engine`` match transformers' fp32 forward of ``reference`` (up to summation order): hidden states,
+    layers and logits, each tree row on its own branch."""
     cache = engine.new_cache(64)
     logits, hidden, features = engine.forward_features(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(),
-                                                       cache, (0, model.config.num_hidden_layers - 1))
+                                                       cache, (0, reference.config.num_hidden_layers - 1))
     with torch.no_grad():
         out = reference(IDS[None], output_hidden_states=True)
     assert torch.allclose(hidden, out.hidden_states[-1][0], atol=1e-4)
-    assert torch.allclose(features[:, :model.config.hidden_size], out.hidden_states[1][0], atol=1e-4)
+    assert torch.allclose(features[:, :reference.config.hidden_size], out.hidden_states[1][0], atol=1e-4)
     assert torch.allclose(logits, out.logits[0], atol=1e-3)
     # a tree after the prompt: 0 -> (1, 2), 2 -> 3; row 3's branch is tokens 0, 2, 3
     tree_ids = torch.tensor([5, 6, 7, 8])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_decode_step import PROMPT, TREE, V
 from test_decoding import random_heads
+from test_native import assert_forward_is
 from test_sampling import chi_square_p
 from tiny import tiny_model
 
@@ -64,21 +65,7 @@ def test_the_forward_is_transformers_fp32_forward_up_to_rounding(kv_heads, head_
     model = tiny_model("llama", num_key_value_heads=kv_heads, head_dim=head_dim)
     engine = engines.make_engine("native", model)
     assert engine.settings()["forward"] == "native fp32" and engine.head_row_invariant
-    cache = engine.new_cache(64)
-    logits, hidden, features = engine.forward_features(IDS, torch.arange(20), torch.ones(20, 20).tril().bool(),
-                                                       cache, (0, model.config.num_hidden_layers - 1))
-    with torch.no_grad():
-        out = model(IDS[None], output_hidden_states=True)
-    assert torch.allclose(hidden, out.hidden_states[-1][0], atol=1e-4)
-    assert torch.allclose(features[:, :model.config.hidden_size], out.hidden_states[1][0], atol=1e-4)
-    assert torch.allclose(logits, out.logits[0], atol=1e-3)
-    tree_ids = torch.tensor([5, 6, 7, 8])  # 0 -> (1, 2), 2 -> 3
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    logits, _ = engine.forward(tree_ids, torch.tensor([20, 21, 21, 22]), mask, cache)
-    for row, branch in ((1, [5, 6]), (3, [5, 7, 8])):
-        with torch.no_grad():
-            expected = model(torch.cat([IDS, torch.tensor(branch)])[None]).logits[0, -1]
-        assert torch.allclose(logits[row], expected, atol=1e-3)
+    assert_forward_is(engine, model)
 
 
 def test_a_tree_rows_logits_have_the_bits_of_the_same_token_decoded_alone():
@@ -183,7 +170,8 @@ def test_what_the_native_engine_refuses_names_what_works():
     model = tiny_model("llama")
     old = model.model.layers[1].mlp.down_proj
     model.model.layers[1].mlp.down_proj = Doubled(old.in_features, old.out_features, bias=False)
-    with pytest.raises(ValueError, match="layers.1.mlp.down_proj is a Doubled, not a plain nn.Linear"):
+    with pytest.raises(ValueError,
+                       match=r"layers.1.mlp.down_proj is a test_native_fp32\..*Doubled, not a plain nn.Linear"):
         engines.make_engine("native", model)
 
 

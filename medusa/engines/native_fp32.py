@@ -54,6 +54,10 @@ def _plain(module) -> bool:
     return not (_foreign(module._forward_hooks) or _foreign(module._forward_pre_hooks) or "forward" in module.__dict__)
 
 
+_PROJECTIONS = tuple(f"{n}_proj" for n in ("q", "k", "v", "o", "gate", "up", "down"))
+"""The decoder layers' linear layers the C forward reads, by name."""
+
+
 def _replaced_computation(model) -> str | None:
     """Why the model's decoder computes something the C forward would not (hooks, a replaced ``forward``, a linear
     layer that is not a plain ``nn.Linear`` such as an unmerged peft LoRA wrapper, weights not fp32 on the CPU), or
@@ -61,19 +65,13 @@ def _replaced_computation(model) -> str | None:
     from medusa.engines.onednn import _plain_linear
 
     decoder = kv_cache.decoder_of(model)
-    head = model.get_output_embeddings()
-    for name, module in [*decoder.named_modules(), ("lm_head", head)]:
+    for name, module in [*decoder.named_modules(), ("lm_head", model.get_output_embeddings())]:
         if not _plain(module):
             return f"{name or 'the decoder'} has forward hooks or a replaced forward"
-        if isinstance(module, torch.nn.Linear) and not _plain_linear(module):
-            return f"{name} is a {type(module).__name__}, not a plain nn.Linear (merge an adapter first)"
-    for layer_index, layer in enumerate(decoder.layers):
-        for part, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
-            for n in names:
-                module = getattr(getattr(layer, part), f"{n}_proj")
-                if not _plain_linear(module):
-                    return (f"layers.{layer_index}.{part}.{n}_proj is a {type(module).__name__}, not a plain "
-                            "nn.Linear (merge an adapter first)")
+        # a linear layer's subclass, or a wrapper in its place (an unmerged peft LoRA layer is not an nn.Linear)
+        if (isinstance(module, torch.nn.Linear) or name.endswith(_PROJECTIONS)) and not _plain_linear(module):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"  # peft's wrapper is also "Linear"
+            return f"{name} is a {kind}, not a plain nn.Linear (merge an adapter first)"
     for name, param in model.named_parameters():
         if param.dtype != torch.float32 or param.device.type != "cpu":
             return f"{name} is {param.dtype} on {param.device.type} (the native engine runs fp32 weights on a CPU)"
@@ -215,7 +213,9 @@ class NativeEngine(StaticEngine):
         return kv_cache.soft_cap(self.model, rows.reshape(*hidden.shape[:-1], rows.shape[-1]))
 
     def _lm_logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_logits(hidden)
+        """Rows of a forward of this engine (decoding scores them right after it): through the head that forward
+        ran, the C lm_head or the model's own (no second check of the model's state)."""
+        return self._head_logits(hidden) if self._last_native else super().lm_logits(hidden)
 
     def _settles(self, logits: torch.Tensor) -> bool:
         """Nothing to settle while the C lm_head scores the rows (each row's bits are its own); the stock path's
@@ -223,10 +223,10 @@ class NativeEngine(StaticEngine):
         return not self._last_native and super()._settles(logits)
 
     def batch_lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._ready():
-            logits = super().lm_logits(hidden)
-            return self.settle(hidden, logits) if super()._settles(logits) else logits
-        return self._head_logits(hidden)
+        if self._last_native:  # rows of the last batched forward, as in _lm_logits_rows
+            return self._head_logits(hidden)
+        logits = super().lm_logits(hidden)
+        return self.settle(hidden, logits) if super()._settles(logits) else logits
 
     def drafter_product(self, weight: torch.Tensor, role: str):
         """Every drafter product through the C fp32 product on the weight itself (read in place: a change to it is

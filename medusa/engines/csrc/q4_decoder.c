@@ -20,6 +20,16 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The 8 lanes of a summed in one fixed order (the AVX2 products' last step). */
+static inline float sum8(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 #define ROWS 4     /* rows of a product computed together (the weights are unpacked once for them) */
 #define CHANNELS 4 /* output channels computed together (independent accumulators) */
 
@@ -90,12 +100,7 @@ static void q4_block(const float *x, int64_t K, const uint8_t *codes, const floa
         }
     }
     for (int i = 0; i < rows; i++)
-        for (int c = 0; c < CHANNELS; c++) {
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][c]), _mm256_extractf128_ps(acc[i][c], 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            out[i][c] = _mm_cvtss_f32(h);
-        }
+        for (int c = 0; c < CHANNELS; c++) out[i][c] = sum8(acc[i][c]);
 #else
     for (int i = 0; i < rows; i++)
         for (int c = 0; c < CHANNELS; c++) {
@@ -197,12 +202,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
         }
     }
     for (int i = 0; i < rows; i++)
-        for (int c = 0; c < channels; c++) {
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][c]), _mm256_extractf128_ps(acc[i][c], 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            out[i][c] = _mm_cvtss_f32(h);
-        }
+        for (int c = 0; c < channels; c++) out[i][c] = sum8(acc[i][c]);
 #else
     for (int i = 0; i < rows; i++)
         for (int c = 0; c < channels; c++) {
