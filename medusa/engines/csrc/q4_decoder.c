@@ -146,15 +146,35 @@ void medusa_q4_product(const float *x, int64_t M, int64_t K, const uint8_t *code
 /* ---- fp32 weights (the engine "native"): y (M, N) = [y +] x (M, K) W^T with W (N, K) fp32, row-major ------------
  * Every output y[r, n] is one sum: acc = fma(W[n, k:k+L], x[r, k:k+L], acc) for k = 0, L, 2L... (the tail masked to
  * zeros), then acc's L lanes added by the same reduction; so its bits are the same whatever M, the tile and the
- * thread (row invariance). The tiles differ only in how many weight rows one pass reads: one (a single stream of
- * the weights, which a CPU's prefetcher follows best: the few-row products of decoding, which the weights' reading
- * bounds) or four (each weight loaded once for four channels: the many-row products, which the arithmetic bounds). */
-#define F32_SMALL_M 4 /* at most this many rows: one weight row a pass */
+ * thread (row invariance). The tiles differ only in how many weight rows one pass reads, one (a single stream of the
+ * weights, which a CPU's prefetcher follows best) or four (each weight loaded once for four channels), and in whether
+ * the pass asks for the weights F32_AHEAD bytes ahead into the L2 cache. One row alone reads one weight row a pass
+ * and asks for nothing (four weight rows a pass with the request measured 9% slower plain decoding). Several rows
+ * ask ahead: without it the products' arithmetic waited on the weights' reading instead of overlapping it, so 5 rows
+ * cost 1.9x one row on an AVX-512 AMD EPYC; with it (and each loaded value kept in its register, below) 1 to 8 rows
+ * cost about what one row does (studies/f32_products.py, docs/engines.md). With AVX-512 a pass reads four weight
+ * rows from two rows up; the AVX2 path keeps one weight row a pass up to four rows (its 16 registers hold no
+ * four-by-four tile of accumulators). */
+#if defined(__AVX512F__)
+#define F32_SMALL_M 1 /* at most this many rows read one weight row a pass */
+#else
+#define F32_SMALL_M 4
+#endif
+#define F32_AHEAD 16384 /* bytes of the weights asked for ahead of the pass, into L2 */
+/* A value loaded once stays in its register: without this GCC 12 loaded each weight again for every row and each
+ * input again for every channel (28 loads for a 4 x 4 tile's 16 multiply-adds instead of 8), so the many-row
+ * products waited on the loads. An empty asm the value passes through: the compiler cannot reload it from memory. */
+#if defined(__GNUC__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define KEEP_IN_REGISTER(v) ((void)0)
+#endif
 
 static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const float *w, float *y,
                                                            int64_t N, int64_t n, int64_t r0, const int rows,
                                                            const int channels, int add) {
     float out[4][4];
+    const int ahead = rows > 1 || channels > 1; /* ask for the weights ahead, keep loaded values in registers */
 #if defined(__AVX512F__)
     __m512 acc[4][4];
     for (int i = 0; i < rows; i++)
@@ -162,11 +182,15 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[4];
-        for (int c = 0; c < channels; c++) wv[c] = _mm512_loadu_ps(w + c * K + k);
-        if (channels > 1) /* the next tile's weight rows, which the prefetcher would not start in time */
-            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + (c + channels) * K + k), _MM_HINT_T0);
+        for (int c = 0; c < channels; c++) {
+            wv[c] = _mm512_loadu_ps(w + c * K + k);
+            if (ahead) KEEP_IN_REGISTER(wv[c]);
+        }
+        if (ahead)
+            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + c * K + k) + F32_AHEAD, _MM_HINT_T1);
         for (int i = 0; i < rows; i++) {
             __m512 xv = _mm512_loadu_ps(x + (r0 + i) * K + k);
+            if (ahead) KEEP_IN_REGISTER(xv);
             for (int c = 0; c < channels; c++) acc[i][c] = _mm512_fmadd_ps(wv[c], xv, acc[i][c]);
         }
     }
@@ -188,6 +212,8 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
     for (; k + 8 <= K; k += 8) {
         __m256 wv[4];
         for (int c = 0; c < channels; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
+        if (ahead && (k & 15) == 0) /* one request a 64-byte line */
+            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + c * K + k) + F32_AHEAD, _MM_HINT_T1);
         for (int i = 0; i < rows; i++) {
             __m256 xv = _mm256_loadu_ps(x + (r0 + i) * K + k);
             for (int c = 0; c < channels; c++) acc[i][c] = _mm256_fmadd_ps(wv[c], xv, acc[i][c]);
