@@ -287,6 +287,9 @@ void medusa_f32_product(const float *x, int64_t M, int64_t K, const float *W, in
  * y[r, n] = sum over g of d s (q . xq) + m s (sum xq), in the same order for every row. */
 #define Q8_BLOCK 16
 #define Q8_ROWS 8
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 8192 /* bytes of a block's codes asked for ahead of the pass, into L2 (as F32_AHEAD) */
+#endif
 
 __attribute__((unused)) static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
@@ -381,6 +384,9 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *xq, con
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b = codes + g * 256;
         __m512i w[8];
+        for (int v = 0; v < 4; v++) _mm_prefetch((const char *)b + Q8_AHEAD + 64 * v, _MM_HINT_T1);
+        _mm_prefetch((const char *)(d + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1); /* 32 bytes of scales per 256 */
+        _mm_prefetch((const char *)(m + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1);
         for (int v = 0; v < 4; v++) {
             __m512i z = _mm512_loadu_si512((const void *)(b + 64 * v));
             w[v] = _mm512_and_si512(z, low);
@@ -530,6 +536,8 @@ static inline __attribute__((always_inline)) void q8_0_head_block(const int8_t *
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512i w[8];
+        for (int j = 0; j < 8; j++) _mm_prefetch((const char *)cb + g * 512 + Q8_AHEAD + 64 * j, _MM_HINT_T1);
+        _mm_prefetch((const char *)(db + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1); /* 64 bytes of scales per 512 */
         for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
         __m512 dv = _mm512_loadu_ps(db + g * 16);
         for (int i = 0; i < rows; i++) {
