@@ -153,17 +153,18 @@ void medusa_q4_product(const float *x, int64_t M, int64_t K, const uint8_t *code
  * ask ahead: without it the products' arithmetic waited on the weights' reading instead of overlapping it, so 5 rows
  * cost 1.9x one row on an AVX-512 AMD EPYC; with it (and each loaded value kept in its register, below) 1 to 8 rows
  * cost about what one row does (studies/f32_products.py, docs/engines.md). With AVX-512 a pass reads four weight
- * rows from two rows up; the AVX2 path keeps one weight row a pass up to four rows (its 16 registers hold no
- * four-by-four tile of accumulators). */
+ * rows from two rows up; the AVX2 path keeps one weight row a pass up to four rows, as before (its 16 registers
+ * cannot hold a four-by-four tile's accumulators and operands: from five rows up that tile spills to the stack). */
 #if defined(__AVX512F__)
 #define F32_SMALL_M 1 /* at most this many rows read one weight row a pass */
 #else
 #define F32_SMALL_M 4
 #endif
 #define F32_AHEAD 16384 /* bytes of the weights asked for ahead of the pass, into L2 */
-/* A value loaded once stays in its register: without this GCC 12 loaded each weight again for every row and each
- * input again for every channel (28 loads for a 4 x 4 tile's 16 multiply-adds instead of 8), so the many-row
- * products waited on the loads. An empty asm the value passes through: the compiler cannot reload it from memory. */
+/* A value loaded once is not loaded again: without this GCC 12 loaded each weight again for every row and each
+ * input again for every channel (28 memory reads in its 4 x 4 tile's loop for 16 multiply-adds, instead of 8), so
+ * the many-row products waited on the loads. An empty asm the value passes through: the compiler can no longer
+ * repeat the load from the weights or the input (it may still spill the value to the stack). */
 #if defined(__GNUC__)
 #define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -230,6 +231,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
     for (int i = 0; i < rows; i++)
         for (int c = 0; c < channels; c++) out[i][c] = sum8(acc[i][c]);
 #else
+    (void)ahead; /* no request or register hint without the vector paths */
     for (int i = 0; i < rows; i++)
         for (int c = 0; c < channels; c++) {
             float a = 0.0f;
