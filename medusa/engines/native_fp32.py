@@ -5,8 +5,9 @@ Why: on a CPU, decoding one token reads every weight once, so its floor is the w
 bandwidth. torch's fp32 products with one to a few rows reach a fraction of it (on the developers' 2-core EPYC,
 SmolLM2-135M's 49152 x 576 lm_head took 12.7 ms a row in ``F.linear`` and 4.3 ms in oneDNN's packed product, 2.15
 ms in this C product), and the step's norms, rotary, attention and Python cost as much again
-(docs/engines.md, "The native engine"). The C product reads each weight row once in one stream for up to four
-rows, four weight rows at a time beyond (each weight loaded once for four output channels).
+(docs/engines.md, "The native engine"). The C product reads one row's weights in one stream; for several rows it
+reads four weight rows a pass (each weight loaded once for four output channels) and asks for the weights 16 KB
+ahead into L2, so 1 to 8 rows cost about what one row does (a tree step of 4-5 nodes about 1.3x a plain step).
 
 Numbers: the fp32 weights, fp32 activations. A value differs from torch's by summation order (and the exponential's
 polynomial in the SiLU and the softmax, about 2e-7 relative): the same model at fp32 rounding, as the ``onednn``
