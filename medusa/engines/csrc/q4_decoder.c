@@ -32,6 +32,23 @@ static inline float sum8(__m256 a) {
 
 #define ROWS 4     /* rows of a product computed together (the weights are unpacked once for them) */
 #define CHANNELS 4 /* output channels computed together (independent accumulators) */
+#define Q4_AHEAD 4096 /* bytes of the codes (a quarter of that of the scales) asked for ahead, into L2: 30 layers'
+                       * products 5.0-5.4 -> 3.8-4.3 ms at one row and 8.4-8.7 -> 6.3-6.8 at four in a C harness */
+
+/* The four channels' codes, scales and offsets Q4_AHEAD bytes beyond group g, asked for into L2 (the hardware
+ * prefetcher does not keep four streams ahead while the unpacking's arithmetic runs). */
+static inline __attribute__((always_inline)) void q4_ask_ahead(const uint8_t *codes, const float *d, const float *m,
+                                                               int64_t groups, int64_t g) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    for (int c = 0; c < CHANNELS; c++) {
+        _mm_prefetch((const char *)(codes + (c * groups + g) * 16) + Q4_AHEAD, _MM_HINT_T1);
+        _mm_prefetch((const char *)(d + c * groups + g) + Q4_AHEAD / 4, _MM_HINT_T1);
+        _mm_prefetch((const char *)(m + c * groups + g) + Q4_AHEAD / 4, _MM_HINT_T1);
+    }
+#else
+    (void)codes, (void)d, (void)m, (void)groups, (void)g;
+#endif
+}
 
 const char *medusa_q4_isa(void) {
 #if defined(__AVX512F__)
@@ -55,6 +72,7 @@ static void q4_block(const float *x, int64_t K, const uint8_t *codes, const floa
     const __m512i low = _mm512_set1_epi32(15);
     for (int64_t g = 0; g < groups; g++) {
         __m512 w[CHANNELS][2];
+        q4_ask_ahead(codes, d, m, groups, g);
         for (int c = 0; c < CHANNELS; c++) {
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + (c * groups + g) * 16)));
             __m512 dg = _mm512_set1_ps(d[c * groups + g]), mg = _mm512_set1_ps(m[c * groups + g]);
@@ -78,6 +96,7 @@ static void q4_block(const float *x, int64_t K, const uint8_t *codes, const floa
         for (int c = 0; c < CHANNELS; c++) acc[i][c] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi32(15);
     for (int64_t g = 0; g < groups; g++) {
+        q4_ask_ahead(codes, d, m, groups, g);
         for (int c = 0; c < CHANNELS; c++) {
             const uint8_t *b = codes + (c * groups + g) * 16;
             __m256 dg = _mm256_set1_ps(d[c * groups + g]), mg = _mm256_set1_ps(m[c * groups + g]);
