@@ -18,6 +18,10 @@
 #include <omp.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+/* Ask for the 64-byte line holding p to be brought into the L2 cache (a hint: it never faults, whatever p). The
+ * products ask for their weights a few KB ahead of the pass: the hardware prefetcher alone did not keep ahead of
+ * products with arithmetic to do per weight (docs/engines.md, "Several rows at the price of one"). */
+#define ASK_L2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -32,23 +36,22 @@ static inline float sum8(__m256 a) {
 
 #define ROWS 4     /* rows of a product computed together (the weights are unpacked once for them) */
 #define CHANNELS 4 /* output channels computed together (independent accumulators) */
-#define Q4_AHEAD 4096 /* bytes of the codes (a quarter of that of the scales) asked for ahead, into L2: 30 layers'
-                       * products 5.0-5.4 -> 3.8-4.3 ms at one row and 8.4-8.7 -> 6.3-6.8 at four in a C harness */
+#define Q4_AHEAD 4096 /* bytes of the codes (a quarter of that of the scales) asked for ahead, into L2 */
 
-/* The four channels' codes, scales and offsets Q4_AHEAD bytes beyond group g, asked for into L2 (the hardware
- * prefetcher does not keep four streams ahead while the unpacking's arithmetic runs). */
+#if defined(ASK_L2)
+/* The four channels' codes, scales and offsets Q4_AHEAD bytes beyond group g, one request a 64-byte line: codes
+ * every 4th group (16 bytes a group), scales and offsets every 16th (4 bytes). */
 static inline __attribute__((always_inline)) void q4_ask_ahead(const uint8_t *codes, const float *d, const float *m,
                                                                int64_t groups, int64_t g) {
-#if defined(__AVX2__) || defined(__AVX512F__)
+    if (g & 3) return;
+    for (int c = 0; c < CHANNELS; c++) ASK_L2(codes + (c * groups + g) * 16 + Q4_AHEAD);
+    if (g & 15) return;
     for (int c = 0; c < CHANNELS; c++) {
-        _mm_prefetch((const char *)(codes + (c * groups + g) * 16) + Q4_AHEAD, _MM_HINT_T1);
-        _mm_prefetch((const char *)(d + c * groups + g) + Q4_AHEAD / 4, _MM_HINT_T1);
-        _mm_prefetch((const char *)(m + c * groups + g) + Q4_AHEAD / 4, _MM_HINT_T1);
+        ASK_L2(d + c * groups + g + Q4_AHEAD / 16);
+        ASK_L2(m + c * groups + g + Q4_AHEAD / 16);
     }
-#else
-    (void)codes, (void)d, (void)m, (void)groups, (void)g;
-#endif
 }
+#endif
 
 const char *medusa_q4_isa(void) {
 #if defined(__AVX512F__)
@@ -207,7 +210,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
             if (ahead) KEEP_IN_REGISTER(wv[c]);
         }
         if (ahead)
-            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + c * K + k) + F32_AHEAD, _MM_HINT_T1);
+            for (int c = 0; c < channels; c++) ASK_L2(w + c * K + k + F32_AHEAD / 4);
         for (int i = 0; i < rows; i++) {
             __m512 xv = _mm512_loadu_ps(x + (r0 + i) * K + k);
             if (ahead) KEEP_IN_REGISTER(xv);
@@ -233,7 +236,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
         __m256 wv[4];
         for (int c = 0; c < channels; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
         if (ahead && (k & 15) == 0) /* one request a 64-byte line */
-            for (int c = 0; c < channels; c++) _mm_prefetch((const char *)(w + c * K + k) + F32_AHEAD, _MM_HINT_T1);
+            for (int c = 0; c < channels; c++) ASK_L2(w + c * K + k + F32_AHEAD / 4);
         for (int i = 0; i < rows; i++) {
             __m256 xv = _mm256_loadu_ps(x + (r0 + i) * K + k);
             for (int c = 0; c < channels; c++) acc[i][c] = _mm256_fmadd_ps(wv[c], xv, acc[i][c]);
@@ -308,9 +311,7 @@ void medusa_f32_product(const float *x, int64_t M, int64_t K, const float *W, in
  * y[r, n] = sum over g of d s (q . xq) + m s (sum xq), in the same order for every row. */
 #define Q8_BLOCK 16
 #define Q8_ROWS 8
-#ifndef Q8_AHEAD
 #define Q8_AHEAD 8192 /* bytes of a block's codes asked for ahead of the pass, into L2 (as F32_AHEAD) */
-#endif
 
 __attribute__((unused)) static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
@@ -405,9 +406,11 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *xq, con
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b = codes + g * 256;
         __m512i w[8];
-        for (int v = 0; v < 4; v++) _mm_prefetch((const char *)b + Q8_AHEAD + 64 * v, _MM_HINT_T1);
-        _mm_prefetch((const char *)(d + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1); /* 32 bytes of scales per 256 */
-        _mm_prefetch((const char *)(m + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1);
+        for (int v = 0; v < 4; v++) ASK_L2(b + Q8_AHEAD + 64 * v);
+        if ((g & 1) == 0) { /* 32 bytes of scales a group: a line every second group */
+            ASK_L2(d + g * 16 + Q8_AHEAD / 16);
+            ASK_L2(m + g * 16 + Q8_AHEAD / 16);
+        }
         for (int v = 0; v < 4; v++) {
             __m512i z = _mm512_loadu_si512((const void *)(b + 64 * v));
             w[v] = _mm512_and_si512(z, low);
@@ -557,8 +560,8 @@ static inline __attribute__((always_inline)) void q8_0_head_block(const int8_t *
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512i w[8];
-        for (int j = 0; j < 8; j++) _mm_prefetch((const char *)cb + g * 512 + Q8_AHEAD + 64 * j, _MM_HINT_T1);
-        _mm_prefetch((const char *)(db + g * 16) + Q8_AHEAD / 8, _MM_HINT_T1); /* 64 bytes of scales per 512 */
+        for (int j = 0; j < 8; j++) ASK_L2(cb + g * 512 + Q8_AHEAD + 64 * j);
+        ASK_L2(db + g * 16 + Q8_AHEAD / 32); /* 64 bytes of scales a group of 512 bytes of codes */
         for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(cb + g * 512 + 64 * j));
         __m512 dv = _mm512_loadu_ps(db + g * 16);
         for (int i = 0; i < rows; i++) {
