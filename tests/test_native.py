@@ -424,3 +424,20 @@ def test_releasing_the_dense_weights_frees_the_torch_packs_too_and_keeps_the_tok
     assert medusa.engine.release_dense() > packs > 0
     assert medusa.engine.quantized.nbytes() == 0
     assert greedy(medusa) == before == greedy(medusa, Tree.chain(0))
+
+
+@pytest.mark.parametrize("isa", [("-march=x86-64",), ("-mavx2", "-mno-fma"), ("-march=haswell",),
+                                 ("-march=skylake-avx512",), ("-march=icelake-server",)])
+def test_the_c_decoder_compiles_without_warnings_for_every_instruction_set_it_has_a_path_for(isa):
+    """The library is built with -march=native on the user's CPU, so each #if branch (scalar, AVX2 without and with
+    FMA, AVX-512 without and with VNNI) must build there: compile the source for each, as the loader does."""
+    import platform
+    import subprocess
+
+    compiler = native._compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler for x86-64")
+    flags = [f for f in native.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    done = subprocess.run([compiler, *flags, *isa, "-Wall", "-Wextra", "-fsyntax-only", str(native.SOURCE)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]
