@@ -4,6 +4,7 @@ and its parts (continuous batching, the scheduler, streamed text, request valida
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -686,3 +687,68 @@ def test_an_idle_scheduler_hands_free_memory_back_once_per_idle_spell():
         ServeConfig(NAME, idle_release_s=float("nan"))
     with pytest.raises(ValueError, match="idle_release_s"):
         Scheduler(model, idle_release_s=-1)
+
+
+RELEASE_SCRIPT = """
+import os, sys, time
+import torch
+from medusa.engines.threads import loaded_openmp_runtimes, release_openmp_threads
+
+def count():
+    return len(os.listdir("/proc/self/task"))
+
+if not any("gomp" in path for path in loaded_openmp_runtimes()):
+    print("no-gomp"); sys.exit(0)
+torch.set_num_threads(2)
+a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+before = a @ a  # a parallel region: this thread's pool has its one worker
+pooled = count()
+released = release_openmp_threads()
+deadline = time.monotonic() + 5
+while count() != pooled - 1 and time.monotonic() < deadline:
+    time.sleep(0.01)  # the worker leaves after the pause's barrier
+freed = count()
+same = torch.equal(a @ a, before)
+print(released, pooled, freed, count(), same)
+"""
+
+
+def test_the_loading_threads_openmp_workers_are_freed_and_a_later_parallel_region_starts_them_again(tmp_path):
+    """release_openmp_threads frees the calling thread's libgomp workers (a thread fewer in a fresh process; left in
+    place, a decode thread's own pool makes libgomp's waiting workers sleep at every barrier), the next parallel
+    region in that thread starts them again with the same result; maps without a runtime give none."""
+    import subprocess
+    import sys
+
+    from medusa.engines.threads import loaded_openmp_runtimes
+
+    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-gomp":
+        pytest.skip("no GNU OpenMP runtime loaded (its worker pools are what this frees)")
+    released, pooled, freed, again, same = out.stdout.split()
+    assert int(released) >= 1 and int(freed) == int(pooled) - 1  # the one worker is gone
+    assert int(again) == int(pooled) and same == "True"  # started again, the same product
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libgompx.txt\n7f01-7f02 rw-p 00000000 00:00 0\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /opt/lib/libomp.so.5 (deleted)\n"
+                    "7f03-7f04 r-xp 00000000 08:01 3 /torch/lib/libgomp-a34b3233.so.1\n"
+                    "7f04-7f05 r--p 00000000 08:01 3 /torch/lib/libgomp-a34b3233.so.1\n")
+    assert loaded_openmp_runtimes(maps) == ["/opt/lib/libomp.so.5", "/torch/lib/libgomp-a34b3233.so.1"]
+    assert loaded_openmp_runtimes(tmp_path / "missing") == []
+
+
+def test_the_scheduler_frees_the_starting_threads_openmp_workers_before_its_thread_starts(monkeypatch):
+    import medusa.serve.scheduler as scheduler_module
+
+    calls = []
+    monkeypatch.setattr(scheduler_module, "release_openmp_threads",
+                        lambda: calls.append((threading.current_thread(), threading.active_count())))
+    scheduler = Scheduler(tiny_medusa(), max_running=2)
+    running = threading.active_count()
+    scheduler.start()
+    try:
+        assert calls == [(threading.current_thread(), running)]  # in the starting thread, before its own
+    finally:
+        scheduler.stop(10)
