@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from medusa.serve.text import TextStream, decode
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 NAME = "tiny-heads"
 
@@ -723,7 +725,8 @@ def test_the_loading_threads_openmp_workers_are_freed_and_a_later_parallel_regio
     from medusa.engines.threads import loaded_openmp_runtimes
 
     out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         env={**os.environ, "OMP_NUM_THREADS": "2", "OMP_DYNAMIC": "false",
+                              "PYTHONPATH": str(REPO)})  # this checkout's code, whatever the working directory
     assert out.returncode == 0, out.stderr
     if out.stdout.strip() == "no-gomp":
         pytest.skip("no GNU OpenMP runtime loaded (its worker pools are what this frees)")
@@ -736,6 +739,9 @@ def test_the_loading_threads_openmp_workers_are_freed_and_a_later_parallel_regio
                     "7f03-7f04 r-xp 00000000 08:01 3 /torch/lib/libgomp-a34b3233.so.1\n"
                     "7f04-7f05 r--p 00000000 08:01 3 /torch/lib/libgomp-a34b3233.so.1\n")
     assert loaded_openmp_runtimes(maps) == ["/opt/lib/libomp.so.5", "/torch/lib/libgomp-a34b3233.so.1"]
+    maps.write_bytes(b"7f00-7f01 r--p 00000000 08:01 1 /weights/w-\xe9.bin\n"  # a name that is not UTF-8
+                     b"7f01-7f02 r-xp 00000000 08:01 2 /torch/lib/libgomp.so.1\n")
+    assert loaded_openmp_runtimes(maps) == ["/torch/lib/libgomp.so.1"]
     assert loaded_openmp_runtimes(tmp_path / "missing") == []
 
 
@@ -743,12 +749,22 @@ def test_the_scheduler_frees_the_starting_threads_openmp_workers_before_its_thre
     import medusa.serve.scheduler as scheduler_module
 
     calls = []
-    monkeypatch.setattr(scheduler_module, "release_openmp_threads",
-                        lambda: calls.append((threading.current_thread(), threading.active_count())))
     scheduler = Scheduler(tiny_medusa(), max_running=2)
-    running = threading.active_count()
+    monkeypatch.setattr(scheduler_module, "release_openmp_threads",
+                        lambda: calls.append((threading.current_thread(), scheduler._thread)))
     scheduler.start()
     try:
-        assert calls == [(threading.current_thread(), running)]  # in the starting thread, before its own
+        assert calls == [(threading.current_thread(), None)]  # in the starting thread, before its own exists
+    finally:
+        scheduler.stop(10)
+
+    def broken():
+        raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "a mapped file's name")
+
+    monkeypatch.setattr(scheduler_module, "release_openmp_threads", broken)
+    scheduler = Scheduler(tiny_medusa(), max_running=2)
+    scheduler.start()  # a speed-up only: the scheduler serves without it
+    try:
+        assert scheduler._thread.is_alive()
     finally:
         scheduler.stop(10)

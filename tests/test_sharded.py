@@ -324,7 +324,8 @@ def fsdp_worker(out: Path, head_type: str) -> None:
 
 
 def fsdp_step(accelerator, out: Path, head_type: str) -> None:
-    """:func:`fsdp_worker`'s step; everything it builds is this frame's, gone when it returns."""
+    """:func:`fsdp_worker`'s step; what it builds is this frame's (the prepared heads and optimizer are also the
+    accelerator's, until :meth:`Accelerator.free_memory`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

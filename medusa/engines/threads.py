@@ -9,13 +9,14 @@ that decodes opens another, and on 2 cores at 2 threads the two pools' 2 workers
 thread ran at 0.68-0.74x the loading thread's speed on this EPYC (``medusa serve``'s scheduler thread, the same
 model and requests one at a time). :func:`release_openmp_threads` from the loading thread, before the other
 starts, frees the loading thread's pool (OpenMP 5.0's ``omp_pause_resource_all``); the decode thread then ran at
-0.94-0.97x (docs/serve.md, "Run 20").
+0.94-0.97x (docs/serve.md, "Runs 20 and 21").
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -28,11 +29,11 @@ RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
 def loaded_openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> list[str]:
-    """Paths of the OpenMP runtime libraries mapped into this process (Linux's ``/proc/self/maps``; a file deleted
-    since it was loaded under its old name, which ``dlopen`` finds among the loaded ones), sorted; empty where the
-    file cannot be read (macOS, Windows) or none is loaded."""
+    """Paths of the OpenMP runtime libraries mapped into this process (Linux's ``/proc/self/maps``, symbolic links
+    resolved; a file deleted since it was mapped under its old name), sorted; empty where the file cannot be read
+    (macOS, Windows) or none is loaded."""
     try:
-        lines = maps.read_text().splitlines()
+        lines = os.fsdecode(maps.read_bytes()).splitlines()  # any mapped file's name, UTF-8 or not
     except OSError:
         return []
     paths = {fields[5].removesuffix(" (deleted)") for fields in (line.split(maxsplit=5) for line in lines)
@@ -48,13 +49,17 @@ def release_openmp_threads() -> int:
     Must not be called from inside a parallel region (torch never returns to Python inside one).
 
     Returns:
-        How many runtimes freed their threads (0 where none is loaded, ``/proc/self/maps`` is missing, or a
-        runtime predates OpenMP 5.0's ``omp_pause_resource_all``; each such runtime is logged at debug level).
+        How many runtimes answered the pause with success (one with no pool to free answers so too); 0 where none
+        is loaded, ``/proc/self/maps`` is missing, a runtime is not loaded under the name the maps show, or one
+        predates OpenMP 5.0's ``omp_pause_resource_all`` (each such runtime is logged at debug level). LLVM's
+        libomp pauses the whole process's threads, not the caller's, and answers a second pause with an error.
     """
     released = 0
     for path in loaded_openmp_runtimes():
         try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all  # the mapped copy: no second load
+            # RTLD_NOLOAD: the copy already loaded under that name, never a second one (a name the runtime was
+            # not loaded under, or a file replaced since, is refused rather than loaded beside it)
+            pause = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).omp_pause_resource_all
         except (OSError, AttributeError) as e:
             logger.debug("no omp_pause_resource_all in %s: %s", path, e)
             continue
