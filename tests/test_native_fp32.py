@@ -230,3 +230,61 @@ def test_a_replaced_or_recast_parameter_is_read_again_and_hooks_run_as_static():
         native = engines.make_engine("native", made_here)
         assert torch.equal(native.forward(IDS, torch.arange(20), one, native.new_cache(32))[0].argmax(-1),
                            made_here(IDS[None]).logits[0].argmax(-1))
+
+
+def test_the_heads_draft_in_the_dtype_the_profile_measured_cheapest_and_the_tokens_stay_plains(monkeypatch, tmp_path):
+    """The fp32 engine offers the drafter its C fp32 products and Q8_0 ones (a Hydra level fused into one call);
+    each is timed under its own profile key, the cheapest is chosen, and greedy decoding gives plain's tokens with
+    any of them (only the drafts change)."""
+    from test_per_step import flat_calibration
+    from test_profile import AMD_LIKE, fake_profile
+
+    from medusa import profile as prof
+    from medusa.engines.native import NativeDense
+    from medusa.tools import measure
+
+    monkeypatch.setenv("MEDUSA_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    medusa = MedusaModel(model, random_heads(model, head_type="hydra"), engine="native")
+    options = medusa.engine.drafter_dtypes
+    assert options[:2] == (None, "q8_0") and set(options) <= {None, "q8_0", "q8_0:int8"}
+    plain = greedy(medusa, Tree.chain(0))
+    heads, hidden = medusa.heads, torch.randn(3, 64)
+    paths = torch.randint(0, 300, (3, 1))
+    keys = set()
+    for dtype in options:
+        medusa.engine.drafter_dtype = dtype
+        medusa._pack_drafter()
+        keys.add(prof.heads_key(heads))
+        product = heads.drafter_products(heads.inputs[0].weight, "input0")
+        assert isinstance(product.__self__, NativeDense if dtype is None else native.NativeHead)
+        with torch.no_grad():  # drafting: no gradient
+            fused = heads.draft_ranked(0, hidden, paths, 4)
+            assert (fused is None) == (dtype is None)  # the fp32 products run the level as two calls
+            exact = heads.draft_logits(0, hidden, paths)  # through the same products
+            reference = hidden + torch.nn.functional.silu(heads.inputs[0](torch.cat(
+                [hidden, heads.embed(paths, hidden.dtype).flatten(-2)], -1)))
+            for block in heads.blocks[0]:
+                reference = block(reference)
+            reference = reference @ heads.shared_weight_t  # matmul on the fp32 weights
+        scale = float(reference.abs().max())
+        assert torch.allclose(exact, reference, atol=(1e-5 if dtype is None else 0.05) * scale)
+        if fused is not None:
+            assert torch.allclose(fused[0], exact, atol=1e-4 * scale)
+        assert greedy(medusa) == plain
+    assert len(keys) == len(options)  # each stored apart
+    assert medusa.engine.settings()["drafter_dtype"] == options[-1]
+
+    for cheapest in options:
+        timed = []
+
+        def fake_levels(heads, cheapest=cheapest, timed=timed):
+            timed.append(heads.drafter_products_key)
+            return [0.001, 0.001] if medusa.engine.drafter_dtype == cheapest else [0.004, 0.005]
+
+        monkeypatch.setattr(measure, "time_heads_levels", fake_levels)
+        fresh = fake_profile(prof.profile_key(model), 50.0, AMD_LIKE)
+        medusa.use_per_step_tree(flat_calibration(heads, 0.8), profile=fresh, measure=True)
+        assert len(timed) == len(options) and medusa.engine.drafter_dtype == cheapest
+        assert medusa.drafter.cost.level_s == [0.001, 0.001]
+        assert greedy(medusa) == plain

@@ -99,7 +99,12 @@ class NativeEngine(StaticEngine):
     products_visible = False  # one opaque C call a forward
     smooth_step_cost = True  # one code path for every step size
     head_row_invariant = True  # the C lm_head scores each row alike, whatever rows are beside it
-    drafter_products_key = "f32:native"
+    drafter_dtype: str | None = None
+    """The drafter's products (:meth:`drafter_product`): ``None``, the C fp32 product on the weights themselves;
+    ``"q8_0"``, the C Q8_0 product on the weights rounded to Q8_0 blocks, a Hydra head's level fused into one call
+    (:meth:`medusa.engines.native.NativeHead.hydra_level`), fp32 activations; ``"q8_0:int8"``, the same with the
+    activations rounded to int8 blocks on VNNI. Set by :meth:`medusa.model.MedusaModel.use_per_step_tree` to the one
+    of :attr:`drafter_dtypes` this machine's profile measured cheapest."""
 
     @classmethod
     def candidate_for(cls, device, dtype: torch.dtype) -> bool:
@@ -229,14 +234,36 @@ class NativeEngine(StaticEngine):
         logits = super().lm_logits(hidden)
         return self.settle(hidden, logits) if super()._settles(logits) else logits
 
+    @property
+    def drafter_dtypes(self) -> tuple:
+        """``(None, "q8_0")``, and ``"q8_0:int8"`` where the library's int8-activation products run on VNNI: each
+        Q8_0 product reads a quarter of the fp32 bytes (drafting one level of SmolLM2-135M's Hydra heads reads 13-17
+        MB in fp32), and the profile measures which drafts cheapest here. Lossy in the drafts only: the verify, in
+        fp32, decides what is emitted, so the tokens are the same whichever is chosen."""
+        from medusa.engines.native import isa
+
+        return (None, "q8_0", "q8_0:int8") if isa().endswith("+vnni") else (None, "q8_0")
+
+    @property
+    def drafter_products_key(self) -> str:
+        """``f32:native`` with the fp32 products, else the Q8_0 products' key as the native int4 decoder names
+        them (``q8_0:level``, ``q8_0:int8:level``: the same products, so the same drafting cost): part of the
+        profile's drafter key."""
+        return "f32:native" if self.drafter_dtype is None else f"{self.drafter_dtype}:level"
+
     def drafter_product(self, weight: torch.Tensor, role: str):
-        """Every drafter product through the C fp32 product on the weight itself (read in place: a change to it is
-        seen), whose few-row products read the weight at the memory's speed."""
-        from medusa.engines.native import NativeDense
+        """Every drafter product in C: with :attr:`drafter_dtype` ``None`` the fp32 product on the weight itself
+        (read in place: a change to it is seen), whose few-row products read the weight at the memory's speed; else
+        the Q8_0 product on the weight rounded to Q8_0 blocks (:func:`medusa.engines.native.q8_0_product`, made
+        again by the heads when the weight changes), whose Hydra levels fuse into one call. ``None`` (``matmul``)
+        for a weight that is not fp32 on the CPU, or a shape the Q8_0 product cannot take."""
+        from medusa.engines.native import NativeDense, q8_0_product
 
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
-        return NativeDense(weight).product
+        if self.drafter_dtype is None:
+            return NativeDense(weight).product
+        return q8_0_product(weight, int8_activations=self.drafter_dtype == "q8_0:int8")
 
     def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
         if not self._ready():
@@ -247,4 +274,5 @@ class NativeEngine(StaticEngine):
         from medusa.engines.native import isa
 
         return super().settings() | {"forward": "native fp32", "native_isa": isa(),
+                                     "drafter_dtype": self.drafter_dtype,
                                      "native_bytes": self.lean.nbytes() if self.lean is not None else 0}
