@@ -52,7 +52,8 @@ def _foreign(hooks) -> bool:
 def _plain(module) -> bool:
     """No forward hooks (but transformers' output recorders) and no replaced ``forward`` on ``module``: what the C
     forward computes is what the module computes."""
-    return not (_foreign(module._forward_hooks) or _foreign(module._forward_pre_hooks) or "forward" in module.__dict__)
+    hooks, pre = module._forward_hooks, module._forward_pre_hooks  # empty almost always: no generator made then
+    return not ((hooks and _foreign(hooks)) or (pre and _foreign(pre)) or "forward" in module.__dict__)
 
 
 _PROJECTIONS = tuple(f"{n}_proj" for n in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -167,16 +168,20 @@ class NativeEngine(StaticEngine):
 
     def _current(self) -> bool:
         """Whether the C decoder's weights are the model's as they are now: the same parameters, storage and
-        version, the same modules, and no hooks or replaced ``forward`` added since."""
+        version, the same modules, and no hooks or replaced ``forward`` added since. Runs before every forward, so
+        written as plain loops (about 0.15 ms for SmolLM2-135M's 273 parameters and 396 modules)."""
         for module, name, p, version, ptr in self._watched:
             q = module._parameters.get(name)
-            if q is not p or q.data_ptr() != ptr or kv_cache.weight_version(q) != version:
+            # an inference tensor keeps no version (kv_cache.weight_version: None), and is never written in place
+            if q is not p or q.data_ptr() != ptr or (version is not None and q._version != version):
                 return False
         for parent, name, child in self._children:
             if parent._modules.get(name) is not child:
                 return False
-        return all(_plain(module) for module in self._modules) and (
-            self.model.get_output_embeddings() is self._head_module)
+        for module in self._modules:
+            if not _plain(module):
+                return False
+        return self.model.get_output_embeddings() is self._head_module
 
     def _ready(self) -> bool:
         """Whether this forward runs the C decoder (rebuilt first where the model changed); else it runs as
