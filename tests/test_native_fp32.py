@@ -225,6 +225,34 @@ def test_a_replaced_or_recast_parameter_is_read_again_and_hooks_run_as_static():
         assert torch.allclose(logits(), hf(), atol=1e-3)
     handle.remove()
     assert torch.allclose(logits(), hf(), atol=1e-3) and engine._current()  # the C decoder again
+    # what else the check before each forward reads: a pre-hook, a replaced forward (each run as static), a replaced
+    # module and a replaced lm_head (each read again)
+    attn = model.model.layers[0].self_attn
+    handle = attn.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs), with_kwargs=True)
+    with pytest.warns(RuntimeWarning, match="layers.0.self_attn has forward hooks"):
+        assert not engine._current() and torch.allclose(logits(), hf(), atol=1e-3)
+    handle.remove()
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x, _forward=mlp.forward: _forward(x) * 0.5
+    with pytest.warns(RuntimeWarning, match="layers.0.mlp has forward hooks or a replaced forward"):
+        assert torch.allclose(logits(), hf(), atol=1e-3)
+    del mlp.forward
+    down = mlp.down_proj
+    mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    assert not engine._current() and torch.allclose(logits(), hf(), atol=1e-3) and engine._current()
+    head = torch.nn.Linear(64, model.config.vocab_size, bias=False)
+    model.set_output_embeddings(head)
+    assert not engine._current() and torch.allclose(logits(), hf(), atol=1e-3) and engine._current()
+    # a parameter whose data became an inference tensor on its own storage, then written under inference_mode:
+    # that write bumps no version, so such a parameter is never current
+    weight = proj.weight
+    with torch.inference_mode():
+        alias = torch.empty(0).set_(weight.untyped_storage(), weight.storage_offset(), weight.shape, weight.stride())
+    proj.weight.data = alias
+    assert proj.weight.data_ptr() == weight.data_ptr() and proj.weight.is_inference()
+    with torch.inference_mode():
+        proj.weight.mul_(3.0)
+    assert not engine._current() and torch.allclose(logits(), hf(), atol=1e-3)
     with torch.inference_mode():
         made_here = tiny_model("llama")
         native = engines.make_engine("native", made_here)
@@ -247,7 +275,9 @@ def test_the_heads_draft_in_the_dtype_the_profile_measured_cheapest_and_the_toke
     model = tiny_model("llama")
     medusa = MedusaModel(model, random_heads(model, head_type="hydra"), engine="native")
     options = medusa.engine.drafter_dtypes
-    assert options[:2] == (None, "q8_0") and set(options) <= {None, "q8_0", "q8_0:int8"}
+    assert options == ((None, "q8_0", "q8_0:int8") if native.isa().endswith("+vnni") else (None, "q8_0"))
+    with pytest.raises(ValueError, match="drafts with one of"):
+        medusa.engine.drafter_dtype = "bf16"
     plain = greedy(medusa, Tree.chain(0))
     heads, hidden = medusa.heads, torch.randn(3, 64)
     paths = torch.randint(0, 300, (3, 1))
@@ -258,6 +288,9 @@ def test_the_heads_draft_in_the_dtype_the_profile_measured_cheapest_and_the_toke
         keys.add(prof.heads_key(heads))
         product = heads.drafter_products(heads.inputs[0].weight, "input0")
         assert isinstance(product.__self__, NativeDense if dtype is None else native.NativeHead)
+        assert dtype is None or product.__self__.int8_activations == (dtype == "q8_0:int8")
+        odd = heads.drafter_products(torch.randn(8, 40), "input0")  # 40 inputs: no Q8_0 blocks, the fp32 product
+        assert isinstance(odd.__self__, NativeDense)
         with torch.no_grad():  # drafting: no gradient
             fused = heads.draft_ranked(0, hidden, paths, 4)
             assert (fused is None) == (dtype is None)  # the fp32 products run the level as two calls
@@ -287,4 +320,18 @@ def test_the_heads_draft_in_the_dtype_the_profile_measured_cheapest_and_the_toke
         medusa.use_per_step_tree(flat_calibration(heads, 0.8), profile=fresh, measure=True)
         assert len(timed) == len(options) and medusa.engine.drafter_dtype == cheapest
         assert medusa.drafter.cost.level_s == [0.001, 0.001]
+        assert greedy(medusa) == plain
+
+
+def test_heads_made_under_inference_mode_draft_through_the_native_engine():
+    """Inference tensors keep no version counter: the heads' products are keyed without one (a review's finding:
+    drafting raised "Inference tensors do not track version counter")."""
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        heads = random_heads(model, head_type="hydra")
+    medusa = MedusaModel(model, heads, Tree.from_paths([(0,), (1,), (0, 0)]), engine="native")
+    plain = greedy(medusa, Tree.chain(0))
+    for dtype in medusa.engine.drafter_dtypes:
+        medusa.engine.drafter_dtype = dtype
+        medusa._pack_drafter()
         assert greedy(medusa) == plain

@@ -100,12 +100,6 @@ class NativeEngine(StaticEngine):
     products_visible = False  # one opaque C call a forward
     smooth_step_cost = True  # one code path for every step size
     head_row_invariant = True  # the C lm_head scores each row alike, whatever rows are beside it
-    drafter_dtype: str | None = None
-    """The drafter's products (:meth:`drafter_product`): ``None``, the C fp32 product on the weights themselves;
-    ``"q8_0"``, the C Q8_0 product on the weights rounded to Q8_0 blocks, a Hydra head's level fused into one call
-    (:meth:`medusa.engines.native.NativeHead.hydra_level`), fp32 activations; ``"q8_0:int8"``, the same with the
-    activations rounded to int8 blocks on VNNI. Set by :meth:`medusa.model.MedusaModel.use_per_step_tree` to the one
-    of :attr:`drafter_dtypes` this machine's profile measured cheapest."""
 
     @classmethod
     def candidate_for(cls, device, dtype: torch.dtype) -> bool:
@@ -172,8 +166,9 @@ class NativeEngine(StaticEngine):
         written as plain loops (0.16-0.19 ms for SmolLM2-135M's 273 parameters and 396 modules, docs/engines.md)."""
         for module, name, p, version, ptr in self._watched:
             q = module._parameters.get(name)
-            # an inference tensor keeps no version (kv_cache.weight_version: None), and is never written in place
-            if q is not p or q.data_ptr() != ptr or (version is not None and q._version != version):
+            # kv_cache.weight_version inline: an inference tensor keeps no version (None), so a parameter whose data
+            # became one since never counts as current
+            if q is not p or q.data_ptr() != ptr or (None if q.is_inference() else q._version) != version:
                 return False
         for parent, name, child in self._children:
             if parent._modules.get(name) is not child:
@@ -240,6 +235,26 @@ class NativeEngine(StaticEngine):
         return self.settle(hidden, logits) if super()._settles(logits) else logits
 
     @property
+    def drafter_dtype(self) -> str | None:
+        """The drafter's products (:meth:`drafter_product`): ``None``, the C fp32 product on the weights themselves;
+        ``"q8_0"``, the C Q8_0 product on the weights rounded to Q8_0 blocks, a Hydra head's level fused into one
+        call (:meth:`medusa.engines.native.NativeHead.hydra_level`), fp32 activations; ``"q8_0:int8"``, the same
+        with the activations rounded to int8 blocks on VNNI. Set by :meth:`medusa.model.MedusaModel.use_per_step_tree`
+        to the one of :attr:`drafter_dtypes` this machine's profile measured cheapest (the heads take a new value
+        at :meth:`medusa.model.MedusaModel._pack_drafter`, which that call runs).
+
+        Raises:
+            ValueError: set to a value that is not one of :attr:`drafter_dtypes`.
+        """
+        return self.__dict__.get("_drafter_dtype")
+
+    @drafter_dtype.setter
+    def drafter_dtype(self, value: str | None) -> None:
+        if value not in self.drafter_dtypes:
+            raise ValueError(f"the native engine drafts with one of {self.drafter_dtypes}, got {value!r}")
+        self.__dict__["_drafter_dtype"] = value
+
+    @property
     def drafter_dtypes(self) -> tuple:
         """``(None, "q8_0")``, and ``"q8_0:int8"`` where the library's int8-activation products run on VNNI: each
         Q8_0 product reads a quarter of the fp32 bytes (drafting one level of SmolLM2-135M's Hydra heads reads 13-17
@@ -259,16 +274,20 @@ class NativeEngine(StaticEngine):
     def drafter_product(self, weight: torch.Tensor, role: str):
         """Every drafter product in C: with :attr:`drafter_dtype` ``None`` the fp32 product on the weight itself
         (read in place: a change to it is seen), whose few-row products read the weight at the memory's speed; else
-        the Q8_0 product on the weight rounded to Q8_0 blocks (:func:`medusa.engines.native.q8_0_product`, made
-        again by the heads when the weight changes), whose Hydra levels fuse into one call. ``None`` (``matmul``)
-        for a weight that is not fp32 on the CPU, or a shape the Q8_0 product cannot take."""
+        the Q8_0 product on the weight rounded to Q8_0 blocks (:func:`medusa.engines.native.q8_0_product`, a
+        snapshot the heads make again when the weight is replaced or its version changes: a change through
+        ``weight.data`` is not seen, as for the engine's own copies), whose Hydra levels fuse into one call, and the
+        fp32 product for a shape the Q8_0 product cannot take. ``None`` (``matmul``) for a weight that is not fp32
+        on the CPU."""
         from medusa.engines.native import NativeDense, q8_0_product
 
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
-        if self.drafter_dtype is None:
-            return NativeDense(weight).product
-        return q8_0_product(weight, int8_activations=self.drafter_dtype == "q8_0:int8")
+        if self.drafter_dtype is not None:
+            product = q8_0_product(weight, int8_activations=self.drafter_dtype == "q8_0:int8")
+            if product is not None:
+                return product
+        return NativeDense(weight).product
 
     def _forward_rows(self, input_ids, positions, valid_len, new_visible, cache, layers):
         if not self._ready():
