@@ -13,7 +13,7 @@ BASE=models/smollm2-135m-instruct
 SHIPPED=checkpoints/smollm2-135m-instruct-hydra
 OUT=outputs/quickstart
 PROFILES="${MEDUSA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/medusa}/profiles"
-README_BENCH=docs/results/bench-smollm2-135m-hydra-native-fp32-cpu
+README_BENCH=docs/results/bench-smollm2-135m-hydra-native-fp32-q8draft-cpu
 [ -f "$BASE/config.json" ] || medusa prepare-model --out "$BASE"
 
 echo "== a short training run (configs/quickstart.yaml): the pipeline end to end; these heads are not useful yet"
