@@ -163,7 +163,7 @@ class NativeEngine(StaticEngine):
     def _current(self) -> bool:
         """Whether the C decoder's weights are the model's as they are now: the same parameters, storage and
         version, the same modules, and no hooks or replaced ``forward`` added since. Runs before every forward, so
-        written as plain loops (0.16-0.19 ms for SmolLM2-135M's 273 parameters and 396 modules, docs/engines.md)."""
+        written as plain loops (0.18-0.22 ms for SmolLM2-135M's 273 parameters and 396 modules, docs/engines.md)."""
         for module, name, p, version, ptr in self._watched:
             q = module._parameters.get(name)
             # kv_cache.weight_version inline: an inference tensor keeps no version (None), so a parameter whose data
