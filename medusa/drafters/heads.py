@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from medusa.drafters.prefix_layer import PrefixAttention, PrefixContext
+from medusa.engines import kv_cache
 from medusa.io.files import read_json  # noqa: F401 - read by medusa.io.checkpoint from here too
 from medusa.registry import claim
 
@@ -285,7 +286,7 @@ class _HeadsBase(nn.Module):
         if (self.drafter_products is None or torch.is_grad_enabled() or rows.device.type != "cpu"
                 or rows.dtype != weight.dtype or weight.device.type != "cpu"):
             return None
-        key = (weight.data_ptr(), _version(weight), weight.dtype)
+        key = (weight.data_ptr(), kv_cache.weight_version(weight), weight.dtype)
         made = self.__dict__.setdefault("_products", {})
         hit = made.get(role)
         if hit is None or hit[0] is not self.drafter_products or hit[1] != key:  # another engine's: made again
@@ -527,7 +528,7 @@ class HydraHeads(_HeadsBase):
         linears = [block.linear for block in self.blocks[k]]
         weights = (layer.weight, self.shared_weight_t, layer.bias,
                    *(w for lin in linears for w in (lin.weight, lin.bias)))
-        key = (rows.dtype, *((w.data_ptr(), _version(w)) if w is not None else None for w in weights))
+        key = (rows.dtype, *((w.data_ptr(), kv_cache.weight_version(w)) if w is not None else None for w in weights))
         cache = self.__dict__.setdefault("_fused_levels", {})
         hit = cache.get(k)
         if hit is not None and hit[0] is self.drafter_products and hit[1] == key:  # the products object itself
@@ -556,12 +557,6 @@ class HydraHeads(_HeadsBase):
         num = self.config.num_heads
         padded = nn.functional.pad(input_ids, (0, num), value=0)  # (..., T + K)
         return padded.unfold(-1, num, 1)[..., 1:, :]  # (..., T, K)
-
-
-def _version(weight: torch.Tensor) -> int | None:
-    """``weight``'s in-place version counter, or ``None`` for an inference tensor (made under
-    ``torch.inference_mode()``), which keeps none (as :func:`medusa.engines.kv_cache.weight_version`)."""
-    return None if weight.is_inference() else weight._version
 
 
 def build_heads(config: MedusaHeadsConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None,
