@@ -376,6 +376,10 @@ class RunningBatch:
         """Rows summed over those forwards."""
         self.max_rows = 0
         """The most rows one forward held."""
+        self.prefix_store = None
+        """A :class:`medusa.decode.prefix.PrefixStore`: prompts keep their prefilled positions there, and a prompt
+        that starts like a kept one is prefilled from after the shared tokens (exact through the engines that give
+        snapshots); ``None``: every prompt is prefilled whole."""
 
     @property
     def keys(self) -> list:
@@ -400,7 +404,9 @@ class RunningBatch:
               stats: GenerationStats | None = None, decoding: Decoding | None = None) -> Joining:
         """Start row ``key`` (as :meth:`join`) without computing anything: its checks, rule and fresh cache. The
         prompt then goes through :meth:`prefill`, in as many chunks as the caller likes, between the batch's steps
-        (chunked prefill: a long prompt does not hold the running rows up for its whole forward).
+        (chunked prefill: a long prompt does not hold the running rows up for its whole forward). With a
+        :attr:`prefix_store`, the positions the prompt shares with a kept one are copied in first
+        (:attr:`Joining.done` counts them) and :meth:`prefill` goes on from there.
 
         Raises:
             ValueError: as :meth:`join`.
@@ -415,7 +421,19 @@ class RunningBatch:
         processors = decoding.processors(len(prompt), max_new_tokens, stop, prompt.device)
         rule = acceptance_rule(decoding, self.vocab_size, prompt.device)
         cache = self.engine.new_cache(len(prompt) + max_new_tokens + self.drafter.max_nodes)
-        return Joining(key, prompt, max_new_tokens, stop, stats, rule, processors, cache)
+        joining = Joining(key, prompt, max_new_tokens, stop, stats, rule, processors, cache)
+        if self.prefix_store is not None:
+            start = time.perf_counter()
+            shared, entry = self.prefix_store.find(prompt)
+            if entry is not None and self.engine.restore_prefix(entry.snapshot, cache, shared):
+                joining.done = shared
+                joining.states = [entry.states[:shared].to(prompt.device)]
+                self.prefix_store.hits += 1
+                self.prefix_store.reused_tokens += shared
+            elif entry is not None:  # made before the weights changed: it never will be restored
+                self.prefix_store.discard(entry)
+            stats.prefill_s += time.perf_counter() - start
+        return joining
 
     @torch.inference_mode()
     def prefill(self, joining: Joining, tokens: int) -> Step | None:
@@ -448,6 +466,9 @@ class RunningBatch:
         sequence = torch.cat([prompt, root[None]])  # (T+1,) what the processors see: prompt + emitted tokens
         state = self.drafter.new_state()
         states = joining.states[0] if len(joining.states) == 1 else torch.cat(joining.states)  # (T, ...)
+        if self.prefix_store is not None:  # before the cache joins the batch's
+            kept = min(len(prompt), self.prefix_store.max_tokens)
+            self.prefix_store.add(prompt, self.engine.prefix_snapshot(joining.cache, kept), states)
         self.drafter.start(state, states, sequence[1:])
         joining.states = []
         stats = joining.stats

@@ -308,6 +308,21 @@ class Engine(abc.ABC):
             return (cache, *self.forward_features(input_ids, positions, mask, cache, layers, slice(-1, None)))
         return (cache, *self.forward(input_ids, positions, mask, cache, logits_for=slice(-1, None)))
 
+    def prefix_snapshot(self, cache, length: int):
+        """A copy of the first ``length`` positions of a one-row ``cache`` just prefilled, for
+        :meth:`restore_prefix` into the cache of a later prompt that starts with the same tokens
+        (:mod:`medusa.decode.prefix`), with ``nbytes`` and ``length``; ``None`` where this engine cannot promise
+        that a prompt prefilled from the copy gets the bits of one prefilled whole. Here ``None``: torch's kernels
+        may round a token's sums differently with the number of tokens in the forward. The engines whose forward
+        gives each token the same bits however the prompt is cut (the C forwards) override it."""
+        return None
+
+    def restore_prefix(self, snapshot, cache, length: int) -> bool:
+        """Put the first ``length`` positions of ``snapshot`` (:meth:`prefix_snapshot` of this engine) into the
+        fresh one-row ``cache`` and count them as cached; ``False``, nothing written, where it cannot (here
+        always; the engine rebuilt its weights since the copy, in the C engines)."""
+        return False
+
     def stack_rows(self, caches: list):
         """One batched cache from caches of this engine holding one row or more each, of different lengths
         (:func:`medusa.engines.kv_cache.stack_rows`)."""

@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -446,6 +447,19 @@ def _pointers(tensors: list[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
+class PrefixSnapshot:
+    """The keys and values of a prompt's first positions, as :meth:`NativeDecoder.snapshot` copied them: ``kv``
+    ``(layers * 2 * kv_heads, length, head_dim)`` fp32, ``length`` positions, and a weak reference to the decoder
+    (the engine's build of the weights) that wrote them."""
+
+    def __init__(self, decoder: weakref.ref, kv: torch.Tensor, length: int):
+        self.decoder, self.kv, self.length = decoder, kv, length
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
 class NativeDecoder:
     """The decoder of a Llama-family model run by one C call per forward (see the module docstring). Same
     interface as :class:`medusa.engines.lean.LeanDecoder`.
@@ -526,6 +540,33 @@ class NativeDecoder:
             cos, sin = self.stack.rotary_emb(x[None, :1], position_ids=torch.arange(size)[None])  # (1, P, D) each
             table = self.__dict__["_rotary_table"] = (cos[0].float().contiguous(), sin[0].float().contiguous())
         return table[0][positions].contiguous(), table[1][positions].contiguous()
+
+    def snapshot(self, cache, length: int) -> PrefixSnapshot | None:
+        """A copy of the first ``length`` positions of a one-row ``cache`` this decoder wrote (every layer's keys
+        and values), for :meth:`restore` into another cache: ``None`` where the cache holds fewer positions or was
+        not written by a decoder of this layout. Each token's keys and values are its own (the forward's sums never
+        mix tokens), so they are the ones a forward over any longer prompt with the same first ``length`` tokens
+        writes there (:mod:`medusa.decode.prefix`)."""
+        store = getattr(cache, "slot_store", None)
+        if (store is None or cache.length < length or length < 1
+                or store.shape[0] != len(cache.layers) * 2 * self.kv_heads):
+            return None
+        return PrefixSnapshot(weakref.ref(self), store[:, :length].clone(), length)
+
+    def restore(self, snapshot: PrefixSnapshot, cache, length: int) -> bool:
+        """Write the first ``length`` positions of ``snapshot`` into the fresh one-row ``cache`` (nothing written
+        yet) and count them as cached. ``False``, nothing written, where the snapshot was made by another decoder
+        (the engine rebuilt its weights since), holds fewer positions, or the cache is not fresh or too small."""
+        if (snapshot.decoder() is not self or length > snapshot.length or cache.length != 0
+                or length > cache.capacity or any(layer.keys is not None for layer in cache.layers)):
+            return False
+        self._buffers(cache)
+        store = cache.slot_store
+        if store.shape[0] != snapshot.kv.shape[0] or store.shape[2:] != snapshot.kv.shape[2:]:
+            return False
+        store[:, :length] = snapshot.kv[:, :length]
+        cache.length = length
+        return True
 
     def _buffers(self, cache):
         """The cache's ``(1, Hkv, capacity, D)`` fp32 key and value buffers of every layer, made at the first write."""

@@ -61,6 +61,11 @@ class ServeConfig:
     """Open connections at once; one more is closed as soon as it is made."""
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
+    prefix_cache_mb: float = 64.0
+    """Megabytes of prefilled prompts' keys and values kept, so that a prompt starting with the same tokens as a
+    kept one (the chat template's system turn, a conversation's earlier turns) is prefilled from after them
+    (:class:`medusa.decode.prefix.PrefixStore`): exact, and only through the engines whose forward gives each token
+    the same bits however its prompt is cut (``native`` and the native int4 decoders); 0: off."""
     idle_release_s: float = 2.0
     """After this many seconds with no request, the C allocator's free memory goes back to the system, so that the
     resident size falls back after a busy spell (glibc ``malloc_trim``); 0: never."""
@@ -98,6 +103,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 <= self.prefix_cache_mb < float("inf"):  # also refuses NaN
+            raise ValueError(f"prefix_cache_mb must be >= 0 and finite (0: off), got {self.prefix_cache_mb}")
         if not self.idle_release_s >= 0:  # also refuses NaN
             raise ValueError(f"idle_release_s must be >= 0 (0: never), got {self.idle_release_s}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
@@ -147,7 +154,8 @@ class Server:
         self.model, self.config = model, config
         self.scheduler = Scheduler(model, config.max_running, config.max_waiting, config.speculation,
                                    profile_forward_s(model) if config.speculation == "auto" else None,
-                                   config.prefill_chunk, config.idle_release_s)
+                                   config.prefill_chunk, config.idle_release_s,
+                                   int(config.prefix_cache_mb * (1 << 20)))
         self.drain_deadline: float | None = None
         """Set on SIGTERM (:meth:`drain`): requests still running then end with an error."""
         text_config = model.base.config.get_text_config(decoder=True)

@@ -47,6 +47,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=default["prefill_chunk"],
                    help="prompt tokens prefilled per scheduler round: a longer prompt joins over several rounds, "
                         "the running requests stepping between them")
+    p.add_argument("--prefix-cache-mb", type=float, default=default["prefix_cache_mb"],
+                   help="megabytes of prefilled prompts kept, so that a prompt starting like a kept one (the chat "
+                        "template's system turn, a conversation's earlier turns) is prefilled from after the shared "
+                        "tokens; exact, through the native engines only; 0: off")
     p.add_argument("--max-body-bytes", type=int, default=default["max_body_bytes"],
                    help="largest request body, counted as it arrives (413 beyond)")
     p.add_argument("--max-header-bytes", type=int, default=default["max_header_bytes"],

@@ -26,6 +26,7 @@ import torch
 
 from medusa.decode.logits_process import Decoding
 from medusa.decode.loop import GenerationStats, Joining, RunningBatch, Step
+from medusa.decode.prefix import PrefixStore
 from medusa.drafters.composite import NoDrafter
 from medusa.engines.threads import release_openmp_threads
 
@@ -192,14 +193,19 @@ class Scheduler:
         speculation: one of :data:`SPECULATION`.
         idle_release_s: after this many seconds with nothing to do (once per idle spell), the free memory of the
             C allocator goes back to the system (:func:`release_free_memory`); 0: never.
+        prefix_cache_bytes: the most bytes of prefilled prompts' keys and values kept for later prompts that start
+            alike (:class:`medusa.decode.prefix.PrefixStore`; exact, through the engines that give snapshots); 0:
+            none kept.
     """
 
     def __init__(self, model, max_running: int = 16, max_waiting: int = 64, speculation: str = "auto",
                  forward_s: Callable[[int], float] | None = None, prefill_chunk: int = 256,
-                 idle_release_s: float = 2.0):
-        if max_running < 1 or max_waiting < 0 or prefill_chunk < 1 or not idle_release_s >= 0:
-            raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting and idle_release_s >= 0, "
-                             f"got {max_running}, {prefill_chunk}, {max_waiting}, {idle_release_s}")
+                 idle_release_s: float = 2.0, prefix_cache_bytes: int = 0):
+        if (max_running < 1 or max_waiting < 0 or prefill_chunk < 1 or not idle_release_s >= 0
+                or prefix_cache_bytes < 0):
+            raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting, idle_release_s and "
+                             f"prefix_cache_bytes >= 0, got {max_running}, {prefill_chunk}, {max_waiting}, "
+                             f"{idle_release_s}, {prefix_cache_bytes}")
         self.idle_release_s = idle_release_s
         self.memory_releases = 0
         """Idle spells after which the free memory was handed back (:func:`release_free_memory`)."""
@@ -213,6 +219,8 @@ class Scheduler:
         drafter = NoDrafter() if speculation == "off" else model.drafter
         # Every node scored in one product where the engine declares it cheaper (as generate does), else the path.
         self.batch = RunningBatch(model.base, drafter, model.engine)
+        if prefix_cache_bytes:
+            self.batch.prefix_store = PrefixStore(prefix_cache_bytes)
         self.jobs: dict[int, Job] = {}  # the batch's rows by key
         self.waiting: deque[Job] = deque()
         self.stop_ids = model.stop_token_ids()
@@ -275,7 +283,15 @@ class Scheduler:
                 "batched_forwards": batch.forwards,
                 "max_rows_per_forward": batch.max_rows, "row_forwards": batch.row_forwards,
                 "plain_steps": self.plain_steps, "sampling_row_steps": self.sampling_row_steps,
-                "memory_releases": self.memory_releases, "last_memory_release_ms": self.last_release_ms}
+                "memory_releases": self.memory_releases, "last_memory_release_ms": self.last_release_ms,
+                **self._prefix_counters()}
+
+    def _prefix_counters(self) -> dict:
+        store = self.batch.prefix_store
+        if store is None:
+            return {"prefix_cache_bytes": 0, "prefix_hits": 0, "prefix_reused_tokens": 0}
+        return {"prefix_cache_bytes": store.nbytes, "prefix_hits": store.hits,
+                "prefix_reused_tokens": store.reused_tokens}
 
     # -- the scheduler thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
