@@ -98,6 +98,69 @@ def test_a_prefix_kept_before_the_weights_changed_is_not_restored():
     assert changed[0][0] == fresh[0][0] and torch.equal(changed[0][1], fresh[0][1])
 
 
+def run_chunked(batch: RunningBatch, prompt: torch.Tensor, chunk: int, between=lambda n: None):
+    """``prompt`` through ``batch`` in chunks of ``chunk``, ``between(n)`` called before the n-th: (tokens, the
+    prompt positions' keys and values after its prefill)."""
+    joining, step, n = batch.begin(0, prompt, 10, set()), None, 0
+    while step is None:
+        between(n)
+        step = batch.prefill(joining, chunk)
+        n += 1
+    kv = torch.stack([torch.cat([layer.keys[:, :, : len(prompt)], layer.values[:, :, : len(prompt)]])
+                      for layer in joining.cache.layers])
+    tokens = list(step.tokens)
+    while batch.rows:
+        tokens += batch.step()[0][1].tokens
+    return tokens, kv
+
+
+@pytest.mark.parametrize("when", ["between a kept prompt's chunks", "after begin copied a prefix in",
+                                  "a hook on a middle chunk"])
+def test_a_cache_written_by_two_builds_or_a_static_forward_is_never_kept_or_used(when):
+    """The weights change, or a forward hook makes one chunk run as static, while a prompt is being prefilled: no
+    snapshot comes from that mixed cache, and a prompt whose copied prefix predates a change is prefilled whole, so
+    every prompt gets the tokens and cache of a whole prefill under the weights of its own forwards."""
+    native_or_skip()
+    model = tiny_model("llama")
+    drafter = tree_drafter(random_heads(model), TREE)
+    engine = make_engine("native", model)
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(3, 300, (24,), generator=gen)
+    second = torch.cat([first, torch.randint(3, 300, (6,), generator=gen)])
+    batch = RunningBatch(model, drafter, engine)
+    batch.prefix_store = store = PrefixStore(1 << 24, min_tokens=4)
+    weight = model.model.layers[0].mlp.down_proj.weight
+
+    def change(n):
+        if n == 1:
+            with torch.no_grad():
+                weight.mul_(3.0)
+
+    if when == "between a kept prompt's chunks":
+        run_chunked(batch, first, 8, change)
+        assert not store.entries  # its cache holds positions of two builds
+        got = run_chunked(batch, second, 1000)
+    elif when == "after begin copied a prefix in":
+        run_chunked(batch, first, 1000)
+        got = run_chunked(batch, second, 1000, lambda n: change(n + 1))  # begin copies 24, then the weights change
+        assert store.hits == 0 and store.reused_tokens == 0
+    else:
+        hook = []
+
+        def hooked(n):
+            if n == 1:
+                hook.append(model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: o * 5.0))
+            elif n == 2:
+                hook.pop().remove()
+
+        with pytest.warns(RuntimeWarning, match="runs as 'static'"):
+            run_chunked(batch, first, 8, hooked)
+        assert not store.entries
+        got = run_chunked(batch, second, 1000)
+    whole = run_chunked(RunningBatch(model, drafter, engine), second, 1000)
+    assert got[0] == whole[0] and torch.equal(got[1], whole[1])
+
+
 def fake(length: int, nbytes: int):
     return SimpleNamespace(length=length, nbytes=nbytes)
 
@@ -125,12 +188,12 @@ def test_the_store_keeps_to_its_budget_and_finds_the_longest_shared_prefix():
     store.clear()
     assert store.nbytes == 0 and not store.entries and store.find(torch.arange(9)) == (0, None)
     assert not store.add(torch.arange(5), fake(5, 2000), states)  # alone over the budget
-    for bad in ((-1, 8, 16), (10, 0, 16), (10, 8, 4)):
+    for bad in ((-1, 8, 16), (float("nan"), 8, 16), (float("inf"), 8, 16), (10, 0, 16), (10, 8, 4)):
         with pytest.raises(ValueError, match="budget_bytes >= 0 and 1 <= min_tokens <= max_tokens"):
             PrefixStore(*bad)
 
 
-@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 1e308])
 def test_the_server_refuses_a_prefix_budget_that_is_not_a_size(value):
     with pytest.raises(ValueError, match="prefix_cache_mb must be >= 0 and finite"):
         ServeConfig("m", prefix_cache_mb=value)

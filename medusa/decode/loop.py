@@ -330,6 +330,9 @@ class Joining:
     """Prompt tokens prefilled so far."""
     states: list = field(default_factory=list)
     """What the drafter reads of each chunk (:func:`base_forward`'s states), until it starts."""
+    restored: object = None
+    """The prefix snapshot copied in at :meth:`RunningBatch.begin`, until the first :meth:`RunningBatch.prefill`
+    checks that the engine still computes with its weights."""
 
     @property
     def left(self) -> int:
@@ -426,7 +429,7 @@ class RunningBatch:
             start = time.perf_counter()
             shared, entry = self.prefix_store.find(prompt)
             if entry is not None and self.engine.restore_prefix(entry.snapshot, cache, shared):
-                joining.done = shared
+                joining.done, joining.restored = shared, entry.snapshot
                 joining.states = [entry.states[:shared].to(prompt.device)]
                 self.prefix_store.hits += 1
                 self.prefix_store.reused_tokens += shared
@@ -450,6 +453,13 @@ class RunningBatch:
             raise ValueError(f"prefill takes at least one token of a prompt not yet joined, got {tokens} with "
                              f"{len(joining.prompt) - joining.done} left")
         start, device, prompt = time.perf_counter(), joining.prompt.device, joining.prompt
+        if joining.restored is not None:
+            snapshot, joining.restored = joining.restored, None
+            if not self.engine.prefix_current(snapshot):  # the weights changed since begin(): prefill it whole
+                if self.prefix_store is not None:
+                    self.prefix_store.hits -= 1
+                    self.prefix_store.reused_tokens -= joining.done
+                joining.cache.length, joining.done, joining.states = 0, 0, []
         first, stop = joining.done, min(len(prompt), joining.done + tokens)
         last = stop == len(prompt)
         logits, _, states = base_forward(self.engine, self.drafter.base_layers, prompt[first:stop],

@@ -46,12 +46,12 @@ class PrefixStore:
         max_tokens: the most leading tokens of a prompt kept (a longer prompt keeps its first ``max_tokens``).
 
     Raises:
-        ValueError: a budget below 0, ``min_tokens`` below 1 or ``max_tokens`` below ``min_tokens``.
+        ValueError: a budget below 0 or not finite, ``min_tokens`` below 1 or ``max_tokens`` below ``min_tokens``.
     """
 
     def __init__(self, budget_bytes: int, min_tokens: int = 8, max_tokens: int = 1024):
-        if budget_bytes < 0 or min_tokens < 1 or max_tokens < min_tokens:
-            raise ValueError(f"a prefix store takes budget_bytes >= 0 and 1 <= min_tokens <= max_tokens, got "
+        if not 0 <= budget_bytes < float("inf") or min_tokens < 1 or max_tokens < min_tokens:  # NaN refused too
+            raise ValueError(f"a prefix store takes a finite budget_bytes >= 0 and 1 <= min_tokens <= max_tokens, got "
                              f"{budget_bytes}, {min_tokens}, {max_tokens}")
         self.budget_bytes, self.min_tokens, self.max_tokens = budget_bytes, min_tokens, max_tokens
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first

@@ -323,6 +323,11 @@ class Engine(abc.ABC):
         always; the engine rebuilt its weights since the copy, in the C engines)."""
         return False
 
+    def prefix_current(self, snapshot) -> bool:
+        """Whether the next forward still computes with the weights ``snapshot`` was made with (checked again before
+        the first forward after :meth:`restore_prefix`: the weights may change in between); here ``False``."""
+        return False
+
     def stack_rows(self, caches: list):
         """One batched cache from caches of this engine holding one row or more each, of different lengths
         (:func:`medusa.engines.kv_cache.stack_rows`)."""

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
@@ -447,13 +447,20 @@ def _pointers(tensors: list[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
+_BUILDS = itertools.count(1)
+"""Numbers the :class:`NativeDecoder` objects made in this process (one per build of an engine's weights)."""
+WRITER = "_native_writer"
+"""A cache's attribute: the :attr:`NativeDecoder.build` that wrote every position it holds, or 0 where another
+forward (a ``static`` one, another build) wrote some of them."""
+
+
 class PrefixSnapshot:
     """The keys and values of a prompt's first positions, as :meth:`NativeDecoder.snapshot` copied them: ``kv``
-    ``(layers * 2 * kv_heads, length, head_dim)`` fp32, ``length`` positions, and a weak reference to the decoder
-    (the engine's build of the weights) that wrote them."""
+    ``(layers * 2 * kv_heads, length, head_dim)`` fp32, ``length`` positions, and ``build``, the number of the
+    decoder (the engine's build of the weights) that wrote all of them."""
 
-    def __init__(self, decoder: weakref.ref, kv: torch.Tensor, length: int):
-        self.decoder, self.kv, self.length = decoder, kv, length
+    def __init__(self, build: int, kv: torch.Tensor, length: int):
+        self.build, self.kv, self.length = build, kv, length
 
     @property
     def nbytes(self) -> int:
@@ -498,6 +505,8 @@ class NativeDecoder:
         self.hidden = decoder.embed_tokens.weight.shape[1]
         self.q_heads = attn.q_proj.out_features // attn.head_dim
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.build = next(_BUILDS)
+        """This decoder's number in the process: a prefix snapshot is restored only by the build that made it."""
         self.intermediate = first.mlp.gate_proj.out_features
         self.scaling = float(attn.scaling)
         self.eps = float(first.input_layernorm.variance_epsilon)
@@ -548,16 +557,16 @@ class NativeDecoder:
         mix tokens), so they are the ones a forward over any longer prompt with the same first ``length`` tokens
         writes there (:mod:`medusa.decode.prefix`)."""
         store = getattr(cache, "slot_store", None)
-        if (store is None or cache.length < length or length < 1
+        if (store is None or cache.length < length or length < 1 or cache.__dict__.get(WRITER) != self.build
                 or store.shape[0] != len(cache.layers) * 2 * self.kv_heads):
-            return None
-        return PrefixSnapshot(weakref.ref(self), store[:, :length].clone(), length)
+            return None  # also where some position came from another forward (another build, a static one)
+        return PrefixSnapshot(self.build, store[:, :length].clone(), length)
 
     def restore(self, snapshot: PrefixSnapshot, cache, length: int) -> bool:
         """Write the first ``length`` positions of ``snapshot`` into the fresh one-row ``cache`` (nothing written
         yet) and count them as cached. ``False``, nothing written, where the snapshot was made by another decoder
         (the engine rebuilt its weights since), holds fewer positions, or the cache is not fresh or too small."""
-        if (snapshot.decoder() is not self or length > snapshot.length or cache.length != 0
+        if (snapshot.build != self.build or length > snapshot.length or cache.length != 0
                 or length > cache.capacity or any(layer.keys is not None for layer in cache.layers)):
             return False
         self._buffers(cache)
@@ -566,6 +575,7 @@ class NativeDecoder:
             return False
         store[:, :length] = snapshot.kv[:, :length]
         cache.length = length
+        cache.__dict__[WRITER] = self.build
         return True
 
     def _buffers(self, cache):
@@ -597,6 +607,8 @@ class NativeDecoder:
         """
         n, length = len(input_ids), cache.length
         cache.begin_step(n)
+        # which build wrote this cache's positions (snapshot() copies only a cache one build wrote entirely)
+        cache.__dict__[WRITER] = self.build if length == 0 or cache.__dict__.get(WRITER) == self.build else 0
         x = self.stack.embed_tokens(input_ids[None])[0].float().contiguous()  # (N, H), new: the C call overwrites it
         cos, sin = self._rotary(x, positions)
         offsets, index = _visible(tree_mask)

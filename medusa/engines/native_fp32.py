@@ -203,12 +203,20 @@ class NativeEngine(StaticEngine):
         """Only while the next forward runs the C decoder that made ``snapshot`` (the model unchanged since)."""
         return self._ready() and self.lean.restore(snapshot, cache, length)
 
+    def prefix_current(self, snapshot) -> bool:
+        """Whether the next forward runs the C decoder that made ``snapshot`` (rebuilt first where the model
+        changed, as a forward would)."""
+        return self._ready() and self.lean.build == snapshot.build
+
     def _scores_all_nodes(self) -> bool:
         """Its lm_head over a few rows costs about one row's read: score every node."""
         return True
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         if not self._ready():
+            from medusa.engines.native import WRITER
+
+            cache.__dict__[WRITER] = 0  # positions the C decoder did not write: no prefix snapshot of this cache
             return super()._forward(input_ids, positions, tree_mask, cache, logits_for, layers)
         hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)
         logits = self._head_logits(hidden if logits_for is None else hidden[logits_for])

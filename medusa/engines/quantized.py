@@ -556,6 +556,9 @@ class QuantizedEngine(StaticEngine):
 
         return isinstance(self.lean, NativeDecoder) and self.lean.restore(snapshot, cache, length)
 
+    def prefix_current(self, snapshot) -> bool:
+        return getattr(self.lean, "build", None) == snapshot.build
+
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         if self.lean is not None:
             hidden, features = self.lean.forward(input_ids, positions, tree_mask, cache, self.mask, layers)

@@ -103,7 +103,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if not 0 <= self.prefix_cache_mb < float("inf"):  # also refuses NaN
+        if not 0 <= self.prefix_cache_mb * (1 << 20) < float("inf"):  # also refuses NaN, and a size beyond floats
             raise ValueError(f"prefix_cache_mb must be >= 0 and finite (0: off), got {self.prefix_cache_mb}")
         if not self.idle_release_s >= 0:  # also refuses NaN
             raise ValueError(f"idle_release_s must be >= 0 (0: never), got {self.idle_release_s}")

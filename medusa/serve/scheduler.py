@@ -202,7 +202,7 @@ class Scheduler:
                  forward_s: Callable[[int], float] | None = None, prefill_chunk: int = 256,
                  idle_release_s: float = 2.0, prefix_cache_bytes: int = 0):
         if (max_running < 1 or max_waiting < 0 or prefill_chunk < 1 or not idle_release_s >= 0
-                or prefix_cache_bytes < 0):
+                or not 0 <= prefix_cache_bytes < float("inf")):
             raise ValueError(f"max_running and prefill_chunk must be >= 1 and max_waiting, idle_release_s and "
                              f"prefix_cache_bytes >= 0, got {max_running}, {prefill_chunk}, {max_waiting}, "
                              f"{idle_release_s}, {prefix_cache_bytes}")
