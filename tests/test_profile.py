@@ -82,7 +82,9 @@ def test_a_profile_is_measured_written_and_read_back(tmp_path, monkeypatch):
     for name in ("eager", "static", "onednn"):
         split = profile.engines[name]["one_token_split_s"]
         assert split["products_s"] > 0 and split["outside_s"] >= 0
-        assert split["products_s"] + split["outside_s"] < 10 * profile.forward_s(name, 1)
+        # one forward's parts, not a sum over the timed rounds: a loose bound, as both are timed on a shared machine
+        # (with another job on the 2 cores one split took 10.3 ms against a 1.0 ms forward)
+        assert split["products_s"] + split["outside_s"] < 50 * profile.forward_s(name, 1)
 
     def must_not_measure(*args, **kwargs):
         raise AssertionError("a matching stored profile was measured again")
