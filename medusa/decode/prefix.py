@@ -10,7 +10,13 @@ prefilled from there (:meth:`medusa.decode.loop.RunningBatch.begin`).
 Exact, not approximate: an engine gives a snapshot only where a token's keys, values and logits come out bit for bit
 the same however its prompt is cut into forwards (the C forwards, whose products and attention are each token's
 own); the others give none, and nothing is reused through them. A snapshot names the engine's build of the weights
-it was made with, so one made before the weights changed is never restored.
+it was made with, so one made before the weights changed is never restored (checked again at the prompt's first
+forward), and a cache that another build or a ``static`` forward wrote any position of gives none. A weight edited
+through ``.data`` is not seen (as by the engine itself) until ``engine.refresh(force=True)`` makes a new build.
+
+The idea is the serving engines' (vLLM's automatic prefix caching over PagedAttention's blocks, Kwon et al. 2023;
+SGLang's RadixAttention, Zheng et al. 2024), kept small here: whole prompts, a linear scan for the longest shared
+prefix, and exactness instead of reuse through every engine.
 
 Bounded: the copies' bytes stay within ``budget_bytes``; the least recently used entries go first, and an entry
 whose tokens begin a newer one's is dropped (the newer one covers it).
