@@ -452,10 +452,26 @@ def cmd_profile(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from medusa.tools.bench import machine_load
+
+    load, stages = machine_load(torch.get_num_threads()), []
+
+    def progress(text: str) -> None:  # called only while something is measured (a stored profile is read silently)
+        stages.append(text)
+        _stderr(text)
+
     profile, choices = profile_machine(args.base, args.dtype, args.device, args.engines, args.heads, args.step_size,
-                                       args.refresh, _stderr)
+                                       args.refresh, progress)
+    after = machine_load(torch.get_num_threads())
     print(json.dumps(profile.to_dict(), indent=1) if args.json else
           report.profile_table(profile.to_dict(), str(profile.path), choices))
+    measured_now = bool(stages)
+    busy = [f"{when}: {w['warning'].split(':')[0]}" for when, w in (("before", load), ("after", after))
+            if w["warning"]]
+    if measured_now and busy:  # what it stored is read by --engine auto and the per-step tree from now on
+        _stderr(f"warning: this profile was measured on a busy machine ({'; '.join(busy)}): `--engine auto` and "
+                f"the per-step tree read these costs; measure again when the machine is idle: medusa profile "
+                f"--base {args.base} --refresh")
     if args.plot:
         from medusa.tools.plots import plot_profile
 

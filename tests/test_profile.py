@@ -109,6 +109,8 @@ def fast_measure(monkeypatch):
 
     def fake_measure(model, candidates=None, progress=None):
         calls.append(model)
+        if progress is not None:  # as the real one announces each stage
+            progress("profile: (a fake measurement)")
         return fake_profile(prof.profile_key(model), 50.0, AMD_LIKE)
 
     monkeypatch.setattr(measure, "measure_profile", fake_measure)
@@ -323,6 +325,16 @@ def test_profile_command_prints_the_table_and_auto_choice(tmp_path, fast_measure
     assert len(fast_measure) == 2
     assert main(["profile", "--base", str(base), "--engines", "turbo"]) == 2
     assert "unknown engine(s) turbo" in capsys.readouterr().err
+    # measured on a busy machine: said, with how to measure again; measured on an idle one: not said
+    monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (64.0, 60.0, 50.0))
+    monkeypatch.setattr("medusa.tools.bench.running_elsewhere", lambda: 63)
+    assert main(["profile", "--base", str(base), "--refresh", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: this profile was measured on a busy machine (before: load average 64.0" in err
+    assert "; after: load average 64.0" in err and "--refresh" in err
+    monkeypatch.setattr("medusa.tools.bench.load_average", lambda: (0.1, 0.1, 0.1))
+    assert main(["profile", "--base", str(base), "--refresh", "--json"]) == 0
+    assert "busy machine" not in capsys.readouterr().err
 
 
 def test_dtype_auto_keeps_float32_without_bf16_hardware_and_takes_bf16_where_it_pays(monkeypatch, tmp_path):
