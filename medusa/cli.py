@@ -367,10 +367,9 @@ def cmd_bench(args) -> int:
         result["drift"] = drift_from(original, model.base, args.drift_data, args.limit)
         print(f"drift from {result['drift']['original']}: {report.drift_text(result['drift'])}")
     print(report.batch_bench_table(result) if args.batch_size else report.bench_text(result, reference, args.compare))
-    busy = [f"{when}: {w['warning'].split(':')[0]}" for when, w in (("before", load), ("after", after))
-            if w["warning"]]
+    busy = report.busy_during(load, after)
     if busy:  # beside the table too (stdout), where a summary that shows the table shows it
-        line = (f"warning: measured on a busy machine ({'; '.join(busy)}): the tokens/s and speedups say little; "
+        line = (f"warning: measured on a busy machine ({busy}): the tokens/s and speedups say little; "
                 f"run it again when the machine is idle")
         print(line)
         _stderr(line)
@@ -462,16 +461,12 @@ def cmd_profile(args) -> int:
 
     profile, choices = profile_machine(args.base, args.dtype, args.device, args.engines, args.heads, args.step_size,
                                        args.refresh, progress)
-    after = machine_load(torch.get_num_threads())
+    busy = report.busy_during(load, machine_load(torch.get_num_threads()))
     print(json.dumps(profile.to_dict(), indent=1) if args.json else
           report.profile_table(profile.to_dict(), str(profile.path), choices))
-    measured_now = bool(stages)
-    busy = [f"{when}: {w['warning'].split(':')[0]}" for when, w in (("before", load), ("after", after))
-            if w["warning"]]
-    if measured_now and busy:  # what it stored is read by --engine auto and the per-step tree from now on
-        _stderr(f"warning: this profile was measured on a busy machine ({'; '.join(busy)}): `--engine auto` and "
-                f"the per-step tree read these costs; measure again when the machine is idle: medusa profile "
-                f"--base {args.base} --refresh")
+    if stages and busy:  # what it stored is read by --engine auto and the per-step tree from now on
+        _warn(f"this profile was measured on a busy machine ({busy}): `--engine auto` and the per-step tree read "
+              f"these costs; measure again when the machine is idle: medusa profile --base {args.base} --refresh")
     if args.plot:
         from medusa.tools.plots import plot_profile
 

@@ -431,8 +431,6 @@ class RunningBatch:
             if entry is not None and self.engine.restore_prefix(entry.snapshot, cache, shared):
                 joining.done, joining.restored = shared, entry.snapshot
                 joining.states = [entry.states[:shared].to(prompt.device)]
-                self.prefix_store.hits += 1
-                self.prefix_store.reused_tokens += shared
             elif entry is not None:  # made before the weights changed: it never will be restored
                 self.prefix_store.discard(entry)
             stats.prefill_s += time.perf_counter() - start
@@ -456,10 +454,10 @@ class RunningBatch:
         if joining.restored is not None:
             snapshot, joining.restored = joining.restored, None
             if not self.engine.prefix_current(snapshot):  # the weights changed since begin(): prefill it whole
-                if self.prefix_store is not None:
-                    self.prefix_store.hits -= 1
-                    self.prefix_store.reused_tokens -= joining.done
                 joining.cache.length, joining.done, joining.states = 0, 0, []
+            elif self.prefix_store is not None:
+                self.prefix_store.hits += 1
+                self.prefix_store.reused_tokens += joining.done
         first, stop = joining.done, min(len(prompt), joining.done + tokens)
         last = stop == len(prompt)
         logits, _, states = base_forward(self.engine, self.drafter.base_layers, prompt[first:stop],

@@ -308,25 +308,34 @@ class Engine(abc.ABC):
             return (cache, *self.forward_features(input_ids, positions, mask, cache, layers, slice(-1, None)))
         return (cache, *self.forward(input_ids, positions, mask, cache, logits_for=slice(-1, None)))
 
+    def _prefix_decoder(self):
+        """The C decoder (:class:`medusa.engines.native.NativeDecoder`) the next forward runs, whose one-row caches
+        give exact prefix snapshots; ``None`` here: torch's kernels may round a token's sums differently with the
+        number of tokens in the forward, so a prompt prefilled from a copy would not get the bits of one prefilled
+        whole. The engines whose forward gives each token the same bits however the prompt is cut override it."""
+        return None
+
     def prefix_snapshot(self, cache, length: int):
         """A copy of the first ``length`` positions of a one-row ``cache`` just prefilled, for
         :meth:`restore_prefix` into the cache of a later prompt that starts with the same tokens
         (:mod:`medusa.decode.prefix`), with ``nbytes`` and ``length``; ``None`` where this engine cannot promise
-        that a prompt prefilled from the copy gets the bits of one prefilled whole. Here ``None``: torch's kernels
-        may round a token's sums differently with the number of tokens in the forward. The engines whose forward
-        gives each token the same bits however the prompt is cut (the C forwards) override it."""
-        return None
+        that a prompt prefilled from it gets the bits of one prefilled whole (:meth:`_prefix_decoder`), or where
+        another build of the weights or a non-C forward wrote some position of ``cache``."""
+        decoder = self._prefix_decoder()
+        return None if decoder is None else decoder.snapshot(cache, length)
 
     def restore_prefix(self, snapshot, cache, length: int) -> bool:
         """Put the first ``length`` positions of ``snapshot`` (:meth:`prefix_snapshot` of this engine) into the
-        fresh one-row ``cache`` and count them as cached; ``False``, nothing written, where it cannot (here
-        always; the engine rebuilt its weights since the copy, in the C engines)."""
-        return False
+        fresh one-row ``cache`` and count them as cached; ``False``, nothing written, where it cannot (the weights
+        were built again since the copy, or the engine gives no snapshots)."""
+        decoder = self._prefix_decoder()
+        return decoder is not None and decoder.restore(snapshot, cache, length)
 
     def prefix_current(self, snapshot) -> bool:
         """Whether the next forward still computes with the weights ``snapshot`` was made with (checked again before
-        the first forward after :meth:`restore_prefix`: the weights may change in between); here ``False``."""
-        return False
+        the first forward after :meth:`restore_prefix`: the weights may change in between)."""
+        decoder = self._prefix_decoder()
+        return decoder is not None and decoder.build == snapshot.build
 
     def stack_rows(self, caches: list):
         """One batched cache from caches of this engine holding one row or more each, of different lengths

@@ -194,19 +194,10 @@ class NativeEngine(StaticEngine):
             warnings.warn(f"engine 'native' runs as 'static': {reason}", RuntimeWarning, stacklevel=4)
         return False
 
-    def prefix_snapshot(self, cache, length: int):
-        """The C decoder's copy (:meth:`medusa.engines.native.NativeDecoder.snapshot`) where the last forward ran
-        it (each token's bits its own however the prompt is cut); ``None`` after a forward run as ``static``."""
-        return self.lean.snapshot(cache, length) if self._last_native and self.lean is not None else None
-
-    def restore_prefix(self, snapshot, cache, length: int) -> bool:
-        """Only while the next forward runs the C decoder that made ``snapshot`` (the model unchanged since)."""
-        return self._ready() and self.lean.restore(snapshot, cache, length)
-
-    def prefix_current(self, snapshot) -> bool:
-        """Whether the next forward runs the C decoder that made ``snapshot`` (rebuilt first where the model
-        changed, as a forward would)."""
-        return self._ready() and self.lean.build == snapshot.build
+    def _prefix_decoder(self):
+        """The C decoder while the next forward runs it (rebuilt first where the model changed, as a forward would);
+        ``None`` while forwards run as ``static``."""
+        return self.lean if self._ready() else None
 
     def _scores_all_nodes(self) -> bool:
         """Its lm_head over a few rows costs about one row's read: score every node."""

@@ -544,20 +544,12 @@ class QuantizedEngine(StaticEngine):
             return None
         return CheckedHead(self.model.get_output_embeddings().weight.detach())
 
-    def prefix_snapshot(self, cache, length: int):
-        """Through the native int4 decoders only (:meth:`medusa.engines.native.NativeDecoder.snapshot`: each
-        token's bits its own however the prompt is cut); ``None`` through torch's kernels."""
+    def _prefix_decoder(self):
+        """The native int4 decoders (:class:`medusa.engines.native.NativeDecoder`: each token's bits its own however
+        the prompt is cut); ``None`` through torch's kernels."""
         from medusa.engines.native import NativeDecoder
 
-        return self.lean.snapshot(cache, length) if isinstance(self.lean, NativeDecoder) else None
-
-    def restore_prefix(self, snapshot, cache, length: int) -> bool:
-        from medusa.engines.native import NativeDecoder
-
-        return isinstance(self.lean, NativeDecoder) and self.lean.restore(snapshot, cache, length)
-
-    def prefix_current(self, snapshot) -> bool:
-        return getattr(self.lean, "build", None) == snapshot.build
+        return self.lean if isinstance(self.lean, NativeDecoder) else None
 
     def _forward(self, input_ids, positions, tree_mask, cache, logits_for, layers=()):
         if self.lean is not None:

@@ -351,3 +351,11 @@ def calibration_text(calibration, path, sequences: int, seconds: float) -> str:
     return (f"top-1 acceptance per depth (given the path above): {[round(a[0], 3) for a in calibration.accuracy]}\n"
             f"measured on {sequences} sequences ({calibration.source['positions']} positions) -> {path} "
             f"({seconds:.0f} s)")
+
+
+def busy_during(before: dict, after: dict) -> str | None:
+    """What :func:`medusa.tools.bench.machine_load` warned before and after a timed run, as one line's parenthesis
+    (``"before: load average 3.1 on 2 cores ...; after: ..."``), or ``None`` when neither warned."""
+    busy = [f"{when}: {load['warning'].split(':')[0]}" for when, load in (("before", before), ("after", after))
+            if load["warning"]]
+    return "; ".join(busy) or None
